@@ -1,0 +1,185 @@
+"""The LightningModule: the dense teacher, the pruned student and its gap operators, and evaluation.
+
+Training-free mode (`trainer.max_steps: 0`) never takes a step: the `Calibration` callback fits the
+operators before anything runs and `test` evaluates every view. The training step is where
+distillation will go; the teacher is the dense view of the same blocks, so it costs no memory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, field, dataclass
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torchmetrics import MeanMetric, SumMetric
+
+from .model import ModelConfig, load_model, load_tokenizer
+from .plan import PlanConfig, PruningPlan
+from .pruning import DENSE, PRUNED, PrunedModel, view_parameter_count
+from .recovery import RecoveryConfig, validate_recovery
+
+
+@dataclass
+class EvalConfig:
+    """Which views `test` evaluates.
+
+    Args:
+        views: subset of ``dense``, ``pruned`` and the recovery names; empty means all of them.
+        logit_chunk: tokens per chunk when turning logits into metrics (bounds memory for big vocabularies).
+    """
+
+    views: list[str] = field(default_factory=list)
+    logit_chunk: int = 1024
+
+
+class GhostDistill(LightningModule):
+    """Holds the model, its pruning plan and one operator set per recovery method.
+
+    Args:
+        model: which model to load.
+        plan: which layers go (explicit list or criterion).
+        recovery: the recovery methods to fit and compare; each becomes a view (default: one `ghost`).
+        evaluation: which views to evaluate.
+    """
+
+    def __init__(
+        self,
+        model: ModelConfig = ModelConfig(),
+        plan: PlanConfig = PlanConfig(num_layers=7),
+        recovery: list[RecoveryConfig] | None = None,
+        evaluation: EvalConfig = EvalConfig(),
+    ) -> None:
+        super().__init__()
+        recovery = [RecoveryConfig()] if recovery is None else recovery
+        validate_recovery(recovery)
+        if plan.layers is None and plan.num_layers is None:
+            raise ValueError("plan needs either layers (explicit list) or num_layers (for the criterion)")
+        self.model_cfg = model
+        self.plan_cfg = plan
+        self.recovery_cfgs = list(recovery)
+        self.eval_cfg = evaluation
+        self.save_hyperparameters(
+            {
+                "model": asdict(model),
+                "plan": asdict(plan),
+                "recovery": [asdict(r) for r in recovery],
+                "evaluation": asdict(evaluation),
+            }
+        )
+        self.tokenizer = load_tokenizer(model)
+        self.llm: torch.nn.Module | None = None
+        self.pruned: PrunedModel | None = None
+        # Filled by the callbacks and test loop; written to results.json by the Report callback.
+        self.report: dict = {"timings": {}}
+        self._metrics: torch.nn.ModuleDict | None = None
+        self._test_sources: list[str] = []
+
+    # ------------------------------------------------------------------ model
+    def configure_model(self) -> None:
+        if self.llm is not None:
+            return
+        start = time.perf_counter()
+        self.llm = load_model(self.model_cfg)
+        self.llm.requires_grad_(False)
+        self.report["timings"]["load_model_s"] = round(time.perf_counter() - start, 2)
+
+    def set_plan(self, plan: PruningPlan) -> PrunedModel:
+        if self.llm is None:
+            raise RuntimeError("configure_model() must run before set_plan()")
+        if self.pruned is not None:
+            self.pruned.remove_hooks()
+            self.pruned.set_view(DENSE)
+        self.pruned = PrunedModel(self.llm, plan)
+        # Registered as a child so the operators move with the module and reach the optimizer.
+        self.operators = self.pruned.operators
+        return self.pruned
+
+    @property
+    def views(self) -> list[str]:
+        if self.pruned is None:
+            return []
+        available = self.pruned.views
+        wanted = self.eval_cfg.views or available
+        unknown = [v for v in wanted if v not in available]
+        if unknown:
+            raise ValueError(f"evaluation.views {unknown} are not views of this run; available: {available}")
+        return [v for v in available if v in wanted]
+
+    # --------------------------------------------------------------- training
+    def training_step(self, batch, batch_idx):
+        raise RuntimeError(
+            "ghostdistill runs training-free: set trainer.max_steps: 0. Distillation (KL against the dense "
+            "teacher) is not available in this release."
+        )
+
+    def configure_optimizers(self):
+        # Lightning sets up optimizers even for max_steps=0; the operators are what distillation trains first.
+        params = [p for p in self.parameters() if p.requires_grad] or [torch.nn.Parameter(torch.zeros(1))]
+        return torch.optim.AdamW(params, lr=1e-4)
+
+    # ------------------------------------------------------------- evaluation
+    def setup_test_metrics(self, sources: list[str]) -> None:
+        self._test_sources = list(sources)
+        metrics = {}
+        for vi, _ in enumerate(self.views):
+            for si, _ in enumerate(sources):
+                metrics[f"{vi}_{si}"] = torch.nn.ModuleDict(
+                    {"nll": SumMetric(), "tokens": SumMetric(), "kl": MeanMetric(), "top1": MeanMetric()}
+                )
+        self._metrics = torch.nn.ModuleDict(metrics).to(self.device)
+
+    @torch.no_grad()
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        assert self.pruned is not None and self._metrics is not None
+        ids = batch["input_ids"]
+        mask = batch.get("attention_mask")
+        mask = torch.ones_like(ids) if mask is None else mask
+        target = ids[:, 1:]
+        valid = (mask[:, 1:] * mask[:, :-1]).bool()
+        views = self.views
+        chunk = self.eval_cfg.logit_chunk
+        ref: list[torch.Tensor] | None = None  # dense log-probs, the reference for KL and top-1
+        for view in [DENSE, *(v for v in views if v != DENSE)]:
+            with self.pruned.use(view) as model:
+                logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
+            # Chunk over positions: float32 log-probs of 2048 tokens over a 128k vocabulary are a gigabyte.
+            nll, kl, top1, logps = [], [], [], []
+            for k, lo in enumerate(range(0, logits.shape[1], chunk)):
+                logp = F.log_softmax(logits[:, lo : lo + chunk].float(), dim=-1)
+                nll.append(-logp.gather(-1, target[:, lo : lo + chunk, None]).squeeze(-1))
+                if ref is None:
+                    logps.append(logp)
+                else:
+                    kl.append((ref[k].exp() * (ref[k] - logp)).sum(-1))
+                    top1.append((ref[k].argmax(-1) == logp.argmax(-1)).float())
+            if ref is None:
+                ref = logps
+            if view not in views:
+                continue
+            m = self._metrics[f"{views.index(view)}_{dataloader_idx}"]
+            token_nll = torch.cat(nll, 1)[valid]
+            m["nll"].update(token_nll.double().sum())
+            m["tokens"].update(torch.tensor(float(token_nll.numel()), device=token_nll.device))
+            if view != DENSE:
+                m["kl"].update(torch.cat(kl, 1)[valid])
+                m["top1"].update(torch.cat(top1, 1)[valid])
+
+    def on_test_epoch_end(self) -> None:
+        assert self._metrics is not None and self.pruned is not None
+        results = {}
+        for vi, view in enumerate(self.views):
+            per_source = {}
+            for si, source in enumerate(self._test_sources):
+                m = self._metrics[f"{vi}_{si}"]
+                tokens = float(m["tokens"].compute())
+                nll = float(m["nll"].compute())
+                entry = {"ppl": float(torch.exp(torch.tensor(nll / max(tokens, 1.0)))), "tokens": int(tokens)}
+                if view != DENSE:
+                    entry["kl"] = float(m["kl"].compute())
+                    entry["top1"] = float(m["top1"].compute())
+                per_source[source] = entry
+                self.log(f"{view}/{source}/ppl", entry["ppl"], add_dataloader_idx=False)
+            results[view] = {"params": view_parameter_count(self.pruned, view), "metrics": per_source}
+        self.report["views"] = results

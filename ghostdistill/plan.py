@@ -1,0 +1,95 @@
+"""Which decoder blocks go: the pruning plan and its gaps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+CriterionName = Literal["streamline", "angular", "angular_last"]
+
+
+@dataclass
+class PlanConfig:
+    """Either an explicit list of layers to remove, or a criterion that picks `num_layers` of them.
+
+    Args:
+        layers: 0-based indices of the blocks to remove; several gaps are allowed.
+        criterion: how to choose the blocks when `layers` is not given:
+            ``streamline`` (contiguous block whose input and output are most cosine-similar, averaged
+            over all non-padding tokens), ``angular`` (Gromov et al. angular distance over all tokens)
+            or ``angular_last`` (same, last non-padding token of each sequence only).
+        num_layers: how many blocks the criterion removes.
+        allow_edges: permit removing the first or the last block (off: both carry outsized roles).
+    """
+
+    layers: list[int] | None = None
+    criterion: CriterionName = "streamline"
+    num_layers: int | None = None
+    allow_edges: bool = False
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A maximal run of removed blocks [start, stop). `stop == num_layers` means the gap reaches the end."""
+
+    start: int
+    stop: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.start}-{self.stop - 1}"
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class PruningPlan:
+    num_layers: int
+    removed: tuple[int, ...]
+    chosen_by: str = "explicit"
+    scores: dict[str, float] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_layers(cls, layers: list[int], num_layers: int, *, allow_edges: bool = False, **kw) -> "PruningPlan":
+        removed = tuple(sorted(set(int(i) for i in layers)))
+        if len(removed) != len(layers):
+            raise ValueError(f"plan.layers {layers} lists a layer twice")
+        bad = [i for i in removed if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(f"plan.layers {bad} out of range: the model has layers 0..{num_layers - 1}")
+        if not removed:
+            raise ValueError("plan.layers is empty: name at least one layer to remove")
+        if len(removed) >= num_layers:
+            raise ValueError(f"plan.layers removes all {num_layers} layers; at least one must remain")
+        if not allow_edges and (0 in removed or num_layers - 1 in removed):
+            raise ValueError(
+                f"plan.layers {list(removed)} removes the first or last layer (0 or {num_layers - 1}); "
+                "set plan.allow_edges=true if you really mean it"
+            )
+        return cls(num_layers=num_layers, removed=removed, **kw)
+
+    @property
+    def kept(self) -> tuple[int, ...]:
+        gone = set(self.removed)
+        return tuple(i for i in range(self.num_layers) if i not in gone)
+
+    @property
+    def gaps(self) -> list[Gap]:
+        gaps: list[Gap] = []
+        for i in self.removed:
+            if gaps and gaps[-1].stop == i:
+                gaps[-1] = Gap(gaps[-1].start, i + 1)
+            else:
+                gaps.append(Gap(i, i + 1))
+        return gaps
+
+    def to_dict(self) -> dict:
+        return {
+            "num_layers": self.num_layers,
+            "removed": list(self.removed),
+            "kept": len(self.kept),
+            "gaps": [g.key for g in self.gaps],
+            "chosen_by": self.chosen_by,
+            "scores": self.scores,
+        }

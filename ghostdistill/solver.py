@@ -1,0 +1,64 @@
+"""Closed-form least squares from accumulated statistics, in float64.
+
+We never hold the calibration activations, only A = XᵀX and B = XᵀD (D = X_post − X_pre), so both
+solvers work on the normal equations: min_M ||X M − D||² ⇔ A M = B.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+SolverName = Literal["ridge", "lstsq"]
+
+
+def solve_ridge(xtx: torch.Tensor, xtd: torch.Tensor, ridge: float = 1e-4) -> torch.Tensor:
+    """M = (A + εI)⁻¹ B with ε = ridge · tr(A)/C.
+
+    ε scales with the mean eigenvalue of A, so one `ridge` value means the same thing for a model
+    whose residual stream has norm 1 or 1000, and for 10 or 10⁶ calibration tokens.
+    """
+    _check(xtx, xtd)
+    c = xtx.shape[0]
+    eps = ridge * torch.trace(xtx) / c
+    if not torch.isfinite(eps) or eps < 0:
+        raise ValueError(f"statistics are not finite or not positive semi-definite (trace {float(torch.trace(xtx))})")
+    eye = torch.eye(c, dtype=xtx.dtype, device=xtx.device)
+    a = xtx + max(float(eps), torch.finfo(xtx.dtype).tiny) * eye
+    chol, info = torch.linalg.cholesky_ex(a)
+    if int(info) == 0:
+        return torch.cholesky_solve(xtd, chol)
+    # Rounding can leave A + εI indefinite when ε is tiny; fall back to the symmetric solver.
+    return torch.linalg.solve(a, xtd)
+
+
+def solve_lstsq(xtx: torch.Tensor, xtd: torch.Tensor, rcond: float | None = None) -> torch.Tensor:
+    """Minimum-norm least-squares solution: M = A⁺ B via the eigendecomposition of A = XᵀX.
+
+    Since range(B) ⊆ range(Xᵀ) = range(A), A⁺B is exactly the minimum-norm minimiser of ||XM − D||;
+    eigenvalues below rcond·λ_max are treated as zero (default: C · machine epsilon, as numpy does).
+    """
+    _check(xtx, xtd)
+    c = xtx.shape[0]
+    evals, evecs = torch.linalg.eigh(xtx)
+    if rcond is None:
+        rcond = c * torch.finfo(xtx.dtype).eps
+    cutoff = rcond * evals.abs().max()
+    inv = torch.where(evals > cutoff, 1.0 / evals, torch.zeros_like(evals))
+    return evecs @ (inv.unsqueeze(1) * (evecs.T @ xtd))
+
+
+def solve(xtx: torch.Tensor, xtd: torch.Tensor, solver: SolverName = "ridge", ridge: float = 1e-4) -> torch.Tensor:
+    if solver == "ridge":
+        return solve_ridge(xtx, xtd, ridge)
+    if solver == "lstsq":
+        return solve_lstsq(xtx, xtd)
+    raise ValueError(f"solver {solver!r} is not known; choose 'ridge' or 'lstsq'")
+
+
+def _check(xtx: torch.Tensor, xtd: torch.Tensor) -> None:
+    if xtx.dtype != torch.float64 or xtd.dtype != torch.float64:
+        raise TypeError(f"solve in float64 (got {xtx.dtype} and {xtd.dtype}); half precision has no linalg")
+    if xtx.ndim != 2 or xtx.shape[0] != xtx.shape[1] or xtd.shape[0] != xtx.shape[0]:
+        raise ValueError(f"shapes do not match: XᵀX {tuple(xtx.shape)}, XᵀD {tuple(xtd.shape)}")

@@ -1,0 +1,127 @@
+"""The command line: every shipped config parses, and `fit` runs end to end on a tiny model."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ghostdistill.callbacks import Calibration
+from ghostdistill.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def test_configs_exist():
+    names = {p.name for p in CONFIGS}
+    assert {"llama3_11.yaml", "llama3_7.yaml", "smollm2_demo.yaml"} <= names
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_parses(config):
+    out = subprocess.run(
+        [sys.executable, "-m", "ghostdistill", "fit", "--config", str(config), "--print_config"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    parsed = yaml.safe_load(out.stdout)
+    raw = yaml.safe_load(config.read_text())
+    assert parsed["model"]["model"]["source"] == raw["model"]["model"]["source"]
+    assert parsed["trainer"]["max_steps"] == raw["trainer"]["max_steps"]
+    assert [r["name"] for r in parsed["model"]["recovery"]] == [r["name"] for r in raw["model"]["recovery"]]
+
+
+def _args(tiny_dir, text_files, run_dir, *extra):
+    return [
+        "fit",
+        "--config", str(ROOT / "configs" / "smollm2_demo.yaml"),
+        "--model.model.source", str(tiny_dir),
+        "--model.plan.num_layers", "2",
+        "--data.calibration.source.source", str(text_files["jsonl_gz"]),
+        "--data.calibration.num_samples", "16",
+        "--data.calibration.seq_len", "64",
+        "--data.evaluation.seq_len", "64",
+        "--data.evaluation.max_windows", "4",
+        "--data.evaluation.sources", json.dumps([{"name": "held_out", "source": str(text_files["txt"])}]),
+        "--trainer.default_root_dir", str(run_dir),
+        "--trainer.enable_progress_bar", "false",
+        "--calibration.progress", "false",
+        *extra,
+    ]
+
+
+def test_fit_writes_results(tiny_dir, text_files, tmp_path):
+    run = tmp_path / "run"
+    main(_args(tiny_dir, text_files, run))
+    results = json.loads((run / "results.json").read_text())
+    assert results["plan"]["chosen_by"] == "streamline" and len(results["plan"]["removed"]) == 2
+    assert set(results["views"]) == {"dense", "pruned", "ghost", "ghost_paper"}
+    for view, entry in results["views"].items():
+        metrics = entry["metrics"]["held_out"]
+        assert metrics["ppl"] > 1 and metrics["tokens"] == 4 * 63
+        assert ("kl" in metrics) == (view != "dense")
+    assert results["views"]["dense"]["params"] > results["views"]["pruned"]["params"]
+    assert results["calibration"]["token_groups"][results["plan"]["gaps"][0]]["first"] == 16
+    assert results["calibration"]["tokens"] == 16 * 64
+    md = (run / "results.md").read_text()
+    assert "| ghost |" in md and "held_out PPL" in md
+    assert (run / "results.png").stat().st_size > 1000
+    assert not list(run.glob(".*.tmp")), "no half-written files are left behind"
+
+
+def test_explicit_layers_and_view_selection(tiny_dir, text_files, tmp_path):
+    run = tmp_path / "run"
+    main(_args(tiny_dir, text_files, run, "--model.plan.layers", "[1, 4]", "--model.evaluation.views", "[pruned, ghost]"))
+    results = json.loads((run / "results.json").read_text())
+    assert results["plan"]["removed"] == [1, 4] and results["plan"]["gaps"] == ["1-1", "4-4"]
+    assert list(results["views"]) == ["pruned", "ghost"]
+
+
+def test_bad_values_are_named(tiny_dir, text_files, tmp_path):
+    with pytest.raises(ValueError, match="recovery names must be unique"):
+        main(_args(tiny_dir, text_files, tmp_path / "r", "--model.recovery", "[{name: a}, {name: a}]"))
+    with pytest.raises(ValueError, match="out of range"):
+        main(_args(tiny_dir, text_files, tmp_path / "r", "--model.plan.layers", "[3, 9]"))
+    with pytest.raises(ValueError, match="calibration.num_samples"):
+        main(_args(tiny_dir, text_files, tmp_path / "r", "--data.calibration.num_samples", "0"))
+    with pytest.raises(SystemExit):  # jsonargparse rejects values outside a Literal and names them
+        main(_args(tiny_dir, text_files, tmp_path / "r", "--model.recovery", "[{name: a, fit: best}]"))
+
+
+def test_interrupted_calibration_resumes(tiny_dir, text_files, tmp_path, monkeypatch):
+    """Kill the statistics pass half-way; the rerun picks up the checkpoint and ends with the same operators."""
+    import ghostdistill.callbacks as callbacks
+
+    full = tmp_path / "full"
+    main(_args(tiny_dir, text_files, full, "--calibration.checkpoint_every", "1", "--model.plan.layers", "[2, 3]"))
+    reference = torch.load(full / Calibration.STATE_FILE, weights_only=False)
+
+    real = callbacks.accumulate
+    calls = {"n": 0}
+
+    def dying(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    run = tmp_path / "run"
+    monkeypatch.setattr(callbacks, "accumulate", dying)
+    with pytest.raises((KeyboardInterrupt, SystemExit)):  # Lightning turns Ctrl-C into exit(1)
+        main(_args(tiny_dir, text_files, run, "--calibration.checkpoint_every", "1", "--model.plan.layers", "[2, 3]"))
+    partial = torch.load(run / Calibration.STATE_FILE, weights_only=False)
+    assert partial["batches_done"] == 2
+    assert not (run / "results.json").exists()
+
+    seen = []
+    monkeypatch.setattr(callbacks, "accumulate", lambda *a, **k: seen.append(1) or real(*a, **k))
+    main(_args(tiny_dir, text_files, run, "--calibration.checkpoint_every", "1", "--model.plan.layers", "[2, 3]"))
+    assert len(seen) == 2  # 4 batches in all, 2 of them done before the interruption
+    resumed = torch.load(run / Calibration.STATE_FILE, weights_only=False)
+    for group, ref in reference["stats"]["2-3"]["xtx"].items():
+        torch.testing.assert_close(resumed["stats"]["2-3"]["xtx"][group], ref)
+    assert json.loads((run / "results.json").read_text())["views"]["ghost"]
