@@ -1,4 +1,11 @@
+import sys
+
 from .cli import main
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["compare"]:
+        from .compare import run
+
+        run(sys.argv[2:])
+    else:
+        main()

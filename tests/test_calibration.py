@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from ghostdistill.calibration import GapStatistics, accumulate, residual_streams
+from ghostdistill.calibration import accumulate, residual_streams
+from ghostdistill.statistics import GapTaps, GhostStatistics
 from ghostdistill.model import decoder_stack
 from ghostdistill.plan import PruningPlan
 from ghostdistill.pruning import PrunedModel
@@ -22,12 +23,15 @@ def test_residual_streams_match_hidden_states_and_stop_early():
     ref = model(ids, output_hidden_states=True).hidden_states
     reached = []
     handle = stack.layers[5].register_forward_pre_hook(lambda *a: reached.append(True))
-    streams, first = residual_streams(model, stack, ids, None, [1, 3])
+    mlp = {}
+    streams, first = residual_streams(model, stack, ids, None, [1, 3], mlp_blocks=[0], mlp_out=mlp)
     handle.remove()
     torch.testing.assert_close(streams[1], ref[1])
     torch.testing.assert_close(streams[3], ref[3])
     assert not reached, "the forward pass should stop after the last block it needs"
     assert first[:, 0].all() and not first[:, 1:].any()
+    # The MLP output is what block 0 adds after its attention: X_1 = Y_0 + MLP_0.
+    assert mlp[0].shape == streams[1].shape and torch.count_nonzero(mlp[0]) > 0
     # Point 6 = output of the last block, before the final norm (hidden_states[-1] is after it).
     streams, _ = residual_streams(model, stack, ids, None, [6])
     torch.testing.assert_close(model.model.norm(streams[6]), ref[6])
@@ -43,12 +47,12 @@ def test_streamed_statistics_equal_the_full_batch_computation():
     mask[2, 7:] = 0  # padding never enters the statistics
     first = torch.zeros(3, 10, dtype=torch.bool)
     first[:, 0] = True
-    whole = GapStatistics(8)
-    whole.update(x_pre, x_post, mask, first)
-    streamed = GapStatistics(8)
+    whole = GhostStatistics(8)
+    whole.update(GapTaps(x_pre, x_post, mask, first))
+    streamed = GhostStatistics(8)
     for i in range(3):
-        streamed.update(x_pre[i : i + 1], x_post[i : i + 1], mask[i : i + 1], first[i : i + 1])
-    for group in GapStatistics.GROUPS:
+        streamed.update(GapTaps(x_pre[i : i + 1], x_post[i : i + 1], mask[i : i + 1], first[i : i + 1]))
+    for group in GhostStatistics.GROUPS:
         torch.testing.assert_close(streamed.xtx[group], whole.xtx[group])
     keep = mask.bool() & ~first
     x = x_pre[keep].double()
@@ -60,9 +64,9 @@ def test_streamed_statistics_equal_the_full_batch_computation():
 
 
 def test_memory_of_statistics_does_not_depend_on_tokens():
-    small, large = GapStatistics(16), GapStatistics(16)
-    small.update(torch.randn(1, 4, 16), torch.randn(1, 4, 16), torch.ones(1, 4), torch.zeros(1, 4, dtype=torch.bool))
-    large.update(torch.randn(8, 256, 16), torch.randn(8, 256, 16), torch.ones(8, 256), torch.zeros(8, 256, dtype=torch.bool))
+    small, large = GhostStatistics(16), GhostStatistics(16)
+    small.update(GapTaps(torch.randn(1, 4, 16), torch.randn(1, 4, 16), torch.ones(1, 4), torch.zeros(1, 4, dtype=torch.bool)))
+    large.update(GapTaps(torch.randn(8, 256, 16), torch.randn(8, 256, 16), torch.ones(8, 256), torch.zeros(8, 256, dtype=torch.bool)))
     size = lambda s: sum(t.numel() for t in [*s.xtx.values(), *s.xtd.values(), s.first_delta_sum])  # noqa: E731
     assert size(small) == size(large) == 8 * 16 * 16 + 16
 
@@ -76,8 +80,8 @@ def test_fit_recovers_an_exactly_linear_gap():
     x_post[:, 0] = x_pre[:, 0] + 100.0  # first-position tokens follow a different rule: a big shift
     first = torch.zeros(4, 50, dtype=torch.bool)
     first[:, 0] = True
-    stats = GapStatistics(c)
-    stats.update(x_pre, x_post, torch.ones(4, 50), first)
+    stats = GhostStatistics(c)
+    stats.update(GapTaps(x_pre, x_post, torch.ones(4, 50), first))
     gap = PruningPlan.from_layers([2], 6).gaps[0]
     op = fit_ghost(RecoveryConfig(fit="first", ridge=1e-10), gap, stats)
     torch.testing.assert_close(op.delta.data + torch.eye(c), w_true, atol=1e-4, rtol=1e-4)
@@ -95,12 +99,12 @@ def test_accumulate_fits_every_gap_of_a_non_contiguous_plan():
     model = tiny_model("qwen2", num_layers=6)
     plan = PruningPlan.from_layers([1, 3, 4], 6)
     pm = PrunedModel(model, plan)
-    stats = {g.key: GapStatistics(64) for g in plan.gaps}
+    stats = {g.key: {"ghost": GhostStatistics(64)} for g in plan.gaps}
     # Enough tokens (2048) to determine a 64×64 operator per gap.
     tokens = accumulate(model, pm.stack, plan.gaps, _batches(n=16, batch=4, seq=32), stats)
     assert tokens == 16 * 4 * 32
-    assert {k: s.counts.first for k, s in stats.items()} == {"1-1": 64, "3-4": 64}
-    ops = {g.key: fit_ghost(RecoveryConfig(), g, stats[g.key]) for g in plan.gaps}
+    assert {k: s["ghost"].counts.first for k, s in stats.items()} == {"1-1": 64, "3-4": 64}
+    ops = {g.key: fit_ghost(RecoveryConfig(), g, stats[g.key]["ghost"]) for g in plan.gaps}
     pm.add_method("ghost", ops)
     ids = _batches(2, seed=5)[1]["input_ids"]
     dense = model(ids).logits.log_softmax(-1)

@@ -1,5 +1,6 @@
 """The command line: every shipped config parses, and `fit` runs end to end on a tiny model."""
 
+import csv
 import json
 import subprocess
 import sys
@@ -13,12 +14,23 @@ from ghostdistill.callbacks import Calibration
 from ghostdistill.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+ALL_CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+COMPARE_CONFIGS = [p for p in ALL_CONFIGS if "plans" in yaml.safe_load(p.read_text())]
+CONFIGS = [p for p in ALL_CONFIGS if p not in COMPARE_CONFIGS]
 
 
 def test_configs_exist():
-    names = {p.name for p in CONFIGS}
-    assert {"llama3_11.yaml", "llama3_7.yaml", "smollm2_demo.yaml"} <= names
+    names = {p.name for p in ALL_CONFIGS}
+    assert {"llama3_11.yaml", "llama3_7.yaml", "smollm2_demo.yaml", "smollm2_compare.yaml"} <= names
+
+
+@pytest.mark.parametrize("config", COMPARE_CONFIGS, ids=lambda p: p.name)
+def test_every_compare_config_parses(config, monkeypatch):
+    from ghostdistill.compare import load_spec
+
+    monkeypatch.chdir(ROOT)
+    spec = load_spec(str(config))
+    assert spec["base"] in {str(p.relative_to(ROOT)) for p in CONFIGS}
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
@@ -35,10 +47,10 @@ def test_every_shipped_config_parses(config):
     assert [r["name"] for r in parsed["model"]["recovery"]] == [r["name"] for r in raw["model"]["recovery"]]
 
 
-def _args(tiny_dir, text_files, run_dir, *extra):
+def _args(tiny_dir, text_files, run_dir, *extra, config="smollm2_demo.yaml"):
     return [
         "fit",
-        "--config", str(ROOT / "configs" / "smollm2_demo.yaml"),
+        "--config", str(ROOT / "configs" / config),
         "--model.model.source", str(tiny_dir),
         "--model.plan.num_layers", "2",
         "--data.calibration.source.source", str(text_files["jsonl_gz"]),
@@ -125,3 +137,64 @@ def test_interrupted_calibration_resumes(tiny_dir, text_files, tmp_path, monkeyp
     for group, ref in reference["stats"]["2-3"]["xtx"].items():
         torch.testing.assert_close(resumed["stats"]["2-3"]["xtx"][group], ref)
     assert json.loads((run / "results.json").read_text())["views"]["ghost"]
+
+
+def test_all_methods_and_sequential_fit_through_the_cli(tiny_dir, text_files, tmp_path):
+    run = tmp_path / "run"
+    main(_args(tiny_dir, text_files, run, "--model.plan.layers", "[1, 4]", "--model.plan.num_layers", "null",
+               config="smollm2_methods.yaml"))
+    results = json.loads((run / "results.json").read_text())
+    names = ["magnitude", "linearpatch_diag", "linearpatch", "replaceme", "ghost_paper", "ghost"]
+    assert list(results["views"]) == ["dense", "pruned", *names]
+    assert [results["recovery"][n]["order"] for n in names] == ["sequential"] * 6
+    pruned = results["views"]["pruned"]
+    for n in names:
+        assert results["views"][n]["metrics"]["held_out"]["ppl"] != pruned["metrics"]["held_out"]["ppl"]
+    # Maps that fold into existing weights add no parameters; inserted C×C operators do (2 gaps here).
+    c = 64
+    assert results["views"]["replaceme"]["params"] == pruned["params"]
+    assert results["views"]["magnitude"]["params"] == pruned["params"]
+    assert results["views"]["linearpatch"]["params"] == pruned["params"] + 2 * c * c
+    assert results["views"]["ghost"]["params"] == pruned["params"] + 2 * (c * c + c)
+
+
+def test_compare_gathers_every_plan_and_method(tiny_dir, text_files, tmp_path, monkeypatch):
+    from ghostdistill import compare
+
+    monkeypatch.chdir(ROOT)
+    spec = tmp_path / "compare.yaml"
+    spec.write_text(yaml.safe_dump({
+        "base": "configs/smollm2_methods.yaml",
+        "root": str(tmp_path / "cmp"),
+        "plans": [{"criterion": "streamline", "num_layers": 1}, {"criterion": "streamline", "num_layers": 2},
+                  {"layers": [1, 4]}],
+    }))
+    overrides = _args(tiny_dir, text_files, tmp_path / "unused")[3:-6]  # model + data overrides only
+    root = compare.run([str(spec), *overrides])
+    report = json.loads((root / "compare.json").read_text())
+    plans = {r["plan"] for r in report["rows"]}
+    assert plans == {"streamline_1", "streamline_2", "layers_1_4"}
+    views = {r["view"] for r in report["rows"]}
+    assert {"dense", "pruned", "ghost", "linearpatch", "replaceme", "magnitude"} <= views
+    assert report["calibration"]["windows"] == 16 and report["evaluation"]["seq_len"] == 64
+    md = (root / "compare.md").read_text()
+    assert "| ghost |" in md and "streamline_2" in md and "seed 0" in md
+    rows = list(csv.DictReader(open(root / "compare.csv")))
+    assert len(rows) == len(report["rows"])
+    assert (root / "compare.png").stat().st_size > 1000
+    # A finished plan is not run again.
+    stamp = (root / "streamline_1" / "results.json").stat().st_mtime_ns
+    compare.run([str(spec), *overrides])
+    assert (root / "streamline_1" / "results.json").stat().st_mtime_ns == stamp
+
+
+def test_compare_rejects_bad_files(tmp_path):
+    from ghostdistill.compare import load_spec
+
+    bad = tmp_path / "c.yaml"
+    bad.write_text("base: configs/smollm2_methods.yaml\nplans: [{criterion: streamline, layers_removed: 3}]\n")
+    with pytest.raises(ValueError, match="layers_removed"):
+        load_spec(str(bad))
+    bad.write_text("base: nowhere.yaml\nplans: [{num_layers: 3}]\n")
+    with pytest.raises(FileNotFoundError, match="nowhere.yaml"):
+        load_spec(str(bad))

@@ -1,0 +1,206 @@
+"""`python -m ghostdistill compare <compare.yaml> [fit overrides]`: every method, several plans, one report.
+
+A compare file names a base fit config, the plans to run and the run root:
+
+    base: configs/smollm2_methods.yaml
+    root: runs/smollm2_compare
+    plans:
+      - {criterion: streamline, num_layers: 7}
+      - {criterion: block_influence, num_layers: 7}
+      - {layers: [12, 13, 14]}
+
+Each plan runs as an ordinary `fit` in `<root>/<plan>/` (so each is resumable, and a finished one is
+not run again), and the rows are gathered into compare.json, compare.csv, compare.md and compare.png.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from .io import atomic_savefig, atomic_write_json, atomic_write_text
+
+PLAN_KEYS = {"criterion", "num_layers", "layers", "allow_edges", "keep_first", "keep_last", "criterion_samples"}
+
+
+def load_spec(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"compare file {path!r} does not exist")
+    spec = yaml.safe_load(p.read_text()) or {}
+    unknown = set(spec) - {"base", "root", "plans"}
+    if unknown:
+        raise ValueError(f"compare file {path}: unknown keys {sorted(unknown)}; valid: base, root, plans")
+    for key in ("base", "plans"):
+        if key not in spec:
+            raise ValueError(f"compare file {path}: missing {key!r}")
+    if not Path(spec["base"]).is_file():
+        raise FileNotFoundError(f"compare file {path}: base config {spec['base']!r} does not exist")
+    if not isinstance(spec["plans"], list) or not spec["plans"]:
+        raise ValueError(f"compare file {path}: plans must be a non-empty list")
+    for plan in spec["plans"]:
+        bad = set(plan) - PLAN_KEYS if isinstance(plan, dict) else {"(not a mapping)"}
+        if bad:
+            raise ValueError(f"compare file {path}: plan {plan!r} has unknown keys {sorted(bad)}; valid: {sorted(PLAN_KEYS)}")
+    spec.setdefault("root", "runs/compare")
+    return spec
+
+
+def plan_name(plan: dict) -> str:
+    if plan.get("layers") is not None:
+        return "layers_" + "_".join(str(i) for i in plan["layers"])
+    return f"{plan.get('criterion', 'streamline')}_{plan['num_layers']}"
+
+
+def plan_args(plan: dict) -> list[str]:
+    args = []
+    for key, value in plan.items():
+        args += [f"--model.plan.{key}", value if isinstance(value, str) else json.dumps(value)]
+    if plan.get("layers") is not None:
+        args += ["--model.plan.num_layers", "null"]
+    return args
+
+
+def run(argv: list[str]) -> Path:
+    from .cli import main as fit_main
+
+    if not argv or argv[0].startswith("-"):
+        raise SystemExit("usage: python -m ghostdistill compare <compare.yaml> [fit overrides, e.g. --data.batch_size 2]")
+    spec = load_spec(argv[0])
+    overrides = argv[1:]
+    root = Path(spec["root"])
+    runs = []
+    for plan in spec["plans"]:
+        run_dir = root / plan_name(plan)
+        results = run_dir / "results.json"
+        if not results.is_file():
+            fit_main(["fit", "--config", spec["base"], *plan_args(plan), *overrides,
+                      "--trainer.default_root_dir", str(run_dir)])
+        runs.append((plan, json.loads(results.read_text())))
+    report = gather(runs, spec)
+    write(root, report)
+    print(f"compare report written to {root}/compare.md")
+    return root
+
+
+def gather(runs: list[tuple[dict, dict]], spec: dict) -> dict:
+    rows = []
+    for plan, res in runs:
+        recovery = res.get("recovery", {})
+        for view, entry in res["views"].items():
+            for source, m in entry["metrics"].items():
+                rows.append({
+                    "plan": plan_name(plan),
+                    "criterion": res["plan"]["chosen_by"],
+                    "layers_removed": len(res["plan"]["removed"]),
+                    "removed": res["plan"]["removed"],
+                    "view": view,
+                    "method": recovery.get(view, {}).get("method", view),
+                    "source": source,
+                    "ppl": m["ppl"],
+                    "kl": m.get("kl"),
+                    "top1": m.get("top1"),
+                    "params": entry["params"],
+                    "fit_s": recovery.get(view, {}).get("fit_s"),
+                    "statistics_s": res["timings"].get("statistics_s"),
+                })
+    first = runs[0][1]
+    return {
+        "base": spec["base"],
+        "model": first["model"],
+        "calibration": {k: v for k, v in first["calibration"].items() if k != "token_groups"},
+        "evaluation": first["evaluation"],
+        "seed": first["calibration"].get("seed"),
+        "rows": rows,
+    }
+
+
+def to_csv(rows: list[dict]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({**r, "removed": " ".join(map(str, r["removed"]))})
+    return buf.getvalue()
+
+
+def to_markdown(report: dict) -> str:
+    rows = report["rows"]
+    plans = list(dict.fromkeys(r["plan"] for r in rows))
+    views = list(dict.fromkeys(r["view"] for r in rows))
+    sources = list(dict.fromkeys(r["source"] for r in rows))
+    cal, ev = report["calibration"], report["evaluation"]
+    lines = [
+        "# ghostdistill compare",
+        "",
+        f"- model: `{report['model']['source']}` ({report['model']['dtype']})",
+        f"- calibration: {cal['source']['source']} (documents {cal['source']['first_document']}–"
+        f"{'end' if cal['source']['max_documents'] is None else cal['source']['first_document'] + cal['source']['max_documents'] - 1}), "
+        f"{cal['windows']} × {cal['seq_len']} tokens, seed {cal['seed']}",
+        f"- evaluation: windows of {ev['seq_len']} tokens; "
+        + ", ".join(f"{k}: {v['windows']} windows of {v['source']}" for k, v in ev["sources"].items()),
+        "- removed layers: " + "; ".join(
+            f"{p}: {next(r['removed'] for r in rows if r['plan'] == p)}" for p in plans),
+        "",
+    ]
+    for source in sources:
+        lines.append(f"Perplexity on {source} (KL to dense in parentheses; fit time in seconds, after the shared statistics pass):")
+        lines.append("")
+        lines.append("| method | " + " | ".join(plans) + " | fit time (s) |")
+        lines.append("|---|" + "---|" * (len(plans) + 1))
+        for view in views:
+            cells, times = [], []
+            for p in plans:
+                r = next((r for r in rows if r["plan"] == p and r["view"] == view and r["source"] == source), None)
+                if r is None:
+                    cells.append("–")
+                    continue
+                cells.append(f"{r['ppl']:.2f}" + (f" ({r['kl']:.3f})" if r["kl"] is not None else ""))
+                if r["fit_s"] is not None:
+                    times.append(f"{r['fit_s']:.1f}")
+            lines.append(f"| {view} | " + " | ".join(cells) + f" | {' / '.join(times) or '–'} |")
+        lines.append("")
+    stats = {p: next(r["statistics_s"] for r in rows if r["plan"] == p) for p in plans}
+    lines.append("Shared statistics pass (s): " + ", ".join(f"{p} {t}" for p, t in stats.items()))
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    source = rows[0]["source"]
+    criteria = list(dict.fromkeys(r["criterion"] for r in rows))
+    fig, axes = plt.subplots(1, len(criteria), figsize=(5.2 * len(criteria), 4), squeeze=False)
+    for ax, crit in zip(axes[0], criteria):
+        sub = [r for r in rows if r["criterion"] == crit and r["source"] == source]
+        for view in dict.fromkeys(r["view"] for r in sub):
+            pts = sorted((r["layers_removed"], r["ppl"]) for r in sub if r["view"] == view)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=view)
+        ax.set_yscale("log")
+        ax.set_xlabel("layers removed")
+        ax.set_ylabel(f"{source} perplexity (log scale)")
+        ax.set_title(f"criterion: {crit}", fontsize=9)
+        ax.legend(fontsize=7)
+    atomic_savefig(fig, path)
+    plt.close(fig)
+
+
+def write(root: Path, report: dict) -> None:
+    atomic_write_json(root / "compare.json", report)
+    atomic_write_text(root / "compare.csv", to_csv(report["rows"]))
+    atomic_write_text(root / "compare.md", to_markdown(report))
+    plot(report, root / "compare.png")
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])
