@@ -93,22 +93,25 @@ def gather(runs: list[tuple[dict, dict]], spec: dict) -> dict:
     for plan, res in runs:
         recovery = res.get("recovery", {})
         for view, entry in res["views"].items():
+            common = {
+                "plan": plan_name(plan),
+                "criterion": res["plan"]["chosen_by"],
+                "layers_removed": len(res["plan"]["removed"]),
+                "removed": res["plan"]["removed"],
+                "view": view,
+                "method": recovery.get(view, {}).get("method", view),
+            }
+            cost = {
+                "params": entry["params"],
+                "fit_s": recovery.get(view, {}).get("fit_s"),
+                "statistics_s": res["timings"].get("statistics_s"),
+            }
             for source, m in entry["metrics"].items():
-                rows.append({
-                    "plan": plan_name(plan),
-                    "criterion": res["plan"]["chosen_by"],
-                    "layers_removed": len(res["plan"]["removed"]),
-                    "removed": res["plan"]["removed"],
-                    "view": view,
-                    "method": recovery.get(view, {}).get("method", view),
-                    "source": source,
-                    "ppl": m["ppl"],
-                    "kl": m.get("kl"),
-                    "top1": m.get("top1"),
-                    "params": entry["params"],
-                    "fit_s": recovery.get(view, {}).get("fit_s"),
-                    "statistics_s": res["timings"].get("statistics_s"),
-                })
+                rows.append({**common, "source": source, "ppl": m["ppl"], "kl": m.get("kl"), "top1": m.get("top1"),
+                             "acc": None, "acc_norm": None, **cost})
+            for task, m in entry.get("zeroshot", {}).items():
+                rows.append({**common, "source": f"zeroshot/{task}", "ppl": None, "kl": None, "top1": None,
+                             "acc": m["acc"], "acc_norm": m.get("acc_norm"), **cost})
     first = runs[0][1]
     return {
         "base": spec["base"],
@@ -133,7 +136,7 @@ def to_markdown(report: dict) -> str:
     rows = report["rows"]
     plans = list(dict.fromkeys(r["plan"] for r in rows))
     views = list(dict.fromkeys(r["view"] for r in rows))
-    sources = list(dict.fromkeys(r["source"] for r in rows))
+    sources = list(dict.fromkeys(r["source"] for r in rows if not r["source"].startswith("zeroshot/")))
     cal, ev = report["calibration"], report["evaluation"]
     lines = [
         "# ghostdistill compare",
@@ -165,6 +168,18 @@ def to_markdown(report: dict) -> str:
                     times.append(f"{r['fit_s']:.1f}")
             lines.append(f"| {view} | " + " | ".join(cells) + f" | {' / '.join(times) or '–'} |")
         lines.append("")
+    if any(r["source"] == "zeroshot/average" for r in rows):
+        lines.append("Zero-shot average accuracy (lm-evaluation-harness):")
+        lines.append("")
+        lines.append("| method | " + " | ".join(plans) + " |")
+        lines.append("|---|" + "---|" * len(plans))
+        for view in views:
+            cells = []
+            for p in plans:
+                r = next((r for r in rows if r["plan"] == p and r["view"] == view and r["source"] == "zeroshot/average"), None)
+                cells.append("–" if r is None else f"{r['acc']:.3f}")
+            lines.append(f"| {view} | " + " | ".join(cells) + " |")
+        lines.append("")
     stats = {p: next(r["statistics_s"] for r in rows if r["plan"] == p) for p in plans}
     lines.append("Shared statistics pass (s): " + ", ".join(f"{p} {t}" for p, t in stats.items()))
     lines.append("")
@@ -177,7 +192,7 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = report["rows"]
+    rows = [r for r in report["rows"] if r["ppl"] is not None]
     source = rows[0]["source"]
     criteria = list(dict.fromkeys(r["criterion"] for r in rows))
     fig, axes = plt.subplots(1, len(criteria), figsize=(5.2 * len(criteria), 4), squeeze=False)

@@ -22,16 +22,37 @@ from .recovery import RecoveryConfig, validate_recovery
 
 
 @dataclass
+class ZeroShotConfig:
+    """Zero-shot accuracy with lm-evaluation-harness on the in-memory views (operators and all).
+
+    Args:
+        tasks: lm-eval task names; empty disables zero-shot evaluation. The paper's nine are
+            ``[arc_easy, arc_challenge, hellaswag, winogrande, boolq, openbookqa, rte, copa, race]``.
+        data_dir: a folder with the tasks' published files (arc_easy/, piqa/, ...) to run offline with
+            the task definitions shipped in `ghostdistill/tasks`; null reads lm-eval's hub datasets.
+        limit: score only the first `limit` items of each task (quick runs; results say so).
+        batch_size: lm-eval batch size.
+    """
+
+    tasks: list[str] = field(default_factory=list)
+    data_dir: str | None = None
+    limit: int | None = None
+    batch_size: int = 8
+
+
+@dataclass
 class EvalConfig:
-    """Which views `test` evaluates.
+    """Which views `test` evaluates, and how.
 
     Args:
         views: subset of ``dense``, ``pruned`` and the recovery names; empty means all of them.
         logit_chunk: tokens per chunk when turning logits into metrics (bounds memory for big vocabularies).
+        zeroshot: zero-shot accuracy with lm-eval (off unless tasks are listed).
     """
 
     views: list[str] = field(default_factory=list)
     logit_chunk: int = 1024
+    zeroshot: ZeroShotConfig = field(default_factory=ZeroShotConfig)
 
 
 class GhostDistill(LightningModule):
@@ -183,3 +204,18 @@ class GhostDistill(LightningModule):
                 self.log(f"{view}/{source}/ppl", entry["ppl"], add_dataloader_idx=False)
             results[view] = {"params": view_parameter_count(self.pruned, view), "metrics": per_source}
         self.report["views"] = results
+
+    def evaluate_zeroshot(self) -> None:
+        """lm-eval on every view; accuracies land in the report next to the perplexities."""
+        zs = self.eval_cfg.zeroshot
+        if not zs.tasks:
+            return
+        from .zeroshot import evaluate_zeroshot
+
+        for view in self.views:
+            with self.pruned.use(view) as model:
+                scores = evaluate_zeroshot(
+                    model, self.tokenizer, zs.tasks, data_dir=zs.data_dir, limit=zs.limit, batch_size=zs.batch_size
+                )
+            self.report["views"][view]["zeroshot"] = {k: dict(v) for k, v in scores.items()}
+        self.report["zeroshot"] = {"tasks": list(zs.tasks), "data_dir": zs.data_dir, "limit": zs.limit}

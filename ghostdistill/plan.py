@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-CriterionName = Literal["streamline", "angular", "angular_last"]
+CriterionName = Literal["streamline", "angular", "angular_last", "block_influence", "ppl", "taylor"]
 
 
 @dataclass
@@ -13,19 +13,36 @@ class PlanConfig:
     """Either an explicit list of layers to remove, or a criterion that picks `num_layers` of them.
 
     Args:
-        layers: 0-based indices of the blocks to remove; several gaps are allowed.
-        criterion: how to choose the blocks when `layers` is not given:
-            ``streamline`` (contiguous block whose input and output are most cosine-similar, averaged
-            over all non-padding tokens), ``angular`` (Gromov et al. angular distance over all tokens)
-            or ``angular_last`` (same, last non-padding token of each sequence only).
+        layers: 0-based indices of the blocks to remove; several gaps are allowed. Only `allow_edges`
+            constrains an explicit list (`keep_first`/`keep_last` apply to criteria).
+        criterion: how to choose the blocks when `layers` is not given. Contiguous run of `num_layers`:
+            ``streamline`` (the run whose input and output are most cosine-similar, averaged over all
+            non-padding tokens), ``angular`` (Gromov et al. 2024 angular distance over all tokens) or
+            ``angular_last`` (same, last non-padding token of each sequence only). Any `num_layers`
+            blocks, possibly non-contiguous, ranked one by one: ``block_influence`` (ShortGPT, Men et al.
+            2024: 1 - cosine between a block's input and output; one forward pass per batch), ``ppl``
+            (Shortened LLaMA, Kim et al. 2024: perplexity of the model with only that block removed;
+            one forward pass per candidate block per batch) or ``taylor`` (Shortened LLaMA: sum of
+            |weight x gradient of the next-token loss| over the block's parameters; one forward and
+            backward pass per batch, plus a gradient's worth of memory for the candidate blocks).
         num_layers: how many blocks the criterion removes.
         allow_edges: permit removing the first or the last block (off: both carry outsized roles).
+            For criteria, true means ``keep_first: 0, keep_last: 0`` (any other keep_first/keep_last
+            than the defaults 1/1 or 0/0 alongside it is rejected as a contradiction).
+        keep_first: how many of the first blocks a criterion may never remove.
+        keep_last: how many of the last blocks a criterion may never remove. Shortened LLaMA's
+            Taylor+ is ``criterion: taylor, keep_first: 4, keep_last: 2``.
+        criterion_samples: when set, the criteria that cost many passes (``ppl``, ``taylor``) score
+            only the first this many calibration windows; the others always use them all.
     """
 
     layers: list[int] | None = None
     criterion: CriterionName = "streamline"
     num_layers: int | None = None
     allow_edges: bool = False
+    keep_first: int = 1
+    keep_last: int = 1
+    criterion_samples: int | None = None
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,28 @@ def markdown_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def zeroshot_table(report: dict) -> str:
+    views = {v: e["zeroshot"] for v, e in report.get("views", {}).items() if "zeroshot" in e}
+    if not views:
+        return ""
+    tasks = [t for t in next(iter(views.values())) if t != "average"]
+    head = ["view", *tasks, "average acc"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for view, scores in views.items():
+        cells = []
+        for t in tasks:
+            cell = f"{scores[t]['acc']:.3f}"
+            if "acc_norm" in scores[t]:
+                cell += f" ({scores[t]['acc_norm']:.3f})"
+            cells.append(cell)
+        lines.append(f"| {view} | " + " | ".join(cells) + f" | {scores['average']['acc']:.3f} |")
+    zs = report.get("zeroshot", {})
+    limit = "all items" if zs.get("limit") is None else f"the first {zs['limit']} items of each task"
+    source = f"local files in {zs['data_dir']}" if zs.get("data_dir") else "lm-eval's hub datasets"
+    return (f"Zero-shot accuracy (lm-evaluation-harness, acc with acc_norm in parentheses; {limit}, {source}):\n\n"
+            + "\n".join(lines))
+
+
 def render_markdown(report: dict) -> str:
     plan = report.get("plan", {})
     cal = report.get("calibration", {})
@@ -42,6 +64,9 @@ def render_markdown(report: dict) -> str:
         markdown_table(report),
         "",
     ]
+    zs = zeroshot_table(report)
+    if zs:
+        parts += [zs, ""]
     groups = cal.get("token_groups", {})
     if groups:
         parts.append("First-position tokens given their own map / massive activations seen (per gap):")

@@ -198,3 +198,21 @@ def test_compare_rejects_bad_files(tmp_path):
     bad.write_text("base: nowhere.yaml\nplans: [{num_layers: 3}]\n")
     with pytest.raises(FileNotFoundError, match="nowhere.yaml"):
         load_spec(str(bad))
+
+
+def test_zeroshot_accuracy_lands_in_results(tiny_dir, text_files, tmp_path):
+    from conftest import DATA
+
+    if not (DATA / "arc_easy").is_dir():
+        pytest.skip("../shared/data not present")
+    run = tmp_path / "run"
+    zs = json.dumps({"tasks": ["arc_easy", "piqa"], "data_dir": str(DATA), "limit": 4, "batch_size": 4})
+    main(_args(tiny_dir, text_files, run, "--model.plan.layers", "[2, 3]", "--model.evaluation.views",
+               "[dense, ghost]", "--model.evaluation.zeroshot", zs))
+    results = json.loads((run / "results.json").read_text())
+    for view in ("dense", "ghost"):
+        scores = results["views"][view]["zeroshot"]
+        assert scores["arc_easy"]["n"] == 4 and scores["piqa"]["n"] == 4
+        assert scores["average"]["acc"] == pytest.approx((scores["arc_easy"]["acc"] + scores["piqa"]["acc"]) / 2)
+    assert results["zeroshot"]["limit"] == 4
+    assert "Zero-shot accuracy" in (run / "results.md").read_text()
