@@ -59,6 +59,8 @@ class Calibration(Callback):
             "plan": asdict(pl_module.plan_cfg),
             "calibration": asdict(datamodule.calibration),
             "batch_size": datamodule.batch_size,
+            # The statistics collected depend on which methods need them.
+            "methods": sorted({r.method for r in pl_module.recovery_cfgs}),
         }
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
