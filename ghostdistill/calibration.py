@@ -127,7 +127,7 @@ def accumulate(
     mlp_blocks = sorted({g.start - 1 for g in gaps if g.start > 0 and _needs_mlp(stats[g.key])})
     tokens = 0
     for batch in batches:
-        ids, mask = _inputs(model, batch)
+        ids, mask = model_inputs(model, batch)
         mlp: dict[int, torch.Tensor] = {}
         streams, first = residual_streams(model, stack, ids, mask, points, mlp_blocks, mlp)
         for gap in gaps:
@@ -156,7 +156,7 @@ def accumulate_student(
     mlp_blocks = [kept.index(gap.start - 1)] if gap.start > 0 and _needs_mlp(collectors) else []
     tokens = 0
     for batch in batches:
-        ids, mask = _inputs(pruned.model, batch)
+        ids, mask = model_inputs(pruned.model, batch)
         mlp: dict[int, torch.Tensor] = {}
         with pruned.use(DENSE):
             dense, _ = residual_streams(pruned.model, pruned.stack, ids, mask, [gap.stop])
@@ -169,7 +169,7 @@ def accumulate_student(
     return tokens
 
 
-def _inputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def model_inputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     device = next(model.parameters()).device
     ids = batch["input_ids"].to(device)
     mask = batch.get("attention_mask")

@@ -215,7 +215,7 @@ class Report(Callback):
         pl_module.report["timings"]["evaluation_s"] = round(time.perf_counter() - self._start, 2)
         start = time.perf_counter()
         pl_module.evaluate_zeroshot()
-        if pl_module.eval_cfg.zeroshot.tasks:
+        if pl_module.eval_cfg.zeroshot.enabled:
             pl_module.report["timings"]["zeroshot_s"] = round(time.perf_counter() - start, 2)
         if trainer.is_global_zero:
             report = {

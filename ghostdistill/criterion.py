@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .calibration import residual_streams
+from .calibration import model_inputs, residual_streams
 from .model import DecoderStack
 from .plan import CriterionName, PlanConfig, PruningPlan
 from .pruning import PRUNED, PrunedModel
@@ -110,13 +110,6 @@ def _token_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1, eps=1e-8)
 
 
-def _inputs(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    device = next(model.parameters()).device
-    ids = batch["input_ids"].to(device)
-    mask = batch.get("attention_mask")
-    return ids, (torch.ones_like(ids) if mask is None else mask.to(device))
-
-
 def first_windows(batches: Iterable[Batch], limit: int | None) -> Iterator[Batch]:
     """The batches cut down to the first `limit` windows (rows) in all; every batch when None.
 
@@ -177,7 +170,7 @@ def block_similarity(
     ang_sum = {i: 0.0 for i in starts}
     count = 0
     for batch in batches:
-        ids, mask = _inputs(model, batch)
+        ids, mask = model_inputs(model, batch)
         streams, _ = residual_streams(model, stack, ids, mask, points)
         if last_token_only:
             last = mask.sum(1) - 1
@@ -206,7 +199,7 @@ def block_influence(
     cos_sum = {i: 0.0 for i in blocks}
     count = 0
     for batch in batches:
-        ids, mask = _inputs(model, batch)
+        ids, mask = model_inputs(model, batch)
         streams, _ = residual_streams(model, stack, ids, mask, points)
         select = mask.bool()
         count += int(select.sum())
@@ -232,7 +225,7 @@ def removal_perplexity(
         for i in blocks:
             views[i] = PrunedModel(model, PruningPlan.from_layers([i], num_layers, allow_edges=True))
         for batch in batches:
-            ids, mask = _inputs(model, batch)
+            ids, mask = model_inputs(model, batch)
             for i in blocks:
                 with views[i].use(PRUNED) as pruned:
                     logits = pruned(input_ids=ids, attention_mask=mask, use_cache=False).logits
@@ -278,7 +271,7 @@ def taylor_importance(
         model.eval()
         with torch.enable_grad():
             for batch in batches:
-                ids, mask = _inputs(model, batch)
+                ids, mask = model_inputs(model, batch)
                 logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
                 total, count = _next_token_nll(logits, ids, mask)
                 del logits

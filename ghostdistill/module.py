@@ -19,6 +19,7 @@ from .model import ModelConfig, load_model, load_tokenizer
 from .plan import PlanConfig, PruningPlan
 from .pruning import DENSE, PRUNED, PrunedModel, view_parameter_count
 from .recovery import RecoveryConfig, validate_recovery
+from .zeroshot import PAPER_TASKS
 
 
 @dataclass
@@ -26,15 +27,17 @@ class ZeroShotConfig:
     """Zero-shot accuracy with lm-evaluation-harness on the in-memory views (operators and all).
 
     Args:
-        tasks: lm-eval task names; empty disables zero-shot evaluation. The paper's nine are
-            ``[arc_easy, arc_challenge, hellaswag, winogrande, boolq, openbookqa, rte, copa, race]``.
+        enabled: run zero-shot evaluation after the perplexities.
+        tasks: lm-eval task names; by default the paper's nine
+            (arc_easy, arc_challenge, hellaswag, winogrande, boolq, openbookqa, rte, copa, race).
         data_dir: a folder with the tasks' published files (arc_easy/, piqa/, ...) to run offline with
             the task definitions shipped in `ghostdistill/tasks`; null reads lm-eval's hub datasets.
         limit: score only the first `limit` items of each task (quick runs; results say so).
         batch_size: lm-eval batch size.
     """
 
-    tasks: list[str] = field(default_factory=list)
+    enabled: bool = False
+    tasks: list[str] = field(default_factory=lambda: list(PAPER_TASKS))
     data_dir: str | None = None
     limit: int | None = None
     batch_size: int = 8
@@ -47,7 +50,7 @@ class EvalConfig:
     Args:
         views: subset of ``dense``, ``pruned`` and the recovery names; empty means all of them.
         logit_chunk: tokens per chunk when turning logits into metrics (bounds memory for big vocabularies).
-        zeroshot: zero-shot accuracy with lm-eval (off unless tasks are listed).
+        zeroshot: zero-shot accuracy with lm-eval (off unless enabled).
     """
 
     views: list[str] = field(default_factory=list)
@@ -208,7 +211,7 @@ class GhostDistill(LightningModule):
     def evaluate_zeroshot(self) -> None:
         """lm-eval on every view; accuracies land in the report next to the perplexities."""
         zs = self.eval_cfg.zeroshot
-        if not zs.tasks:
+        if not zs.enabled:
             return
         from .zeroshot import evaluate_zeroshot
 

@@ -206,7 +206,7 @@ def test_zeroshot_accuracy_lands_in_results(tiny_dir, text_files, tmp_path):
     if not (DATA / "arc_easy").is_dir():
         pytest.skip("../shared/data not present")
     run = tmp_path / "run"
-    zs = json.dumps({"tasks": ["arc_easy", "piqa"], "data_dir": str(DATA), "limit": 4, "batch_size": 4})
+    zs = json.dumps({"enabled": True, "tasks": ["arc_easy", "piqa"], "data_dir": str(DATA), "limit": 4, "batch_size": 4})
     main(_args(tiny_dir, text_files, run, "--model.plan.layers", "[2, 3]", "--model.evaluation.views",
                "[dense, ghost]", "--model.evaluation.zeroshot", zs))
     results = json.loads((run / "results.json").read_text())
