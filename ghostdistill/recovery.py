@@ -24,10 +24,12 @@ MethodName = Literal["none", "ghost", "linearpatch", "replaceme", "magnitude"]
 METHODS: tuple[str, ...] = ("none", "ghost", "linearpatch", "replaceme", "magnitude")
 
 # How first-position (massive-activation) tokens enter the ghost fit; see README "Massive activations".
-#   first           W fitted on all other tokens; first-position tokens get their own mean shift (default)
+#   first_weighted  W fitted on all other tokens, each residual weighted by 1/max(‖x_pre‖, ‖x_post‖);
+#                   first-position tokens get their own mean shift (default: best at 7 and 11 removed
+#                   layers of SmolLM2, see README)
+#   first           as first_weighted, unweighted
 #   plain           the paper's fit: every token, one W for all
-#   weighted        every token, residuals weighted by 1/max(‖x_pre‖, ‖x_post‖), one W for all
-#   first_weighted  "first", with the remaining tokens weighted as in "weighted"
+#   weighted        every token, weighted as above, one W for all
 FitName = Literal["first", "plain", "weighted", "first_weighted"]
 FITS: tuple[str, ...] = ("first", "plain", "weighted", "first_weighted")
 
@@ -50,7 +52,7 @@ class RecoveryConfig:
 
     name: str = "ghost"
     method: MethodName = "ghost"
-    fit: FitName = "first"
+    fit: FitName = "first_weighted"
     solver: SolverName = "ridge"
     ridge: float = 1e-4
     variant: Literal["rotate", "diag"] = "rotate"
