@@ -19,10 +19,15 @@ import time
 
 import torch
 
-from ghostdistill.calibration import GapStatistics, accumulate
+from ghostdistill.calibration import accumulate
 from ghostdistill.data import TextSource, calibration_windows
 from ghostdistill.model import ModelConfig, decoder_stack, hidden_size, load_model, load_tokenizer
 from ghostdistill.plan import PruningPlan
+from ghostdistill.statistics import make_collectors
+
+
+# Every method's statistics, as a compare run collects them in its one pass.
+METHODS = {"ghost", "linearpatch", "magnitude", "replaceme"}
 
 
 def _setup(args):
@@ -70,7 +75,7 @@ def memory_probe(args) -> dict:
     model, tok, plan, device = _setup(args)
     ids = _windows(tok, args, args.samples)
     stack = decoder_stack(model)
-    stats = {g.key: GapStatistics(hidden_size(model), device=device) for g in plan.gaps}
+    stats = {g.key: make_collectors(METHODS, hidden_size(model), device) for g in plan.gaps}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -93,7 +98,7 @@ def timing(args) -> dict:
     stack = decoder_stack(model)
     calib_s, fwd_s = [], []
     for _ in range(args.repeats):
-        stats = {g.key: GapStatistics(hidden_size(model), device=device) for g in plan.gaps}
+        stats = {g.key: make_collectors(METHODS, hidden_size(model), device) for g in plan.gaps}
         _sync(device)
         t = time.perf_counter()
         accumulate(model, stack, plan.gaps, batches, stats)
