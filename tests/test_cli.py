@@ -134,8 +134,8 @@ def test_interrupted_calibration_resumes(tiny_dir, text_files, tmp_path, monkeyp
     main(_args(tiny_dir, text_files, run, "--calibration.checkpoint_every", "1", "--model.plan.layers", "[2, 3]"))
     assert len(seen) == 2  # 4 batches in all, 2 of them done before the interruption
     resumed = torch.load(run / Calibration.STATE_FILE, weights_only=False)
-    for group, ref in reference["stats"]["2-3"]["xtx"].items():
-        torch.testing.assert_close(resumed["stats"]["2-3"]["xtx"][group], ref)
+    for group, ref in reference["stats"]["2-3"]["ghost"]["xtx"].items():
+        torch.testing.assert_close(resumed["stats"]["2-3"]["ghost"]["xtx"][group], ref)
     assert json.loads((run / "results.json").read_text())["views"]["ghost"]
 
 
