@@ -214,7 +214,7 @@ class Report(Callback):
     def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         pl_module.report["timings"]["evaluation_s"] = round(time.perf_counter() - self._start, 2)
         start = time.perf_counter()
-        pl_module.evaluate_zeroshot()
+        pl_module.evaluate_zeroshot(Path(trainer.default_root_dir) / "zeroshot")
         if pl_module.eval_cfg.zeroshot.enabled:
             pl_module.report["timings"]["zeroshot_s"] = round(time.perf_counter() - start, 2)
         if trainer.is_global_zero:

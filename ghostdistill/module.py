@@ -7,19 +7,24 @@ distillation will go; the teacher is the dense view of the same blocks, so it co
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from dataclasses import asdict, field, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric, SumMetric
 
+from .io import atomic_write_json
 from .model import ModelConfig, load_model, load_tokenizer
 from .plan import PlanConfig, PruningPlan
 from .pruning import DENSE, PRUNED, PrunedModel, view_parameter_count
 from .recovery import RecoveryConfig, validate_recovery
-from .zeroshot import PAPER_TASKS
+from .zeroshot import PAPER_TASKS, average_scores, task_limits
 
 
 @dataclass
@@ -32,14 +37,18 @@ class ZeroShotConfig:
             (arc_easy, arc_challenge, hellaswag, winogrande, boolq, openbookqa, rte, copa, race).
         data_dir: a folder with the tasks' published files (arc_easy/, piqa/, ...) to run offline with
             the task definitions shipped in `ghostdistill/tasks`; null reads lm-eval's hub datasets.
-        limit: score only the first `limit` items of each task (quick runs; results say so).
+        limit: score only the first `limit` items of each task (quick runs; results say so), or a map
+            `{task: limit}` for some tasks (the others: all items); null scores every item.
         batch_size: lm-eval batch size.
+
+    Each (view, task) score is saved under `<run>/zeroshot/` as soon as it is known, keyed by the view's
+    weights and the task settings, so an interrupted run resumes with the next task.
     """
 
     enabled: bool = False
     tasks: list[str] = field(default_factory=lambda: list(PAPER_TASKS))
     data_dir: str | None = None
-    limit: int | None = None
+    limit: int | dict[str, int | None] | None = None
     batch_size: int = 8
 
 
@@ -78,6 +87,7 @@ class GhostDistill(LightningModule):
         super().__init__()
         recovery = [RecoveryConfig()] if recovery is None else recovery
         validate_recovery(recovery)
+        task_limits(evaluation.zeroshot.tasks, evaluation.zeroshot.limit)  # bad limits fail before loading
         if plan.layers is None and plan.num_layers is None:
             raise ValueError("plan needs either layers (explicit list) or num_layers (for the criterion)")
         self.model_cfg = model
@@ -208,17 +218,58 @@ class GhostDistill(LightningModule):
             results[view] = {"params": view_parameter_count(self.pruned, view), "metrics": per_source}
         self.report["views"] = results
 
-    def evaluate_zeroshot(self) -> None:
-        """lm-eval on every view; accuracies land in the report next to the perplexities."""
+    def evaluate_zeroshot(self, cache_dir: Path | None = None) -> None:
+        """lm-eval on every view, one task at a time; accuracies land in the report next to the perplexities.
+
+        With `cache_dir`, each (view, task) score is written there when done and reused when the key
+        (model, removed layers, the view's operators, training step, task, limit, data) matches.
+        """
         zs = self.eval_cfg.zeroshot
         if not zs.enabled:
             return
         from .zeroshot import evaluate_zeroshot
 
+        limits = task_limits(zs.tasks, zs.limit)
+        data_dir = str(Path(zs.data_dir).resolve()) if zs.data_dir is not None else None
         for view in self.views:
-            with self.pruned.use(view) as model:
-                scores = evaluate_zeroshot(
-                    model, self.tokenizer, zs.tasks, data_dir=zs.data_dir, limit=zs.limit, batch_size=zs.batch_size
+            weights = self._view_digest(view)
+            scores: dict[str, dict[str, float]] = {}
+            for task, limit in limits.items():
+                key = _digest(weights, task, limit, data_dir)
+                path = cache_dir / view / f"{task}.json" if cache_dir is not None else None
+                cached = json.loads(path.read_text()) if path is not None and path.is_file() else None
+                if cached is not None and cached.get("key") == key:
+                    scores[task] = cached["scores"]
+                    rank_zero_info(f"zero-shot {view}/{task}: acc {scores[task]['acc']:.3f} (saved, {path})")
+                    continue
+                start = time.perf_counter()
+                with self.pruned.use(view) as model:
+                    result = evaluate_zeroshot(
+                        model, self.tokenizer, [task], data_dir=zs.data_dir, limit=limit, batch_size=zs.batch_size
+                    )
+                scores[task] = dict(result[task])
+                seconds = time.perf_counter() - start
+                rank_zero_info(
+                    f"zero-shot {view}/{task}: acc {scores[task]['acc']:.3f} on {scores[task]['n']} items, {seconds:.0f} s"
                 )
-            self.report["views"][view]["zeroshot"] = {k: dict(v) for k, v in scores.items()}
+                if path is not None and self.trainer.is_global_zero:
+                    atomic_write_json(path, {"key": key, "view": view, "task": task, "limit": limit,
+                                             "seconds": round(seconds, 2), "scores": scores[task]})
+            scores["average"] = average_scores(scores)
+            self.report["views"][view]["zeroshot"] = scores
         self.report["zeroshot"] = {"tasks": list(zs.tasks), "data_dir": zs.data_dir, "limit": zs.limit}
+
+    def _view_digest(self, view: str) -> str:
+        """What a view computes: the model, the removed blocks, its operators' values and the training step."""
+        h = hashlib.sha256()
+        h.update(json.dumps([asdict(self.model_cfg), self.pruned.plan.removed, view, self.global_step]).encode())
+        for group in (self.pruned.operators, self.pruned.mlp_maps):
+            if view in group:
+                for name, tensor in sorted(group[view].state_dict().items()):
+                    h.update(name.encode())
+                    h.update(tensor.detach().to("cpu", torch.float64).contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+
+def _digest(*parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()

@@ -28,7 +28,8 @@ def zeroshot_table(report: dict) -> str:
     if not views:
         return ""
     tasks = [t for t in next(iter(views.values())) if t != "average"]
-    head = ["view", *tasks, "average acc"]
+    first = next(iter(views.values()))
+    head = ["view", *(f"{t} (n={first[t]['n']})" for t in tasks), "average acc"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for view, scores in views.items():
         cells = []
@@ -39,10 +40,16 @@ def zeroshot_table(report: dict) -> str:
             cells.append(cell)
         lines.append(f"| {view} | " + " | ".join(cells) + f" | {scores['average']['acc']:.3f} |")
     zs = report.get("zeroshot", {})
-    limit = "all items" if zs.get("limit") is None else f"the first {zs['limit']} items of each task"
+    limit = zs.get("limit")
+    if limit is None or (isinstance(limit, dict) and all(n is None for n in limit.values())):
+        scope = "every item of each task"
+    elif isinstance(limit, dict):
+        scope = "first " + ", ".join(f"{n} items of {t}" for t, n in limit.items() if n is not None) + "; all items of the others"
+    else:
+        scope = f"the first {limit} items of each task"
     source = f"local files in {zs['data_dir']}" if zs.get("data_dir") else "lm-eval's hub datasets"
-    return (f"Zero-shot accuracy (lm-evaluation-harness, acc with acc_norm in parentheses; {limit}, {source}):\n\n"
-            + "\n".join(lines))
+    return (f"Zero-shot accuracy (lm-evaluation-harness, acc with acc_norm in parentheses; n = items scored: "
+            f"{scope}; {source}):\n\n" + "\n".join(lines))
 
 
 def render_markdown(report: dict) -> str:

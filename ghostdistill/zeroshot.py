@@ -37,8 +37,10 @@ __all__ = [
     "OFFLINE_TASKS",
     "PAPER_TASKS",
     "ZeroShotResults",
+    "average_scores",
     "evaluate_zeroshot",
     "offline_task_name",
+    "task_limits",
 ]
 
 #: The zero-shot suite of the layer-pruning papers we compare with.
@@ -222,12 +224,43 @@ def _summarize(raw: dict[str, Any], order: Sequence[str]) -> ZeroShotResults:
     rank = {name: i for i, name in enumerate(order)}
     summary = ZeroShotResults(sorted(per_task.items(), key=lambda kv: rank.get(kv[0], len(rank))), raw=raw)
     if per_task:
-        average = {"acc": sum(r["acc"] for r in per_task.values()) / len(per_task)}
-        with_norm = [r["acc_norm"] for r in per_task.values() if "acc_norm" in r]
-        if with_norm:
-            average["acc_norm"] = sum(with_norm) / len(with_norm)
-        summary["average"] = average
+        summary["average"] = average_scores(per_task)
     return summary
+
+
+def average_scores(per_task: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The papers' average: mean ``acc`` over tasks; ``acc_norm`` over the tasks that report it."""
+    rows = [r for name, r in per_task.items() if name != "average"]
+    if not rows:
+        raise ValueError("no task scores to average")
+    average = {"acc": sum(r["acc"] for r in rows) / len(rows)}
+    with_norm = [r["acc_norm"] for r in rows if "acc_norm" in r]
+    if with_norm:
+        average["acc_norm"] = sum(with_norm) / len(with_norm)
+    return average
+
+
+def task_limits(tasks: Sequence[str], limit: int | dict[str, int | None] | None) -> dict[str, int | None]:
+    """Items to score per task: one ``limit`` for all, or a ``{task: limit}`` map (absent tasks: all items).
+
+    Raises:
+        ValueError: a limit that is not a positive integer, or a map naming a task not in ``tasks``.
+    """
+
+    def check(value: int | None, where: str) -> int | None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"zero-shot limit{where} must be a positive integer or null (all items), got {value!r}")
+        return value
+
+    names = _as_list(tasks)
+    if not isinstance(limit, dict):
+        return {t: check(limit, "") for t in names}
+    unknown = [t for t in limit if t not in names]
+    if unknown:
+        raise ValueError(
+            f"zero-shot limit names task(s) {', '.join(map(repr, unknown))} that are not in tasks: {', '.join(names)}"
+        )
+    return {t: check(limit.get(t), f" for {t!r}") for t in names}
 
 
 def evaluate_zeroshot(
