@@ -206,13 +206,43 @@ def test_zeroshot_accuracy_lands_in_results(tiny_dir, text_files, tmp_path):
     if not (DATA / "arc_easy").is_dir():
         pytest.skip("../shared/data not present")
     run = tmp_path / "run"
-    zs = json.dumps({"enabled": True, "tasks": ["arc_easy", "piqa"], "data_dir": str(DATA), "limit": 4, "batch_size": 4})
-    main(_args(tiny_dir, text_files, run, "--model.plan.layers", "[2, 3]", "--model.evaluation.views",
-               "[dense, ghost]", "--model.evaluation.zeroshot", zs))
+    zs = {"enabled": True, "tasks": ["arc_easy", "piqa"], "data_dir": str(DATA), "limit": {"piqa": 3}, "batch_size": 4}
+    args = _args(tiny_dir, text_files, run, "--model.plan.layers", "[2, 3]", "--model.evaluation.views",
+                 "[dense, ghost]", "--model.evaluation.zeroshot", json.dumps(zs))
+    main(args)
     results = json.loads((run / "results.json").read_text())
     for view in ("dense", "ghost"):
         scores = results["views"][view]["zeroshot"]
-        assert scores["arc_easy"]["n"] == 4 and scores["piqa"]["n"] == 4
+        assert scores["arc_easy"]["n"] == 570 and scores["piqa"]["n"] == 3  # no limit for arc_easy: every item
         assert scores["average"]["acc"] == pytest.approx((scores["arc_easy"]["acc"] + scores["piqa"]["acc"]) / 2)
-    assert results["zeroshot"]["limit"] == 4
-    assert "Zero-shot accuracy" in (run / "results.md").read_text()
+    assert results["zeroshot"]["limit"] == {"piqa": 3}
+    md = (run / "results.md").read_text()
+    assert "Zero-shot accuracy" in md and "first 3 items of piqa; all items of the others" in md
+    assert "arc_easy (n=570)" in md
+
+    # Resume: saved scores are reused while their key matches, missing ones are computed again.
+    saved = run / "zeroshot" / "ghost" / "arc_easy.json"
+    entry = json.loads(saved.read_text())
+    entry["scores"]["acc"] = 0.123  # a value no model here produces, to see it come back
+    saved.write_text(json.dumps(entry))
+    dense_piqa = json.loads((run / "zeroshot" / "dense" / "piqa.json").read_text())
+    (run / "zeroshot" / "dense" / "piqa.json").unlink()
+    main(args)
+    again = json.loads((run / "results.json").read_text())["views"]
+    assert again["ghost"]["zeroshot"]["arc_easy"]["acc"] == 0.123
+    assert again["dense"]["zeroshot"]["piqa"] == dense_piqa["scores"]
+    assert json.loads((run / "zeroshot" / "dense" / "piqa.json").read_text())["key"] == dense_piqa["key"]
+
+    # Another limit is another key: the tampered score is not reused.
+    main([*args[:-1], json.dumps({**zs, "limit": {"arc_easy": 5, "piqa": 3}})])
+    scores = json.loads((run / "results.json").read_text())["views"]["ghost"]["zeroshot"]
+    assert scores["arc_easy"]["n"] == 5 and scores["arc_easy"]["acc"] != 0.123
+
+
+def test_bad_zeroshot_limit_is_named(tiny_dir, text_files, tmp_path):
+    for limit, match in (({"hellaswag": 10}, "'hellaswag'.*arc_easy"), (0, "positive integer.*0"),
+                         ({"arc_easy": -3}, "'arc_easy'.*-3")):
+        zs = json.dumps({"enabled": True, "tasks": ["arc_easy"], "limit": limit})
+        with pytest.raises(ValueError, match=match):
+            main(_args(tiny_dir, text_files, tmp_path / "run", "--model.evaluation.zeroshot", zs))
+    assert not (tmp_path / "run").exists()
