@@ -108,10 +108,11 @@ def gather(runs: list[tuple[dict, dict]], spec: dict) -> dict:
             }
             for source, m in entry["metrics"].items():
                 rows.append({**common, "source": source, "ppl": m["ppl"], "kl": m.get("kl"), "top1": m.get("top1"),
-                             "acc": None, "acc_norm": None, **cost})
+                             "acc": None, "acc_norm": None, "items": None, **cost})
             for task, m in entry.get("zeroshot", {}).items():
+                # items: how many were scored (the average row has none of its own).
                 rows.append({**common, "source": f"zeroshot/{task}", "ppl": None, "kl": None, "top1": None,
-                             "acc": m["acc"], "acc_norm": m.get("acc_norm"), **cost})
+                             "acc": m["acc"], "acc_norm": m.get("acc_norm"), "items": m.get("n"), **cost})
     first = runs[0][1]
     return {
         "base": spec["base"],

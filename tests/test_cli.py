@@ -238,6 +238,16 @@ def test_zeroshot_accuracy_lands_in_results(tiny_dir, text_files, tmp_path):
     scores = json.loads((run / "results.json").read_text())["views"]["ghost"]["zeroshot"]
     assert scores["arc_easy"]["n"] == 5 and scores["arc_easy"]["acc"] != 0.123
 
+    # The compare report carries the accuracies, with the items scored per task.
+    from ghostdistill import compare
+
+    report = compare.gather([({"layers": [2, 3]}, json.loads((run / "results.json").read_text()))], {"base": "b.yaml"})
+    rows = {(r["view"], r["source"]): r for r in report["rows"]}
+    assert rows[("ghost", "zeroshot/arc_easy")]["items"] == 5 and rows[("ghost", "zeroshot/piqa")]["items"] == 3
+    assert rows[("ghost", "zeroshot/average")]["acc"] == scores["average"]["acc"]
+    assert rows[("ghost", "zeroshot/average")]["items"] is None
+    assert "Zero-shot average accuracy" in compare.to_markdown(report)
+
 
 def test_bad_zeroshot_limit_is_named(tiny_dir, text_files, tmp_path):
     for limit, match in (({"hellaswag": 10}, "'hellaswag'.*arc_easy"), (0, "positive integer.*0"),
