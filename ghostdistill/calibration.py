@@ -6,6 +6,8 @@ forward pass stops at the last block whose input we need.
 
 from __future__ import annotations
 
+import time
+
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -139,34 +141,45 @@ def accumulate(
 
 
 @torch.no_grad()
-def accumulate_student(
+def accumulate_students(
     pruned: "PrunedModel",
-    view: str,
     gap: Gap,
     batches: Iterable[dict[str, torch.Tensor]],
-    collectors: dict[str, object],
-) -> int:
-    """Sequential fit: X_pre is what the pruned student (earlier gaps already repaired by `view`)
-    really feeds this gap; X_post is still the dense model's. Two forwards per batch, both stopping early.
+    collectors: dict[str, dict[str, object]],
+) -> dict[str, float]:
+    """Sequential fit: X_pre is what the pruned student (earlier gaps already repaired by a view) really
+    feeds this gap; X_post is still the dense model's.
+
+    `collectors` maps each view to the collectors it feeds. The dense forward is shared by every view:
+    per batch one dense pass, then one pass per view, all stopping early. Returns the seconds spent in
+    the dense passes (``"dense"``) and in each view's passes, so callers can report per-method costs.
     """
     from .pruning import DENSE
 
     kept = pruned.plan.kept
     student_point = kept.index(gap.stop) if gap.stop < pruned.plan.num_layers else len(kept)
-    mlp_blocks = [kept.index(gap.start - 1)] if gap.start > 0 and _needs_mlp(collectors) else []
-    tokens = 0
+    mlp_blocks = {
+        view: [kept.index(gap.start - 1)] if gap.start > 0 and _needs_mlp(c) else [] for view, c in collectors.items()
+    }
+    seconds = dict.fromkeys([DENSE, *collectors], 0.0)
     for batch in batches:
+        start = time.perf_counter()
         ids, mask = model_inputs(pruned.model, batch)
-        mlp: dict[int, torch.Tensor] = {}
         with pruned.use(DENSE):
             dense, _ = residual_streams(pruned.model, pruned.stack, ids, mask, [gap.stop])
-        with pruned.use(view):
-            student, first = residual_streams(pruned.model, pruned.stack, ids, mask, [student_point], mlp_blocks, mlp)
-        taps = GapTaps(student[student_point], dense[gap.stop], mask, first, mlp.get(mlp_blocks[0]) if mlp_blocks else None)
-        for collector in collectors.values():
-            collector.update(taps)
-        tokens += int(mask.sum())
-    return tokens
+        seconds[DENSE] += time.perf_counter() - start
+        for view, view_collectors in collectors.items():
+            start = time.perf_counter()
+            mlp: dict[int, torch.Tensor] = {}
+            with pruned.use(view):
+                student, first = residual_streams(
+                    pruned.model, pruned.stack, ids, mask, [student_point], mlp_blocks[view], mlp
+                )
+            taps = GapTaps(student[student_point], dense[gap.stop], mask, first, next(iter(mlp.values()), None))
+            for collector in view_collectors.values():
+                collector.update(taps)
+            seconds[view] += time.perf_counter() - start
+    return seconds
 
 
 def model_inputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

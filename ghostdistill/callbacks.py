@@ -13,7 +13,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from tqdm.auto import tqdm
 
-from .calibration import accumulate, accumulate_student
+from .calibration import accumulate, accumulate_students
 from .criterion import choose_plan
 from .io import atomic_torch_save
 from .model import decoder_stack, hidden_size
@@ -126,17 +126,8 @@ class Calibration(Callback):
         self._save(state_path, fingerprint, plan, stats, len(batches), tokens)
         timings["statistics_s"] = round(time.perf_counter() - start, 2)
 
-        # ---- operators, method by method
-        fits = {}
-        for cfg in pl_module.recovery_cfgs:
-            start = time.perf_counter()
-            gap_fits = self._fit_method(cfg, pruned, plan, stats, batches, c, device)
-            pruned.add_method(
-                cfg.name,
-                {k: f.operator for k, f in gap_fits.items() if f.operator is not None},
-                {k: f.mlp_map for k, f in gap_fits.items() if f.mlp_map is not None},
-            )
-            fits[cfg.name] = {**asdict(cfg), "fit_s": round(time.perf_counter() - start, 2)}
+        # ---- operators, gap by gap (sequential fits need the earlier gaps of their own method)
+        fits = self._fit_methods(pl_module.recovery_cfgs, pruned, plan, stats, batches, c, device)
         timings["solve_s"] = round(sum(f["fit_s"] for f in fits.values()), 2)
 
         ghost_counts = {k: vars(s["ghost"].counts) for k, s in stats.items() if "ghost" in s}
@@ -154,30 +145,50 @@ class Calibration(Callback):
             }
         )
 
-    def _fit_method(self, cfg, pruned, plan, stats, batches, hidden: int, device) -> dict:
-        """Fit every gap for one method. Sequentially, gap k's statistics come from a fresh pass through
-        the student whose gaps before k are already repaired (the first gap sees dense activations
-        either way, so it reuses the shared pass)."""
+    def _fit_methods(self, cfgs, pruned, plan, stats, batches, hidden: int, device) -> dict:
+        """Fit every gap of every method and register each method's view; returns what each fit cost.
+
+        Sequentially, gap k's statistics come from a fresh pass through the student whose gaps before k
+        are already repaired by the same method; one dense pass per batch serves all methods (the first
+        gap sees dense activations either way, so it reuses the shared statistics). A method's `fit_s`
+        is its own student passes and solves plus an equal share of the dense passes.
+        """
         gaps = plan.gaps
-        fits = {g.key: identity_fit(cfg, hidden) for g in gaps}
+        fits = {cfg.name: {g.key: identity_fit(cfg, hidden) for g in gaps} for cfg in cfgs}
+        seconds = dict.fromkeys(fits, 0.0)
+
+        def register(cfg) -> None:
+            pruned.add_method(
+                cfg.name,
+                {key: f.operator for key, f in fits[cfg.name].items() if f.operator is not None},
+                {key: f.mlp_map for key, f in fits[cfg.name].items() if f.mlp_map is not None},
+            )
+
+        for cfg in cfgs:  # in config order, which is the order of the views in every report
+            register(cfg)
         for k, gap in enumerate(gaps):
-            collector = stats[gap.key].get(cfg.method)
-            if cfg.method != "none" and cfg.order == "sequential" and k > 0:
-                pruned.add_method(
-                    cfg.name,
-                    {key: f.operator for key, f in fits.items() if f.operator is not None},
-                    {key: f.mlp_map for key, f in fits.items() if f.mlp_map is not None},
-                )
-                collector = make_collectors({cfg.method}, hidden, device)[cfg.method]
-                accumulate_student(
+            collectors = {cfg.name: stats[gap.key].get(cfg.method) for cfg in cfgs}
+            sequential = [cfg for cfg in cfgs if cfg.method != "none" and cfg.order == "sequential" and k > 0]
+            if sequential:
+                for cfg in sequential:
+                    register(cfg)
+                    collectors[cfg.name] = make_collectors({cfg.method}, hidden, device)[cfg.method]
+                names = ", ".join(cfg.name for cfg in sequential)
+                spent = accumulate_students(
                     pruned,
-                    cfg.name,
                     gap,
-                    tqdm(batches, desc=f"{cfg.name}: student statistics for gap {gap.key}", disable=not self.progress),
-                    {cfg.method: collector},
+                    tqdm(batches, desc=f"student statistics for gap {gap.key} ({names})", disable=not self.progress),
+                    {cfg.name: {cfg.method: collectors[cfg.name]} for cfg in sequential},
                 )
-            fits[gap.key] = fit_gap(cfg, gap, collector, hidden)
-        return fits
+                for cfg in sequential:
+                    seconds[cfg.name] += spent[cfg.name] + spent["dense"] / len(sequential)
+            for cfg in cfgs:
+                start = time.perf_counter()
+                fits[cfg.name][gap.key] = fit_gap(cfg, gap, collectors[cfg.name], hidden)
+                seconds[cfg.name] += time.perf_counter() - start
+        for cfg in cfgs:
+            register(cfg)
+        return {cfg.name: {**asdict(cfg), "fit_s": round(seconds[cfg.name], 2)} for cfg in cfgs}
 
     @staticmethod
     def _save(path: Path, fingerprint: str, plan: PruningPlan, stats: dict, done: int, tokens: int) -> None:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from ghostdistill.calibration import accumulate, accumulate_student
+from ghostdistill.calibration import accumulate, accumulate_students
 from ghostdistill.fold import fold_residual_scale, fuse_mlp_map
 from ghostdistill.hadamard import hadamard_matrix
 from ghostdistill.plan import PruningPlan
@@ -130,7 +130,8 @@ def test_sequential_statistics_see_the_repaired_student():
     seen = {}
     collectors = make_collectors({"ghost"}, C, "cpu")
     batch = _batches(1)[0]
-    accumulate_student(pm, "ghost", gap2, [batch], collectors)
+    spent = accumulate_students(pm, gap2, [batch], {"ghost": collectors})
+    assert set(spent) == {"dense", "ghost"} and all(t > 0 for t in spent.values())
     handle = pm.dense_layers[6].register_forward_pre_hook(lambda mod, args: seen.setdefault("x", args[0]))
     with pm.use("pruned") as m:
         m(batch["input_ids"])
@@ -152,3 +153,48 @@ def test_sequential_statistics_see_the_repaired_student():
 def test_bad_recovery_values_are_named(cfg, match):
     with pytest.raises(ValueError, match=match):
         validate_recovery([cfg])
+
+
+def _flat(state: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        elif isinstance(value, torch.Tensor):
+            out[prefix + key] = value
+    return out
+
+
+@torch.no_grad()
+def test_one_dense_pass_serves_every_student():
+    """Several views fed in one pass collect exactly what each would collect alone."""
+    model = tiny_model("llama", num_layers=8)
+    plan = PruningPlan.from_layers([2, 5], 8)
+    pm = PrunedModel(model, plan)
+    first, second = plan.gaps
+    for cfg in (RecoveryConfig(name="ghost"), RecoveryConfig(name="rm", method="replaceme")):
+        stats = make_collectors({cfg.method}, C, "cpu")
+        accumulate(model, pm.stack, [first], _batches(2), {first.key: stats})
+        fit = fit_gap(cfg, first, stats[cfg.method], C)
+        later = identity_fit(cfg, C)  # the second gap is what the students' statistics are for
+        pm.add_method(cfg.name, {first.key: fit.operator, second.key: later.operator} if fit.operator is not None else {},
+                      {first.key: fit.mlp_map} if fit.mlp_map is not None else {})
+
+    def collectors() -> dict:
+        return {"ghost": make_collectors({"ghost"}, C, "cpu"), "rm": make_collectors({"ghost", "replaceme"}, C, "cpu")}
+
+    alone = collectors()
+    for view, feeds in alone.items():
+        accumulate_students(pm, second, _batches(2), {view: feeds})
+    together = collectors()
+    spent = accumulate_students(pm, second, _batches(2), together)
+    assert set(spent) == {"dense", "ghost", "rm"}
+    for view, feeds in alone.items():
+        for name, collector in feeds.items():
+            a, b = _flat(collector.state_dict()), _flat(together[view][name].state_dict())
+            assert a.keys() == b.keys() and a
+            for key in a:
+                torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+    # The two students differ (other operators at the first gap), so each view got its own stream.
+    xtx = {v: together[v]["ghost"].state_dict()["xtx"]["plain_rest"] for v in together}
+    assert not torch.allclose(xtx["ghost"], xtx["rm"])
