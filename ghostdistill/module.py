@@ -237,24 +237,24 @@ class GhostDistill(LightningModule):
             for task, limit in limits.items():
                 key = _digest(weights, task, limit, data_dir)
                 path = cache_dir / view / f"{task}.json" if cache_dir is not None else None
-                cached = json.loads(path.read_text()) if path is not None and path.is_file() else None
+                cached = _read_saved(path) if path is not None else None
                 if cached is not None and cached.get("key") == key:
-                    scores[task] = cached["scores"]
-                    rank_zero_info(f"zero-shot {view}/{task}: acc {scores[task]['acc']:.3f} (saved, {path})")
-                    continue
-                start = time.perf_counter()
-                with self.pruned.use(view) as model:
-                    result = evaluate_zeroshot(
-                        model, self.tokenizer, [task], data_dir=zs.data_dir, limit=limit, batch_size=zs.batch_size
-                    )
-                scores[task] = dict(result[task])
-                seconds = time.perf_counter() - start
-                rank_zero_info(
-                    f"zero-shot {view}/{task}: acc {scores[task]['acc']:.3f} on {scores[task]['n']} items, {seconds:.0f} s"
-                )
-                if path is not None and self.trainer.is_global_zero:
-                    atomic_write_json(path, {"key": key, "view": view, "task": task, "limit": limit,
-                                             "seconds": round(seconds, 2), "scores": scores[task]})
+                    rows, seconds, how = cached["scores"], cached["seconds"], f"saved in {path}"
+                else:
+                    start = time.perf_counter()
+                    with self.pruned.use(view) as model:
+                        result = evaluate_zeroshot(
+                            model, self.tokenizer, [task], data_dir=zs.data_dir, limit=limit, batch_size=zs.batch_size
+                        )
+                    seconds, how = round(time.perf_counter() - start, 2), "scored"
+                    # A group or tag (online) yields one row per subtask; a plain task, its own row.
+                    rows = {name: dict(row) for name, row in result.items() if name != "average"}
+                    if path is not None and self.trainer.is_global_zero:
+                        atomic_write_json(path, {"key": key, "view": view, "task": task, "limit": limit,
+                                                 "seconds": seconds, "scores": rows})
+                for name, row in rows.items():
+                    rank_zero_info(f"zero-shot {view}/{name}: acc {row['acc']:.3f} on {row['n']} items ({how}, {seconds:.0f} s)")
+                scores.update(rows)
             scores["average"] = average_scores(scores)
             self.report["views"][view]["zeroshot"] = scores
         self.report["zeroshot"] = {"tasks": list(zs.tasks), "data_dir": zs.data_dir, "limit": zs.limit}
@@ -269,6 +269,20 @@ class GhostDistill(LightningModule):
                     h.update(name.encode())
                     h.update(tensor.detach().to("cpu", torch.float64).contiguous().numpy().tobytes())
         return h.hexdigest()
+
+
+def _read_saved(path: Path) -> dict | None:
+    """A saved zero-shot score, or None when absent or unreadable (then it is scored again)."""
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        if all(isinstance(row, dict) and "acc" in row for row in saved["scores"].values()):
+            return saved
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        pass
+    rank_zero_info(f"{path} is not a saved zero-shot score; scoring again")
+    return None
 
 
 def _digest(*parts: object) -> str:

@@ -223,14 +223,16 @@ def test_zeroshot_accuracy_lands_in_results(tiny_dir, text_files, tmp_path):
     # Resume: saved scores are reused while their key matches, missing ones are computed again.
     saved = run / "zeroshot" / "ghost" / "arc_easy.json"
     entry = json.loads(saved.read_text())
-    entry["scores"]["acc"] = 0.123  # a value no model here produces, to see it come back
+    entry["scores"]["arc_easy"]["acc"] = 0.123  # a value no model here produces, to see it come back
     saved.write_text(json.dumps(entry))
+    (run / "zeroshot" / "ghost" / "piqa.json").write_text('{"key": ')  # unreadable: scored again
     dense_piqa = json.loads((run / "zeroshot" / "dense" / "piqa.json").read_text())
     (run / "zeroshot" / "dense" / "piqa.json").unlink()
     main(args)
     again = json.loads((run / "results.json").read_text())["views"]
     assert again["ghost"]["zeroshot"]["arc_easy"]["acc"] == 0.123
-    assert again["dense"]["zeroshot"]["piqa"] == dense_piqa["scores"]
+    assert again["dense"]["zeroshot"]["piqa"] == dense_piqa["scores"]["piqa"]
+    assert again["ghost"]["zeroshot"]["piqa"] == results["views"]["ghost"]["zeroshot"]["piqa"]
     assert json.loads((run / "zeroshot" / "dense" / "piqa.json").read_text())["key"] == dense_piqa["key"]
 
     # Another limit is another key: the tampered score is not reused.
