@@ -136,6 +136,8 @@ class Calibration(Callback):
                 "plan": plan.to_dict(),
                 "calibration": {
                     **dm.describe()["calibration"],
+                    # Names the statistics the operators were solved from (zero-shot scores are keyed by it).
+                    "fingerprint": fingerprint,
                     "windows": int(len(ids)),
                     "tokens": tokens,
                     # Tokens given their own map (first position) and massive activations seen, per gap.

@@ -222,7 +222,8 @@ class GhostDistill(LightningModule):
         """lm-eval on every view, one task at a time; accuracies land in the report next to the perplexities.
 
         With `cache_dir`, each (view, task) score is written there when done and reused when the key
-        (model, removed layers, the view's operators, training step, task, limit, data) matches.
+        (model, removed layers, what the view's operators were solved from, training step, task, limit,
+        data) matches.
         """
         zs = self.eval_cfg.zeroshot
         if not zs.enabled:
@@ -260,9 +261,23 @@ class GhostDistill(LightningModule):
         self.report["zeroshot"] = {"tasks": list(zs.tasks), "data_dir": zs.data_dir, "limit": zs.limit}
 
     def _view_digest(self, view: str) -> str:
-        """What a view computes: the model, the removed blocks, its operators' values and the training step."""
+        """What a view computes: the model and removed blocks; for a method, what its operators were solved
+        from (calibration fingerprint and recovery settings) or, without one, the operators' values; and
+        the training step.
+
+        Settings rather than values where possible: the same solve on another thread count differs in the
+        last bits, which must not void hours of saved scores.
+        """
         h = hashlib.sha256()
-        h.update(json.dumps([asdict(self.model_cfg), self.pruned.plan.removed, view, self.global_step]).encode())
+        removed = [] if view == DENSE else self.pruned.plan.removed
+        h.update(json.dumps([asdict(self.model_cfg), removed, self.global_step]).encode())
+        if view in (DENSE, PRUNED):
+            return h.hexdigest()
+        fingerprint = self.report.get("calibration", {}).get("fingerprint")
+        recovery = next((asdict(r) for r in self.recovery_cfgs if r.name == view), None)
+        if fingerprint is not None and recovery is not None:
+            h.update(json.dumps([fingerprint, recovery]).encode())
+            return h.hexdigest()
         for group in (self.pruned.operators, self.pruned.mlp_maps):
             if view in group:
                 for name, tensor in sorted(group[view].state_dict().items()):

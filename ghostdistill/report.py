@@ -44,7 +44,8 @@ def zeroshot_table(report: dict) -> str:
     if limit is None or (isinstance(limit, dict) and all(n is None for n in limit.values())):
         scope = "every item of each task"
     elif isinstance(limit, dict):
-        scope = "first " + ", ".join(f"{n} items of {t}" for t, n in limit.items() if n is not None) + "; all items of the others"
+        firsts = ", ".join(f"the first {n} of {t}" for t, n in limit.items() if n is not None)
+        scope = f"{firsts}; every item of the others"
     else:
         scope = f"the first {limit} items of each task"
     source = f"local files in {zs['data_dir']}" if zs.get("data_dir") else "lm-eval's hub datasets"

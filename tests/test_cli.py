@@ -217,7 +217,7 @@ def test_zeroshot_accuracy_lands_in_results(tiny_dir, text_files, tmp_path):
         assert scores["average"]["acc"] == pytest.approx((scores["arc_easy"]["acc"] + scores["piqa"]["acc"]) / 2)
     assert results["zeroshot"]["limit"] == {"piqa": 3}
     md = (run / "results.md").read_text()
-    assert "Zero-shot accuracy" in md and "first 3 items of piqa; all items of the others" in md
+    assert "Zero-shot accuracy" in md and "n = items scored: the first 3 of piqa; every item of the others" in md
     assert "arc_easy (n=570)" in md
 
     # Resume: saved scores are reused while their key matches, missing ones are computed again.
@@ -240,13 +240,26 @@ def test_zeroshot_accuracy_lands_in_results(tiny_dir, text_files, tmp_path):
     scores = json.loads((run / "results.json").read_text())["views"]["ghost"]["zeroshot"]
     assert scores["arc_easy"]["n"] == 5 and scores["arc_easy"]["acc"] != 0.123
 
+    # Other removed layers: the dense scores still hold (they do not depend on the plan), the others not.
+    for view in ("dense", "ghost"):
+        saved = run / "zeroshot" / view / "piqa.json"
+        entry = json.loads(saved.read_text())
+        entry["scores"]["piqa"]["acc"] = 0.321
+        saved.write_text(json.dumps(entry))
+    args[args.index("[2, 3]")] = "[3, 4]"
+    main([*args[:-1], json.dumps({**zs, "limit": {"arc_easy": 5, "piqa": 3}})])
+    views = json.loads((run / "results.json").read_text())["views"]
+    assert views["dense"]["zeroshot"]["piqa"]["acc"] == 0.321
+    assert views["ghost"]["zeroshot"]["piqa"]["acc"] != 0.321
+
     # The compare report carries the accuracies, with the items scored per task.
     from ghostdistill import compare
 
-    report = compare.gather([({"layers": [2, 3]}, json.loads((run / "results.json").read_text()))], {"base": "b.yaml"})
+    final = json.loads((run / "results.json").read_text())
+    report = compare.gather([({"layers": [3, 4]}, final)], {"base": "b.yaml"})
     rows = {(r["view"], r["source"]): r for r in report["rows"]}
     assert rows[("ghost", "zeroshot/arc_easy")]["items"] == 5 and rows[("ghost", "zeroshot/piqa")]["items"] == 3
-    assert rows[("ghost", "zeroshot/average")]["acc"] == scores["average"]["acc"]
+    assert rows[("dense", "zeroshot/average")]["acc"] == final["views"]["dense"]["zeroshot"]["average"]["acc"]
     assert rows[("ghost", "zeroshot/average")]["items"] is None
     assert "Zero-shot average accuracy" in compare.to_markdown(report)
 
