@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -15,7 +13,7 @@ from tqdm.auto import tqdm
 
 from .calibration import accumulate, accumulate_students
 from .criterion import choose_plan
-from .io import atomic_torch_save
+from .io import atomic_torch_save, json_digest
 from .model import decoder_stack, hidden_size
 from .plan import PruningPlan
 from .recovery import fit_gap, identity_fit
@@ -62,7 +60,7 @@ class Calibration(Callback):
             # The statistics collected depend on which methods need them.
             "methods": sorted({r.method for r in pl_module.recovery_cfgs}),
         }
-        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        return json_digest(key)
 
     @torch.no_grad()
     def calibrate(self, trainer: Trainer, pl_module: LightningModule) -> None:

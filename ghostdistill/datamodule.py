@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,7 +18,7 @@ from .data import (
     generate_windows,
     validate_source,
 )
-from .io import atomic_torch_save
+from .io import atomic_torch_save, json_digest
 
 
 @dataclass
@@ -101,7 +99,7 @@ class GhostDataModule(LightningDataModule):
         return {"calibration": asdict(self.calibration), "evaluation": asdict(self.evaluation)}
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self.calibration), sort_keys=True).encode()).hexdigest()[:16]
+        return json_digest(asdict(self.calibration))
 
     # -------------------------------------------------------------- calibration
     def calibration_ids(self) -> torch.Tensor:

@@ -1,7 +1,9 @@
-"""Atomic writes: a run interrupted at any moment leaves either the old file or the new one."""
+"""Atomic writes (a run interrupted at any moment leaves either the old file or the new one), and the keys
+that tell a resumable file from a stale one."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -39,3 +41,8 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
 
 def atomic_savefig(fig, path: str | os.PathLike) -> None:
     _atomic(Path(path), lambda f: fig.savefig(f, format=Path(path).suffix.lstrip("."), dpi=120, bbox_inches="tight"))
+
+
+def json_digest(obj: Any) -> str:
+    """A short stable key for JSON-able settings: what names a resumable artefact (state, cache, score)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]

@@ -19,7 +19,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric, SumMetric
 
-from .io import atomic_write_json
+from .io import atomic_write_json, json_digest
 from .model import ModelConfig, load_model, load_tokenizer
 from .plan import PlanConfig, PruningPlan
 from .pruning import DENSE, PRUNED, PrunedModel, view_parameter_count
@@ -233,10 +233,10 @@ class GhostDistill(LightningModule):
         limits = task_limits(zs.tasks, zs.limit)
         data_dir = str(Path(zs.data_dir).resolve()) if zs.data_dir is not None else None
         for view in self.views:
-            weights = self._view_digest(view)
+            weights = self._view_digest(view) if cache_dir is not None else None
             scores: dict[str, dict[str, float]] = {}
             for task, limit in limits.items():
-                key = _digest(weights, task, limit, data_dir)
+                key = json_digest([weights, task, limit, data_dir])
                 path = cache_dir / view / f"{task}.json" if cache_dir is not None else None
                 cached = _read_saved(path) if path is not None else None
                 if cached is not None and cached.get("key") == key:
@@ -299,6 +299,3 @@ def _read_saved(path: Path) -> dict | None:
     rank_zero_info(f"{path} is not a saved zero-shot score; scoring again")
     return None
 
-
-def _digest(*parts: object) -> str:
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()

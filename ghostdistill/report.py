@@ -27,8 +27,8 @@ def zeroshot_table(report: dict) -> str:
     views = {v: e["zeroshot"] for v, e in report.get("views", {}).items() if "zeroshot" in e}
     if not views:
         return ""
-    tasks = [t for t in next(iter(views.values())) if t != "average"]
     first = next(iter(views.values()))
+    tasks = [t for t in first if t != "average"]
     head = ["view", *(f"{t} (n={first[t]['n']})" for t in tasks), "average acc"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for view, scores in views.items():
