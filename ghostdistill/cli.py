@@ -1,20 +1,27 @@
-"""`python -m ghostdistill fit --config configs/<name>.yaml` (LightningCLI: `--print_config`, overrides).
+"""The command line: `python -m ghostdistill fit --config configs/<name>.yaml` (or the installed
+`ghostdistill` script) and `... compare <compare.yaml> [fit overrides]`.
 
-`fit` runs the calibration (the `Calibration` callback, before any step), the distillation steps if
-any are configured (none: training-free), then `test` over every view, which writes the results.
+`fit` (LightningCLI: YAML configs, `--print_config`, overrides) runs the calibration (the `Calibration`
+callback, before any step), the distillation steps if any are configured (none: training-free), then
+`test` over every view, which writes the results. `compare` runs one `fit` per plan of a compare file,
+each in its own folder, and gathers them into one report.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from dataclasses import asdict
+from pathlib import Path
 
 from lightning.pytorch.cli import LightningCLI
 
-from .callbacks import Calibration, Report
-from .datamodule import GhostDataModule
-from .module import GhostDistill
-from .recovery import RecoveryConfig
+from .lit.callbacks import Calibration, Report
+from .lit.datamodule import GhostDataModule
+from .lit.module import GhostDistill
+from .methods import RecoveryConfig
+from .reporting import compare
 
 
 class GhostDistillCLI(LightningCLI):
@@ -44,7 +51,8 @@ class GhostDistillCLI(LightningCLI):
         self.trainer.test(self.model, datamodule=self.datamodule)
 
 
-def main(args: list[str] | None = None) -> GhostDistillCLI:
+def fit(args: list[str] | None = None) -> GhostDistillCLI:
+    """`fit` and LightningCLI's other subcommands."""
     return GhostDistillCLI(
         GhostDistill,
         GhostDataModule,
@@ -53,3 +61,33 @@ def main(args: list[str] | None = None) -> GhostDistillCLI:
         args=args,
         parser_kwargs={"fit": {"default_config_files": []}},
     )
+
+
+def run_compare(argv: list[str]) -> Path:
+    """`compare <compare.yaml> [fit overrides]`: one `fit` per plan in `<root>/<plan name>/` (a finished
+    plan is not run again), then compare.json/csv/md/png in the root. The user's overrides apply to
+    every plan; each plan's own keys come last, so they win."""
+    if not argv or argv[0].startswith("-"):
+        raise SystemExit("usage: python -m ghostdistill compare <compare.yaml> [fit overrides, e.g. --data.batch_size 2]")
+    spec = compare.load_spec(argv[0])
+    overrides = argv[1:]
+    root = Path(spec["root"])
+    runs = []
+    for plan in spec["plans"]:
+        run_dir = root / compare.plan_name(plan)
+        results = run_dir / "results.json"
+        if not results.is_file():
+            fit(["fit", "--config", spec["base"], *overrides, *compare.plan_args(plan),
+                 "--trainer.default_root_dir", str(run_dir)])
+        runs.append((plan, json.loads(results.read_text())))
+    compare.write(root, compare.gather(runs, spec))
+    print(f"compare report written to {root}/compare.md")
+    return root
+
+
+def main(args: list[str] | None = None):
+    """Entry point of `python -m ghostdistill` and the `ghostdistill` script."""
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["compare"]:
+        return run_compare(argv[1:])
+    return fit(argv)

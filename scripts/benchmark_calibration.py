@@ -19,11 +19,11 @@ import time
 
 import torch
 
-from ghostdistill.calibration import accumulate
+from ghostdistill.calibration.stream import accumulate
 from ghostdistill.data import TextSource, calibration_windows
-from ghostdistill.model import ModelConfig, decoder_stack, hidden_size, load_model, load_tokenizer
-from ghostdistill.plan import PruningPlan
-from ghostdistill.statistics import make_collectors
+from ghostdistill.core.model import ModelConfig, decoder_stack, hidden_size, load_model, load_tokenizer
+from ghostdistill.core.plan import PruningPlan
+from ghostdistill.methods import make_collectors
 
 
 # Every method's statistics, as a compare run collects them in its one pass.

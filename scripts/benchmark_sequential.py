@@ -16,13 +16,13 @@ import time
 
 import torch
 
-from ghostdistill.calibration import accumulate_students
+from ghostdistill.calibration.stream import accumulate_students
 from ghostdistill.data import TextSource, calibration_windows
-from ghostdistill.model import ModelConfig, hidden_size, load_model, load_tokenizer
-from ghostdistill.plan import PruningPlan
-from ghostdistill.pruning import PrunedModel
-from ghostdistill.recovery import RecoveryConfig, identity_fit
-from ghostdistill.statistics import make_collectors
+from ghostdistill.core.model import ModelConfig, hidden_size, load_model, load_tokenizer
+from ghostdistill.core.plan import PruningPlan
+from ghostdistill.core.views import PrunedModel
+from ghostdistill.methods import RecoveryConfig, identity_fit
+from ghostdistill.methods import make_collectors
 
 # The methods of configs/smollm2_methods.yaml (method, name).
 METHODS = [("magnitude", "magnitude"), ("linearpatch", "linearpatch_diag"), ("linearpatch", "linearpatch"),

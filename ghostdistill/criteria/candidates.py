@@ -1,0 +1,95 @@
+"""Which blocks a criterion may remove: protected edges, candidate runs and blocks, window caps."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from ..core.plan import PlanConfig
+
+Batch = dict[str, torch.Tensor]
+
+
+def _edge_counts(allow_edges: bool, keep_first: int | None, keep_last: int | None) -> tuple[int, int]:
+    default = 0 if allow_edges else 1
+    return (default if keep_first is None else keep_first, default if keep_last is None else keep_last)
+
+
+def _protection(keep_first: int, keep_last: int) -> str:
+    return f"keeping the first {keep_first} and last {keep_last}; " if keep_first or keep_last else ""
+
+
+def protected_edges(cfg: PlanConfig) -> tuple[int, int]:
+    """(keep_first, keep_last) that a criterion must respect: `allow_edges` means (0, 0)."""
+    if cfg.keep_first < 0 or cfg.keep_last < 0:
+        raise ValueError(
+            f"plan.keep_first and plan.keep_last must be >= 0, got {cfg.keep_first} and {cfg.keep_last}"
+        )
+    if cfg.allow_edges:
+        # The defaults (1, 1) cannot be told from an explicit 1/1, so only a clear contradiction fails.
+        if (cfg.keep_first, cfg.keep_last) not in ((1, 1), (0, 0)):
+            raise ValueError(
+                f"plan.allow_edges=true lets a criterion remove any block, but plan.keep_first="
+                f"{cfg.keep_first} and plan.keep_last={cfg.keep_last} protect some: set one or the other"
+            )
+        return 0, 0
+    return cfg.keep_first, cfg.keep_last
+
+
+def candidate_starts(
+    num_layers: int,
+    n: int,
+    allow_edges: bool = False,
+    *,
+    keep_first: int | None = None,
+    keep_last: int | None = None,
+) -> list[int]:
+    """Start indices i of contiguous blocks [i, i+n) that a criterion may remove.
+
+    `keep_first`/`keep_last` (default: 1 each, 0 each with `allow_edges`) blocks at either end are
+    never part of a candidate."""
+    first, last = _edge_counts(allow_edges, keep_first, keep_last)
+    lo, hi = first, num_layers - last - n
+    most = min(num_layers - first - last, num_layers - 1)
+    if n < 1 or n > most or hi < lo:
+        raise ValueError(
+            f"cannot remove {n} contiguous layers from {num_layers} "
+            f"({_protection(first, last)}at most {max(most, 0)} can go)"
+        )
+    return list(range(lo, hi + 1))
+
+
+def candidate_blocks(num_layers: int, n: int, keep_first: int, keep_last: int) -> list[int]:
+    """Blocks a per-block criterion may remove, checking that `n` of them can go."""
+    blocks = list(range(keep_first, num_layers - keep_last))
+    most = min(len(blocks), num_layers - 1)
+    if n < 1 or n > most:
+        raise ValueError(
+            f"cannot remove {n} layers from {num_layers} ({_protection(keep_first, keep_last)}"
+            f"{len(blocks)} are removable, at most {max(most, 0)} can go)"
+        )
+    return blocks
+
+
+def first_windows(batches: Iterable[Batch], limit: int | None) -> Iterator[Batch]:
+    """The batches cut down to the first `limit` windows (rows) in all; every batch when None.
+
+    Stops iterating as soon as the limit is reached, so an expensive loader is not drained."""
+    if limit is None:
+        yield from batches
+        return
+    if limit < 1:
+        raise ValueError(f"plan.criterion_samples must be >= 1, got {limit}")
+    left = limit
+    for batch in batches:
+        rows = batch["input_ids"].shape[0]
+        if rows > left:
+            batch = {
+                k: v[:left] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == rows else v
+                for k, v in batch.items()
+            }
+        yield batch
+        left -= min(rows, left)
+        if left == 0:
+            return

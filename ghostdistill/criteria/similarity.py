@@ -1,0 +1,82 @@
+"""Similarity criteria from one forward pass per batch: ``streamline``, ``angular``, ``angular_last``
+(contiguous runs; Gromov et al. 2024) and ``block_influence`` (single blocks; ShortGPT, Men et al. 2024).
+Every similarity compares hidden vectors along the channel axis, per token, with padding masked."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ..core.capture import residual_streams
+from ..core.model import DecoderStack, model_inputs
+from .candidates import Batch, candidate_starts
+
+
+def _token_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity along the channel axis for every token, computed in float32."""
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1, eps=1e-8)
+
+
+@torch.no_grad()
+def block_similarity(
+    model: nn.Module,
+    stack: DecoderStack,
+    batches: Iterable[Batch],
+    n: int,
+    *,
+    allow_edges: bool = False,
+    last_token_only: bool = False,
+    keep_first: int | None = None,
+    keep_last: int | None = None,
+) -> dict[int, dict[str, float]]:
+    """For every candidate block [i, i+n): mean cosine and mean angular distance between the residual
+    stream entering block i and the one leaving block i+n-1, over non-padding tokens (or over the last
+    non-padding token of each sequence)."""
+    num_layers = len(stack.layers)
+    starts = candidate_starts(num_layers, n, allow_edges, keep_first=keep_first, keep_last=keep_last)
+    points = sorted({p for i in starts for p in (i, i + n)})
+    cos_sum = {i: 0.0 for i in starts}
+    ang_sum = {i: 0.0 for i in starts}
+    count = 0
+    for batch in batches:
+        ids, mask = model_inputs(model, batch)
+        streams, _ = residual_streams(model, stack, ids, mask, points)
+        if last_token_only:
+            last = mask.sum(1) - 1
+            select = torch.zeros_like(mask, dtype=torch.bool)
+            select[torch.arange(ids.shape[0], device=ids.device), last] = True
+        else:
+            select = mask.bool()
+        count += int(select.sum())
+        for i in starts:
+            cos = _token_cosine(streams[i], streams[i + n])[select].double()
+            cos_sum[i] += float(cos.sum())
+            ang_sum[i] += float((torch.arccos(cos.clamp(-1, 1)) / math.pi).sum())
+    if count == 0:
+        raise ValueError("the criterion saw no tokens: the calibration data is empty")
+    return {i: {"cosine": cos_sum[i] / count, "angular": ang_sum[i] / count} for i in starts}
+
+
+@torch.no_grad()
+def block_influence(
+    model: nn.Module, stack: DecoderStack, batches: Iterable[Batch], blocks: list[int]
+) -> dict[int, float]:
+    """ShortGPT's Block Influence (Men et al. 2024): BI_i = 1 - mean over non-padding tokens of the cosine
+    between the residual stream entering block i and the one leaving it. Low BI: the block barely
+    rotates the stream. One forward pass per batch for all blocks."""
+    points = sorted({p for i in blocks for p in (i, i + 1)})
+    cos_sum = {i: 0.0 for i in blocks}
+    count = 0
+    for batch in batches:
+        ids, mask = model_inputs(model, batch)
+        streams, _ = residual_streams(model, stack, ids, mask, points)
+        select = mask.bool()
+        count += int(select.sum())
+        for i in blocks:
+            cos_sum[i] += float(_token_cosine(streams[i], streams[i + 1])[select].double().sum())
+    if count == 0:
+        raise ValueError("the criterion saw no tokens: the calibration data is empty")
+    return {i: 1.0 - cos_sum[i] / count for i in blocks}

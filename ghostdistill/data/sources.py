@@ -1,0 +1,133 @@
+"""Text sources: where calibration and evaluation text comes from.
+
+A source is a hub data set (wikitext2, c4, ptb: real `datasets` loading code, users have internet), a
+local file (.txt/.raw, .jsonl, .json, either optionally .gz, or .parquet), or `generate`: the dense
+model writes its own calibration text (data-free, seeded sampling).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+HUB_SOURCES = ("wikitext2", "c4", "ptb")
+GENERATE = "generate"
+LOCAL_SUFFIXES = (".txt", ".raw", ".jsonl", ".json", ".parquet")
+
+
+@dataclass
+class TextSource:
+    """Where text comes from.
+
+    Args:
+        source: ``wikitext2``, ``c4`` or ``ptb`` (hub), ``generate`` (data-free), or a local file path.
+        name: label used in results (defaults to the source name or file stem).
+        split: hub split; defaults to ``train`` for calibration and ``test``/``validation`` for evaluation.
+        text_field: field holding the text in json/jsonl/parquet records.
+        first_document: skip this many documents (to keep calibration and evaluation disjoint).
+        max_documents: use at most this many documents after `first_document`.
+        join: separator placed between documents when they are concatenated for perplexity.
+    """
+
+    source: str = "wikitext2"
+    name: str | None = None
+    split: str | None = None
+    text_field: str = "text"
+    first_document: int = 0
+    max_documents: int | None = None
+    join: str = "\n\n"
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        if self.source in HUB_SOURCES or self.source == GENERATE:
+            return self.source
+        return Path(self.source).name.split(".")[0]
+
+    def describe(self) -> dict:
+        return {
+            "source": self.source,
+            "split": self.split,
+            "first_document": self.first_document,
+            "max_documents": self.max_documents,
+            "join": self.join,
+        }
+
+
+def validate_source(src: TextSource) -> None:
+    if src.source in HUB_SOURCES or src.source == GENERATE:
+        return
+    path = Path(src.source).expanduser()
+    if not any(s in path.suffixes for s in LOCAL_SUFFIXES):
+        raise ValueError(
+            f"text source {src.source!r} is neither a hub name ({', '.join(HUB_SOURCES)}), {GENERATE!r}, "
+            f"nor a file ending in {', '.join(LOCAL_SUFFIXES)} (optionally .gz)"
+        )
+    if not path.is_file():
+        raise FileNotFoundError(f"text source file {src.source!r} does not exist")
+    if src.first_document < 0 or (src.max_documents is not None and src.max_documents < 1):
+        raise ValueError(
+            f"first_document={src.first_document}, max_documents={src.max_documents}: "
+            "first_document must be >= 0 and max_documents >= 1"
+        )
+
+
+def load_documents(src: TextSource, *, for_eval: bool) -> list[str]:
+    """The source's documents, in order, after the first/max document selection."""
+    validate_source(src)
+    if src.source == GENERATE:
+        raise ValueError("'generate' makes tokens with the model; use generate_windows()")
+    docs = _hub_documents(src, for_eval) if src.source in HUB_SOURCES else _file_documents(src)
+    stop = None if src.max_documents is None else src.first_document + src.max_documents
+    docs = docs[src.first_document : stop]
+    if not docs:
+        raise ValueError(f"text source {src.source!r} has no documents after first_document={src.first_document}")
+    return docs
+
+
+def _open(path: Path):
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+
+
+def _file_documents(src: TextSource) -> list[str]:
+    path = Path(src.source).expanduser()
+    suffixes = path.suffixes
+    if ".parquet" in suffixes:
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path, columns=[src.text_field])
+        return [t for t in table.column(src.text_field).to_pylist() if t]
+    if ".jsonl" in suffixes or ".json" in suffixes:
+        with _open(path) as f:
+            first = f.read(1)
+            f.seek(0)
+            records = json.load(f) if first == "[" else [json.loads(line) for line in f if line.strip()]
+        if records and not any(isinstance(r, dict) and src.text_field in r for r in records):
+            keys = sorted(records[0]) if isinstance(records[0], dict) else type(records[0]).__name__
+            raise ValueError(f"{path}: records have no text field {src.text_field!r} (they have {keys}); set text_field")
+        return [r[src.text_field] for r in records if r.get(src.text_field)]
+    with _open(path) as f:
+        # A plain text file is one document (WikiText-2 raw keeps its article structure in the text).
+        return [f.read()]
+
+
+def _hub_documents(src: TextSource, for_eval: bool) -> list[str]:
+    from datasets import load_dataset
+
+    if src.source == "wikitext2":
+        split = src.split or ("test" if for_eval else "train")
+        rows = load_dataset("Salesforce/wikitext", "wikitext-2-raw-v1", split=split)["text"]
+        # The usual perplexity protocol joins the rows with "\n\n" into one document.
+        return ["\n\n".join(rows)] if for_eval else [r for r in rows if r.strip()]
+    if src.source == "c4":
+        split = src.split or ("validation" if for_eval else "train")
+        shard = "en/c4-validation.00000-of-00008.json.gz" if split == "validation" else "en/c4-train.00000-of-01024.json.gz"
+        return load_dataset("allenai/c4", data_files={split: shard}, split=split)["text"]
+    if src.source == "ptb":
+        split = src.split or ("test" if for_eval else "train")
+        rows = load_dataset("ptb-text-only/ptb_text_only", split=split)["sentence"]
+        return [" ".join(rows)] if for_eval else rows
+    raise ValueError(f"unknown hub source {src.source!r}; choose one of {HUB_SOURCES}")

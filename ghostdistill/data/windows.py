@@ -1,0 +1,94 @@
+"""Token windows: random calibration windows, non-overlapping evaluation windows, and self-generated text."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from .sources import TextSource, load_documents
+
+
+def tokenize_documents(tokenizer, docs: list[str]) -> list[list[int]]:
+    # Documents longer than model_max_length are fine (transformers warns once): we cut windows ourselves.
+    return [tokenizer(d).input_ids for d in docs]
+
+
+def evaluation_windows(tokenizer, src: TextSource, seq_len: int, max_windows: int | None = None) -> torch.Tensor:
+    """Non-overlapping windows over the joined documents (the usual perplexity protocol)."""
+    docs = load_documents(src, for_eval=True)
+    ids = tokenize_documents(tokenizer, [src.join.join(docs)])[0]
+    n = len(ids) // seq_len
+    if n == 0:
+        raise ValueError(f"{src.label}: {len(ids)} tokens is fewer than one window of seq_len={seq_len}")
+    if max_windows is not None:
+        n = min(n, max_windows)
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def calibration_windows(tokenizer, src: TextSource, seq_len: int, num_samples: int, seed: int) -> torch.Tensor:
+    """`num_samples` random windows of `seq_len` tokens, deterministic for a seed.
+
+    A window comes from one document long enough to hold it (random document, random offset, as GPTQ
+    and the pruning papers sample C4); if too few documents are long enough, the rest come from the
+    documents joined into one stream.
+    """
+    docs = load_documents(src, for_eval=False)
+    rng = random.Random(seed)
+    order = list(range(len(docs)))
+    rng.shuffle(order)
+    windows: list[list[int]] = []
+    short: list[int] = []
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    for i in order:
+        if len(windows) == num_samples:
+            break
+        ids = tokenizer(docs[i]).input_ids
+        if len(ids) >= seq_len:
+            start = rng.randint(0, len(ids) - seq_len)
+            windows.append(ids[start : start + seq_len])
+        else:
+            short.extend(ids + eos)
+    while len(windows) < num_samples and len(short) >= seq_len:
+        start = rng.randint(0, len(short) - seq_len)
+        windows.append(short[start : start + seq_len])
+    if len(windows) < num_samples:
+        raise ValueError(
+            f"{src.label}: only {len(windows)} windows of {seq_len} tokens available, {num_samples} requested; "
+            "use more documents or a shorter seq_len"
+        )
+    return torch.tensor(windows, dtype=torch.long)
+
+
+@torch.no_grad()
+def generate_windows(
+    model, tokenizer, seq_len: int, num_samples: int, seed: int, batch_size: int = 8, progress: bool = True
+) -> torch.Tensor:
+    """Data-free calibration: the dense model samples its own text from the start token.
+
+    Plain ancestral sampling (temperature 1, no top-k/top-p) so the windows follow the model's own
+    distribution; EOS is suppressed so every window is full length.
+    """
+    from tqdm.auto import tqdm
+
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    device = next(model.parameters()).device
+    out = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        for lo in tqdm(range(0, num_samples, batch_size), desc="generating calibration text", disable=not progress):
+            n = min(batch_size, num_samples - lo)
+            prompt = torch.full((n, 1), start, dtype=torch.long, device=device)
+            seqs = model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=seq_len - 1,
+                min_new_tokens=seq_len - 1,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            out.append(seqs[:, :seq_len].cpu())
+    return torch.cat(out)

@@ -1,0 +1,334 @@
+"""Zero-shot accuracy of an in-memory causal LM through lm-evaluation-harness.
+
+:func:`evaluate_zeroshot` scores the model object it is given (pruned, with
+forward hooks, mid-training...) on multiple-choice tasks, the way lm-eval's
+``simple_evaluate`` does with ``num_fewshot=0``, and returns a compact
+``{task: {"acc", "acc_stderr", "acc_norm", "n"}, "average": {...}}`` summary.
+
+Two sources of task data:
+
+* online (``data_dir=None``): task names go to lm-eval's own registry, which
+  downloads the datasets from the Hugging Face hub;
+* offline (``data_dir=...``): the tasks in :data:`OFFLINE_TASKS` are read from
+  a local folder holding the datasets' published files (layout of
+  ``shared/data/README.md``) by the task definitions in
+  :mod:`ghostdistill.tasks`, which copy lm-eval's prompts and metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .tasks import TASKS_DIR
+from .tasks import loaders as _loaders
+
+if TYPE_CHECKING:
+    import transformers
+    from lm_eval.tasks import TaskManager
+
+__all__ = [
+    "OFFLINE_TASKS",
+    "PAPER_TASKS",
+    "ZeroShotResults",
+    "average_scores",
+    "evaluate_zeroshot",
+    "offline_task_name",
+    "task_limits",
+]
+
+#: The zero-shot suite of the layer-pruning papers we compare with.
+PAPER_TASKS: tuple[str, ...] = (
+    "arc_easy",
+    "arc_challenge",
+    "hellaswag",
+    "winogrande",
+    "boolq",
+    "openbookqa",
+    "rte",
+    "copa",
+    "race",
+)
+
+#: Tasks that can be read from a local data folder (``data_dir``).
+OFFLINE_TASKS: tuple[str, ...] = tuple(_loaders.TASK_FILES)
+
+#: Metrics copied from lm-eval's results into the summary (when the task has them).
+_METRICS: tuple[str, ...] = ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")
+
+#: lm-eval warnings that are expected here and say nothing about the run.
+_NOISE: tuple[str, ...] = (
+    # We pass a model object on purpose: that is the point of this module.
+    "`pretrained` model kwarg is not of type `str`",
+    "Passed an already-initialized model through `pretrained`",
+    # Emitted once per custom_dataset task; data_dir is passed as metadata.
+    "Custom kwargs can be passed to `--metadata`",
+    # We ask for zero-shot explicitly; registry tasks have no default to "overwrite".
+    "Overwriting default num_fewshot",
+)
+
+log = logging.getLogger(__name__)
+
+
+class ZeroShotResults(dict[str, dict[str, float]]):
+    """The summary returned by :func:`evaluate_zeroshot`: a plain dict, plus ``raw``.
+
+    ``raw`` is lm-eval's full ``simple_evaluate`` output, with lm-eval's task
+    names (task configs, versions, sample counts and, with ``log_samples=True``,
+    its ``"samples"``), for anyone who needs more than the summary.  It is not
+    part of the dict's items and is dropped when the summary is pickled or
+    copied: it holds task callables that need not pickle.
+    """
+
+    def __init__(self, *args: Any, raw: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.raw: dict[str, Any] = raw if raw is not None else {}
+
+    def __reduce__(self) -> tuple[type[ZeroShotResults], tuple[dict[str, dict[str, float]]]]:
+        return (type(self), (dict(self),))
+
+    @property
+    def samples(self) -> dict[str, list[dict[str, Any]]] | None:
+        """lm-eval's per-document records by lm-eval task name (``log_samples=True`` only)."""
+        return self.raw.get("samples")
+
+
+def offline_task_name(task: str) -> str:
+    """The lm-eval name of the offline definition of ``task`` (e.g. ``ghostdistill_piqa``)."""
+    return _loaders.TASK_PREFIX + task
+
+
+def _plain_name(lm_eval_name: str) -> str:
+    return lm_eval_name.removeprefix(_loaders.TASK_PREFIX)
+
+
+def _as_list(tasks: Sequence[str] | str) -> list[str]:
+    # A bare string is a Sequence[str] too; treat it as one task, not letters.
+    names = [tasks] if isinstance(tasks, str) else list(tasks)
+    if not names:
+        raise ValueError("no tasks given")
+    return list(dict.fromkeys(names))  # drop repeats, keep order
+
+
+def _check_offline(tasks: list[str], data_dir: str | os.PathLike[str]) -> None:
+    unknown = [t for t in tasks if t not in OFFLINE_TASKS]
+    if unknown:
+        raise ValueError(
+            f"task(s) {', '.join(map(repr, unknown))} cannot be read from a data folder; "
+            f"valid offline tasks: {', '.join(OFFLINE_TASKS)}"
+        )
+    for task in tasks:
+        _loaders.check_files(task, data_dir)  # FileNotFoundError naming task and path
+
+
+@functools.cache
+def _registry() -> TaskManager:
+    # Indexing lm-eval's ~15k task YAMLs takes tens of seconds; do it once per process.
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager()
+
+
+def _check_online(tasks: list[str], manager: TaskManager) -> None:
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise ValueError(
+            f"task(s) {', '.join(map(repr, unknown))} not in lm-eval's task registry "
+            f"(e.g. the paper's tasks: {', '.join(PAPER_TASKS)}; `lm-eval ls tasks` lists all); "
+            f"tasks readable from a data folder: {', '.join(OFFLINE_TASKS)}"
+        )
+
+
+def _task_manager(data_dir: str | os.PathLike[str] | None) -> TaskManager:
+    if data_dir is None:
+        return _registry()
+    from lm_eval.tasks import TaskManager
+
+    # Only our folder: the offline run must not fall back on a hub task, and
+    # skipping lm-eval's own index saves its start-up time. Task metadata is
+    # handed to each custom_dataset loader, which is how data_dir reaches it.
+    return TaskManager(
+        include_path=str(TASKS_DIR),
+        include_defaults=False,
+        metadata={"data_dir": str(Path(data_dir).resolve())},
+    )
+
+
+class _DropNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(noise in message for noise in _NOISE)
+
+
+@contextlib.contextmanager
+def _quiet_lm_eval() -> Iterator[None]:
+    # Filters on a logger only see records created on that very logger, so the
+    # filter goes on every lm_eval.* logger that exists once lm-eval is imported.
+    names = [n for n in logging.root.manager.loggerDict if n == "lm_eval" or n.startswith("lm_eval.")]
+    loggers = [logging.getLogger(n) for n in names]
+    noise = _DropNoise()
+    for lg in loggers:
+        lg.addFilter(noise)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(noise)
+
+
+@contextlib.contextmanager
+def _preserve_state(model: transformers.PreTrainedModel) -> Iterator[None]:
+    # HFLM calls model.eval() and simple_evaluate reseeds python/numpy/torch
+    # global RNGs; evaluation in the middle of training must change neither.
+    import numpy as np
+    import torch
+
+    modes = [(m, m.training) for m in model.modules()]
+    py_state, np_state = random.getstate(), np.random.get_state()
+    device = model.device
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        for module, training in modes:
+            module.training = training
+
+
+def _summarize(raw: dict[str, Any], order: Sequence[str]) -> ZeroShotResults:
+    groups = set(raw.get("group_subtasks", {}))
+    per_task: dict[str, dict[str, float]] = {}
+    for name, metrics in raw["results"].items():
+        if name in groups:
+            continue  # group rows repeat their subtasks' numbers
+        row: dict[str, float] = {}
+        for metric in _METRICS:
+            value = metrics.get(f"{metric},none")
+            # lm-eval reports "N/A" for a stderr it could not compute.
+            if isinstance(value, (int, float)):
+                row[metric] = float(value)
+        if "acc" not in row:
+            log.warning("task %s reports no acc; left out of the summary", name)
+            continue
+        row["n"] = int(raw["n-samples"][name]["effective"])
+        per_task[_plain_name(name)] = row
+
+    rank = {name: i for i, name in enumerate(order)}
+    summary = ZeroShotResults(sorted(per_task.items(), key=lambda kv: rank.get(kv[0], len(rank))), raw=raw)
+    if per_task:
+        summary["average"] = average_scores(per_task)
+    return summary
+
+
+def average_scores(per_task: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The papers' average: mean ``acc`` over tasks; ``acc_norm`` over the tasks that report it."""
+    rows = [r for name, r in per_task.items() if name != "average"]
+    if not rows:
+        raise ValueError("no task scores to average")
+    average = {"acc": sum(r["acc"] for r in rows) / len(rows)}
+    with_norm = [r["acc_norm"] for r in rows if "acc_norm" in r]
+    if with_norm:
+        average["acc_norm"] = sum(with_norm) / len(with_norm)
+    return average
+
+
+def task_limits(tasks: Sequence[str], limit: int | dict[str, int | None] | None) -> dict[str, int | None]:
+    """Items to score per task: one ``limit`` for all, or a ``{task: limit}`` map (absent tasks: all items).
+
+    Raises:
+        ValueError: a limit that is not a positive integer, or a map naming a task not in ``tasks``.
+    """
+
+    def check(value: int | None, where: str) -> int | None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"zero-shot limit{where} must be a positive integer or null (all items), got {value!r}")
+        return value
+
+    names = _as_list(tasks)
+    if not isinstance(limit, dict):
+        return {t: check(limit, "") for t in names}
+    unknown = [t for t in limit if t not in names]
+    if unknown:
+        raise ValueError(
+            f"zero-shot limit names task(s) {', '.join(map(repr, unknown))} that are not in tasks: {', '.join(names)}"
+        )
+    return {t: check(limit.get(t), f" for {t!r}") for t in names}
+
+
+def evaluate_zeroshot(
+    model: transformers.PreTrainedModel,
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    tasks: Sequence[str] = PAPER_TASKS,
+    *,
+    data_dir: str | os.PathLike[str] | None = None,
+    limit: int | None = None,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    log_samples: bool = False,
+) -> ZeroShotResults:
+    """Zero-shot accuracy of ``model`` (the object itself, hooks and all) on ``tasks``.
+
+    Args:
+        model: causal LM to score; it is wrapped, never reloaded or copied, so
+            forward hooks and in-place surgery stay in effect. Its train/eval
+            modes and the global RNG states are restored afterwards.
+        tokenizer: its tokenizer (lm-eval may set a missing pad token on it).
+        tasks: plain task names. Online: any lm-eval registry task, group or tag.
+            Offline: a subset of :data:`OFFLINE_TASKS`.
+        data_dir: folder with the published data files (``shared/data`` layout);
+            ``None`` uses lm-eval's registry and the Hugging Face hub.
+        limit: score only the first ``limit`` documents of each task.
+        batch_size: lm-eval batch size.
+        max_length: context length in tokens; ``None`` takes it from the model config.
+        log_samples: keep lm-eval's per-document records (``result.samples``).
+
+    Returns:
+        ``{task: {"acc", "acc_stderr", "acc_norm" (if the task has it),
+        "acc_norm_stderr" (idem), "n"}, ..., "average": {"acc", "acc_norm"}}``
+        where the average ``acc`` is the mean over tasks (the papers' average)
+        and ``acc_norm`` the mean over the tasks that report it.  The dict also
+        carries lm-eval's full output as ``.raw``.
+
+    Raises:
+        ValueError: an unknown task name (the message lists the valid ones).
+        FileNotFoundError: offline, a task's data file is missing (names task and path).
+    """
+    names = _as_list(tasks)
+    # Validate before importing lm-eval's model code or touching the model.
+    if data_dir is not None:
+        _check_offline(names, data_dir)
+    manager = _task_manager(data_dir)
+    if data_dir is None:
+        _check_online(names, manager)
+    lm_eval_names = [offline_task_name(t) for t in names] if data_dir is not None else names
+
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
+    with _quiet_lm_eval(), _preserve_state(model):
+        lm = HFLM(
+            pretrained=model,
+            tokenizer=tokenizer,
+            batch_size=batch_size,
+            max_length=max_length,
+        )
+        raw = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=lm_eval_names,
+            num_fewshot=0,
+            limit=limit,
+            batch_size=batch_size,
+            log_samples=log_samples,
+            task_manager=manager,
+        )
+    if raw is None:  # only on non-zero ranks of a distributed run
+        raise RuntimeError("lm-eval returned no results (not rank 0?)")
+    return _summarize(raw, names)

@@ -1,0 +1,201 @@
+"""Lightning callbacks: `Calibration` fits the operators before any step; `Report` writes the results."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+from tqdm.auto import tqdm
+
+from ..calibration.fit import fit_methods
+from ..calibration.stream import accumulate
+from ..core.io import atomic_torch_save, json_digest
+from ..core.model import decoder_stack, hidden_size
+from ..core.plan import PruningPlan
+from ..criteria import choose_plan
+from ..methods import make_collectors
+from ..reporting.results import write_report
+
+
+class Calibration(Callback):
+    """plan → statistics → operators, once, before the first step (or the first test batch).
+
+    Statistics are checkpointed to `<run>/calibration_state.pt` every `checkpoint_every` batches, keyed
+    by a fingerprint of everything they depend on, so an interrupted run resumes where it stopped. With
+    several processes only rank 0 writes the file.
+
+    Args:
+        checkpoint_every: batches between statistics checkpoints (0: only at the end).
+        progress: show progress bars.
+    """
+
+    STATE_FILE = "calibration_state.pt"
+
+    def __init__(self, checkpoint_every: int = 8, progress: bool = True) -> None:
+        if checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+        self.checkpoint_every = checkpoint_every
+        self.progress = progress
+        self.done = False
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.done:
+            return
+        # Before optimizers are configured, so that distillation can train the fitted operators.
+        pl_module.configure_model()
+        # The strategy moves the module only after setup; calibrating an 8B model on the CPU would crawl.
+        pl_module.to(trainer.strategy.root_device)
+        self.calibrate(trainer, pl_module)
+        self.done = True
+
+    def _fingerprint(self, pl_module, datamodule) -> str:
+        key = {
+            "model": asdict(pl_module.model_cfg),
+            "plan": asdict(pl_module.plan_cfg),
+            "calibration": asdict(datamodule.calibration),
+            "batch_size": datamodule.batch_size,
+            # The statistics collected depend on which methods need them.
+            "methods": sorted({r.method for r in pl_module.recovery_cfgs}),
+        }
+        return json_digest(key)
+
+    @torch.no_grad()
+    def calibrate(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        dm = trainer.datamodule
+        run_dir = Path(trainer.default_root_dir)
+        state_path = run_dir / self.STATE_FILE
+        fingerprint = self._fingerprint(pl_module, dm)
+        state = torch.load(state_path, weights_only=False) if state_path.is_file() else None
+        if state is not None and state.get("fingerprint") != fingerprint:
+            rank_zero_info(f"{state_path} belongs to other settings; calibrating from scratch")
+            state = None
+        timings = pl_module.report["timings"]
+        llm = pl_module.llm
+        llm.eval()
+
+        start = time.perf_counter()
+        ids = dm.calibration_ids()
+        timings["calibration_data_s"] = round(time.perf_counter() - start, 2)
+        batches = list(dm.calibration_dataloader())
+
+        # ---- plan
+        start = time.perf_counter()
+        if state is not None:
+            plan = PruningPlan(**state["plan"])
+        elif pl_module.plan_cfg.layers is not None:
+            plan = PruningPlan.from_layers(
+                pl_module.plan_cfg.layers, llm.config.num_hidden_layers, allow_edges=pl_module.plan_cfg.allow_edges
+            )
+        else:
+            plan = choose_plan(
+                pl_module.plan_cfg,
+                llm,
+                decoder_stack(llm),
+                tqdm(batches, desc=f"criterion {pl_module.plan_cfg.criterion}", disable=not self.progress),
+            )
+        timings["plan_s"] = round(time.perf_counter() - start, 2)
+        rank_zero_info(f"pruning plan ({plan.chosen_by}): remove layers {list(plan.removed)}, gaps {[g.key for g in plan.gaps]}")
+        pruned = pl_module.set_plan(plan)
+
+        # ---- statistics (resumable)
+        # One pass feeds every method's collectors. Accumulate on the model's device, checkpoint on the CPU.
+        device = next(llm.parameters()).device
+        c = hidden_size(llm)
+        methods = {r.method for r in pl_module.recovery_cfgs}
+        stats = {g.key: make_collectors(methods, c, device) for g in plan.gaps}
+        done, tokens = 0, 0
+        if state is not None:
+            for key, collectors in state["stats"].items():
+                for name, s in collectors.items():
+                    stats[key][name].load_state_dict(_to(s, device))
+            done, tokens = state["batches_done"], state["tokens"]
+            rank_zero_info(f"resuming calibration after {done}/{len(batches)} batches from {state_path}")
+        start = time.perf_counter()
+        bar = tqdm(total=len(batches), initial=done, desc="calibration statistics", disable=not self.progress)
+        for i in range(done, len(batches)):
+            tokens += accumulate(llm, pruned.stack, plan.gaps, [batches[i]], stats)
+            bar.update(1)
+            if self.checkpoint_every and (i + 1) % self.checkpoint_every == 0 and i + 1 < len(batches):
+                self._save(trainer, state_path, fingerprint, plan, stats, i + 1, tokens)
+        bar.close()
+        self._save(trainer, state_path, fingerprint, plan, stats, len(batches), tokens)
+        timings["statistics_s"] = round(time.perf_counter() - start, 2)
+
+        # ---- operators, gap by gap (sequential fits need the earlier gaps of their own method)
+        fits = fit_methods(
+            pl_module.recovery_cfgs, pruned, stats, batches, c, device,
+            progress=lambda it, desc: tqdm(it, desc=desc, disable=not self.progress),
+        )
+        timings["solve_s"] = round(sum(f["fit_s"] for f in fits.values()), 2)
+
+        ghost_counts = {k: vars(s["ghost"].counts) for k, s in stats.items() if "ghost" in s}
+        pl_module.report.update(
+            {
+                "plan": plan.to_dict(),
+                "calibration": {
+                    **dm.describe()["calibration"],
+                    # Names the statistics the operators were solved from (zero-shot scores are keyed by it).
+                    "fingerprint": fingerprint,
+                    "windows": int(len(ids)),
+                    "tokens": tokens,
+                    # Tokens given their own map (first position) and massive activations seen, per gap.
+                    "token_groups": ghost_counts,
+                },
+                "recovery": fits,
+            }
+        )
+
+    @staticmethod
+    def _save(
+        trainer: Trainer, path: Path, fingerprint: str, plan: PruningPlan, stats: dict, done: int, tokens: int
+    ) -> None:
+        if not trainer.is_global_zero:
+            return  # only rank 0 writes; every rank holds the same statistics
+        state = {
+            "fingerprint": fingerprint,
+            "plan": {"num_layers": plan.num_layers, "removed": plan.removed, "chosen_by": plan.chosen_by,
+                     "scores": plan.scores},
+            "stats": {k: {name: _to(c.state_dict(), "cpu") for name, c in cs.items()} for k, cs in stats.items()},
+            "batches_done": done,
+            "tokens": tokens,
+        }
+        atomic_torch_save(state, path)
+
+
+def _to(state: dict, device) -> dict:
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out[k] = _to(v, device)
+        elif isinstance(v, torch.Tensor):
+            out[k] = v.to(device)
+        else:
+            out[k] = v
+    return out
+
+
+class Report(Callback):
+    """Sets up the test metrics, then writes results.json, results.md and results.png to the run folder."""
+
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        pl_module.setup_test_metrics(trainer.datamodule.test_sources)
+        self._start = time.perf_counter()
+
+    def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        pl_module.report["timings"]["evaluation_s"] = round(time.perf_counter() - self._start, 2)
+        start = time.perf_counter()
+        pl_module.evaluate_zeroshot(Path(trainer.default_root_dir) / "zeroshot")
+        if pl_module.eval_cfg.zeroshot.enabled:
+            pl_module.report["timings"]["zeroshot_s"] = round(time.perf_counter() - start, 2)
+        if trainer.is_global_zero:
+            report = {
+                "model": asdict(pl_module.model_cfg),
+                **pl_module.report,
+                "evaluation": trainer.datamodule.eval_summary(),
+            }
+            paths = write_report(Path(trainer.default_root_dir), report)
+            rank_zero_info("results written to " + ", ".join(str(p) for p in paths))

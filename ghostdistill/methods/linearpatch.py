@@ -1,0 +1,97 @@
+"""LinearPatch (Chen et al. 2025): a symmetric operator W = H·diag(s)·Hᵀ per gap.
+
+H is an orthonormal Hadamard matrix (`methods.hadamard`: Sylvester and Paley constructions); the
+rotation spreads the few outlier channels over all channels before a per-channel scaling
+s_j = mean|X_post H|_j / mean|X_pre H|_j. `variant: diag` uses H = I (scaling in the plain basis).
+W is symmetric by construction, which is exactly what the ghost operator is not restricted to.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.operator import GhostOperator
+from ..core.plan import Gap
+from .base import GapFit, GapTaps, NoFold, RecoveryConfig, register, residual_identity
+from .hadamard import hadamard_matrix, has_hadamard
+
+class LinearPatchStatistics:
+    """Per-channel mean magnitudes of X_pre and X_post, in the Hadamard-rotated basis and in the plain one.
+
+    LinearPatch (Chen et al. 2025) sets W = H·diag(s)·Hᵀ with s_j = mean|X_post H|_j / mean|X_pre H|_j;
+    the rotation spreads the few outlier channels over all channels before the per-channel scaling.
+    """
+
+    def __init__(self, hidden_size: int, device: torch.device | str = "cpu") -> None:
+        z = lambda: torch.zeros(hidden_size, dtype=torch.float64, device=device)  # noqa: E731
+        self.hidden_size = hidden_size
+        self.rotated = has_hadamard(hidden_size)
+        self._h = hadamard_matrix(hidden_size).to(device) if self.rotated else None
+        self.sums = {"pre": z(), "post": z(), "pre_rot": z(), "post_rot": z()}
+        self.tokens = 0
+
+    def hadamard(self) -> torch.Tensor:
+        if self._h is None:
+            # The error names the size and what is valid.
+            hadamard_matrix(self.hidden_size)
+        return self._h
+
+    @torch.no_grad()
+    def update(self, taps: GapTaps) -> None:
+        keep = taps.mask.bool()
+        x = taps.x_pre[keep].to(torch.float64)
+        y = taps.x_post[keep].to(torch.float64)
+        self.sums["pre"] += x.abs().sum(0)
+        self.sums["post"] += y.abs().sum(0)
+        if self._h is not None:
+            self.sums["pre_rot"] += (x @ self._h).abs().sum(0)
+            self.sums["post_rot"] += (y @ self._h).abs().sum(0)
+        self.tokens += x.shape[0]
+
+    def state_dict(self) -> dict:
+        return {"sums": self.sums, "tokens": self.tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sums = {k: v.to(torch.float64) for k, v in state["sums"].items()}
+        self.tokens = state["tokens"]
+
+
+class LinearPatch(NoFold):
+    name = "linearpatch"
+
+    def collector(self, hidden_size: int, device: torch.device | str) -> LinearPatchStatistics:
+        return LinearPatchStatistics(hidden_size, device=device)
+
+    def validate(self, cfg: RecoveryConfig) -> None:
+        pass  # `variant` is checked with every recovery entry; a size without a Hadamard matrix at fit time
+
+    def fit(self, cfg: RecoveryConfig, gap: Gap, stats: LinearPatchStatistics, hidden_size: int) -> GapFit:
+        return GapFit(operator=fit_linearpatch(cfg, stats, hidden_size))
+
+    def identity(self, cfg: RecoveryConfig, hidden_size: int) -> GapFit:
+        return residual_identity(cfg, hidden_size)
+
+
+def channel_scales(cfg: RecoveryConfig, stats: LinearPatchStatistics) -> torch.Tensor:
+    """s_j = mean|X_post|_j / mean|X_pre|_j, in the rotated basis for ``rotate``, the plain one for ``diag``."""
+    if cfg.variant == "rotate":
+        stats.hadamard()  # raises for a hidden size with no known Hadamard matrix, naming it
+        return stats.sums["post_rot"] / stats.sums["pre_rot"].clamp_min(1e-12)
+    return stats.sums["post"] / stats.sums["pre"].clamp_min(1e-12)
+
+
+def fit_linearpatch(cfg: RecoveryConfig, stats: LinearPatchStatistics, hidden_size: int) -> GhostOperator:
+    """W = H·diag(s)·Hᵀ (H = I for `diag`), stored as M = W − I."""
+    scale = channel_scales(cfg, stats)
+    if cfg.variant == "rotate":
+        h = stats.hadamard()
+        w = (h * scale) @ h.T
+        w = 0.5 * (w + w.T)  # exact symmetry despite rounding
+    else:
+        w = torch.diag(scale)
+    op = GhostOperator(hidden_size)
+    op.load_solution(w - torch.eye(hidden_size, dtype=w.dtype, device=w.device))
+    return op
+
+
+register(LinearPatch())

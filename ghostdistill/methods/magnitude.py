@@ -1,0 +1,82 @@
+"""Magnitude compensation (Prune&Comp): one scalar per gap, s = mean‖X_post‖ / mean‖X_pre‖.
+
+x ← s·x on the residual stream at the gap. In a pre-norm model every later block reads its input
+through a scale-invariant norm, so the same function results from dividing each later block's writes
+to the residual stream (attention output and MLP down projections) by s, the final norm removing the
+overall factor (exact up to the norm's ε): `fold` does that, and the method adds no parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..core.model import ATTN_OUT, MLP_OUT, last_linear, mlp_module
+from ..core.operator import GhostOperator
+from ..core.plan import Gap
+from .base import GapFit, GapTaps, RecoveryConfig, register, residual_identity
+
+class MagnitudeStatistics:
+    """Mean token norms of X_pre and X_post: Prune&Comp's single magnitude-compensation scalar."""
+
+    def __init__(self, hidden_size: int, device: torch.device | str = "cpu") -> None:
+        self.norm_pre = torch.zeros((), dtype=torch.float64, device=device)
+        self.norm_post = torch.zeros((), dtype=torch.float64, device=device)
+        self.tokens = 0
+
+    @torch.no_grad()
+    def update(self, taps: GapTaps) -> None:
+        keep = taps.mask.bool()
+        self.norm_pre += taps.x_pre[keep].to(torch.float64).norm(dim=-1).sum()
+        self.norm_post += taps.x_post[keep].to(torch.float64).norm(dim=-1).sum()
+        self.tokens += int(keep.sum())
+
+    def state_dict(self) -> dict:
+        return {"norm_pre": self.norm_pre, "norm_post": self.norm_post, "tokens": self.tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.norm_pre, self.norm_post = state["norm_pre"].double(), state["norm_post"].double()
+        self.tokens = state["tokens"]
+
+
+class Magnitude:
+    name = "magnitude"
+    folds = True
+
+    def collector(self, hidden_size: int, device: torch.device | str) -> MagnitudeStatistics:
+        return MagnitudeStatistics(hidden_size, device=device)
+
+    def validate(self, cfg: RecoveryConfig) -> None:
+        pass
+
+    def fit(self, cfg: RecoveryConfig, gap: Gap, stats: MagnitudeStatistics, hidden_size: int) -> GapFit:
+        s = stats.norm_post / stats.norm_pre.clamp_min(1e-12)
+        op = GhostOperator(hidden_size, fused=True)
+        op.load_solution((s - 1.0) * torch.eye(hidden_size, dtype=torch.float64, device=s.device))
+        return GapFit(operator=op)
+
+    def identity(self, cfg: RecoveryConfig, hidden_size: int) -> GapFit:
+        return residual_identity(cfg, hidden_size, fused=True)
+
+    def fold(self, blocks: list[nn.Module], gap: Gap, fit: GapFit) -> None:
+        """`blocks`: the dense model's blocks; every surviving block after the gap gets its writes / s.
+
+        With several gaps the scales compound, which is what dividing block by block gives."""
+        s = float(fit.operator.delta[0, 0]) + 1.0
+        fold_residual_scale(blocks[gap.stop :], s)
+
+
+@torch.no_grad()
+def fold_residual_scale(blocks_after: list[nn.Module], s: float) -> None:
+    """Divide every residual-stream write of the given blocks by s (see module docstring)."""
+    for block in blocks_after:
+        attn = getattr(block, "self_attn", None) or getattr(block, "attn", None)
+        if attn is None:
+            raise TypeError(f"{type(block).__name__} has no self_attn; cannot fold a residual scale")
+        for lin in (last_linear(attn, ATTN_OUT), last_linear(mlp_module(block), MLP_OUT)):
+            lin.weight.div_(s)
+            if lin.bias is not None:
+                lin.bias.div_(s)
+
+
+register(Magnitude())

@@ -1,0 +1,90 @@
+"""ReplaceMe (Shopkhoev et al. 2025): a linear map T on the MLP output of the block before the gap.
+
+With M the MLP output of the last block before the gap and Y = X_pre − M its residual input,
+T = argmin ‖M T − (X_post − Y)‖² (float64 normal equations, `core.solver`). The map acts on the MLP
+output: out·T = h·W_downᵀ·T, so `fold` writes it into that block's down projection, W_down ← Tᵀ·W_down,
+and the method adds no parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..core.model import MLP_OUT, last_linear, mlp_module
+from ..core.operator import GhostOperator
+from ..core.plan import Gap
+from ..core.solver import solve
+from .base import GapFit, GapTaps, RecoveryConfig, register
+
+
+class ReplaceMeStatistics:
+    """Normal equations of ReplaceMe (Shopkhoev et al. 2025): with M the MLP output of the last block
+    before the gap and Y = X_pre − M its residual input, min_T ‖M T − (X_post − Y)‖²; T is then fused
+    into that block's down_proj."""
+
+    needs_mlp = True
+
+    def __init__(self, hidden_size: int, device: torch.device | str = "cpu") -> None:
+        c = hidden_size
+        self.mtm = torch.zeros(c, c, dtype=torch.float64, device=device)
+        self.mtr = torch.zeros(c, c, dtype=torch.float64, device=device)
+        self.tokens = 0
+
+    @torch.no_grad()
+    def update(self, taps: GapTaps) -> None:
+        if taps.mlp_out is None:
+            raise RuntimeError("ReplaceMe statistics need the MLP output of the block before the gap")
+        keep = taps.mask.bool()
+        m = taps.mlp_out[keep].to(torch.float64)
+        y = taps.x_pre[keep].to(torch.float64) - m
+        target = taps.x_post[keep].to(torch.float64) - y
+        self.mtm += m.T @ m
+        self.mtr += m.T @ target
+        self.tokens += m.shape[0]
+
+    def state_dict(self) -> dict:
+        return {"mtm": self.mtm, "mtr": self.mtr, "tokens": self.tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mtm, self.mtr, self.tokens = state["mtm"].double(), state["mtr"].double(), state["tokens"]
+
+
+class ReplaceMe:
+    name = "replaceme"
+    folds = True
+
+    def collector(self, hidden_size: int, device: torch.device | str) -> ReplaceMeStatistics:
+        return ReplaceMeStatistics(hidden_size, device=device)
+
+    def validate(self, cfg: RecoveryConfig) -> None:
+        pass
+
+    def fit(self, cfg: RecoveryConfig, gap: Gap, stats: ReplaceMeStatistics, hidden_size: int) -> GapFit:
+        if gap.start == 0:
+            raise ValueError(f"replaceme: gap {gap.key} starts at block 0, there is no MLP before it")
+        t = solve(stats.mtm, stats.mtr, cfg.solver, cfg.ridge)
+        op = GhostOperator(t.shape[0], fused=True)
+        op.load_solution(t - torch.eye(t.shape[0], dtype=t.dtype, device=t.device))
+        return GapFit(mlp_map=op)
+
+    def identity(self, cfg: RecoveryConfig, hidden_size: int) -> GapFit:
+        return GapFit(mlp_map=GhostOperator(hidden_size, fused=True))
+
+    def fold(self, blocks: list[nn.Module], gap: Gap, fit: GapFit) -> None:
+        """`blocks`: the dense model's blocks; the block before the gap absorbs T."""
+        t = fit.mlp_map.delta.detach().double() + torch.eye(fit.mlp_map.delta.shape[0], dtype=torch.float64)
+        fuse_mlp_map(blocks[gap.start - 1], t)
+
+
+@torch.no_grad()
+def fuse_mlp_map(block: nn.Module, t: torch.Tensor) -> None:
+    """Make `block`'s MLP output h·W_downᵀ·T without an extra module."""
+    down = last_linear(mlp_module(block), MLP_OUT)
+    t = t.to(torch.float64)
+    down.weight.copy_((t.T @ down.weight.to(torch.float64)).to(down.weight.dtype))
+    if down.bias is not None:
+        down.bias.copy_((down.bias.to(torch.float64) @ t).to(down.bias.dtype))
+
+
+register(ReplaceMe())

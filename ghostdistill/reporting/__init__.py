@@ -1,0 +1,1 @@
+"""Reports: one run's results (`results`: JSON, Markdown table, plot) and the multi-plan `compare`."""

@@ -1,0 +1,212 @@
+"""The compare report: every method, several plans, one report (`python -m ghostdistill compare`, run
+by `ghostdistill.cli`).
+
+A compare file names a base fit config, the plans to run and the run root:
+
+    base: configs/smollm2_methods.yaml
+    root: runs/smollm2_compare
+    plans:
+      - {criterion: streamline, num_layers: 7}
+      - {criterion: block_influence, num_layers: 7}
+      - {layers: [12, 13, 14]}
+
+Each plan runs as an ordinary `fit` in `<root>/<plan>/` (so each is resumable, and a finished one is
+not run again), and the rows are gathered into compare.json, compare.csv, compare.md and compare.png.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import yaml
+
+from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text
+
+PLAN_KEYS = {"criterion", "num_layers", "layers", "allow_edges", "keep_first", "keep_last", "criterion_samples"}
+
+
+def load_spec(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"compare file {path!r} does not exist")
+    spec = yaml.safe_load(p.read_text()) or {}
+    unknown = set(spec) - {"base", "root", "plans"}
+    if unknown:
+        raise ValueError(f"compare file {path}: unknown keys {sorted(unknown)}; valid: base, root, plans")
+    for key in ("base", "plans"):
+        if key not in spec:
+            raise ValueError(f"compare file {path}: missing {key!r}")
+    if not Path(spec["base"]).is_file():
+        raise FileNotFoundError(f"compare file {path}: base config {spec['base']!r} does not exist")
+    if not isinstance(spec["plans"], list) or not spec["plans"]:
+        raise ValueError(f"compare file {path}: plans must be a non-empty list")
+    for plan in spec["plans"]:
+        bad = set(plan) - PLAN_KEYS if isinstance(plan, dict) else {"(not a mapping)"}
+        if bad:
+            raise ValueError(f"compare file {path}: plan {plan!r} has unknown keys {sorted(bad)}; valid: {sorted(PLAN_KEYS)}")
+    spec.setdefault("root", "runs/compare")
+    return spec
+
+
+# Keys of a plan in the order they appear in its folder name, with the defaults left out of the name
+# (`PlanConfig`'s defaults), so that two plans differing in any key never share a run folder.
+_NAME_DEFAULTS = {"allow_edges": False, "keep_first": 1, "keep_last": 1, "criterion_samples": None}
+_NAME_TAGS = {"allow_edges": "edges", "keep_first": "kf", "keep_last": "kl", "criterion_samples": "cs"}
+
+
+def plan_name(plan: dict) -> str:
+    """The run folder of a plan: every key that differs from the default is in the name
+    (e.g. ``taylor_7_kf4_kl2`` for Taylor+ beside ``taylor_7``)."""
+    if plan.get("layers") is not None:
+        name = "layers_" + "_".join(str(i) for i in plan["layers"])
+    else:
+        name = f"{plan.get('criterion', 'streamline')}_{plan['num_layers']}"
+    for key, default in _NAME_DEFAULTS.items():
+        value = plan.get(key, default)
+        if value != default:
+            name += f"_{_NAME_TAGS[key]}" + ("" if isinstance(value, bool) else str(value))
+    return name
+
+
+def plan_args(plan: dict) -> list[str]:
+    """Command-line arguments that set every plan key (the others reset to their defaults, so a base
+    config or a user override cannot leak a key the plan did not name into its folder)."""
+    full = {"layers": None, "criterion": "streamline", "num_layers": None, **_NAME_DEFAULTS, **plan}
+    args = []
+    for key, value in full.items():
+        args += [f"--model.plan.{key}", value if isinstance(value, str) else json.dumps(value)]
+    return args
+
+
+def gather(runs: list[tuple[dict, dict]], spec: dict) -> dict:
+    rows = []
+    for plan, res in runs:
+        recovery = res.get("recovery", {})
+        for view, entry in res["views"].items():
+            common = {
+                "plan": plan_name(plan),
+                "criterion": res["plan"]["chosen_by"],
+                "layers_removed": len(res["plan"]["removed"]),
+                "removed": res["plan"]["removed"],
+                "view": view,
+                "method": recovery.get(view, {}).get("method", view),
+            }
+            cost = {
+                "params": entry["params"],
+                "fit_s": recovery.get(view, {}).get("fit_s"),
+                "statistics_s": res["timings"].get("statistics_s"),
+            }
+            for source, m in entry["metrics"].items():
+                rows.append({**common, "source": source, "ppl": m["ppl"], "kl": m.get("kl"), "top1": m.get("top1"),
+                             "acc": None, "acc_norm": None, "items": None, **cost})
+            for task, m in entry.get("zeroshot", {}).items():
+                # items: how many were scored (the average row has none of its own).
+                rows.append({**common, "source": f"zeroshot/{task}", "ppl": None, "kl": None, "top1": None,
+                             "acc": m["acc"], "acc_norm": m.get("acc_norm"), "items": m.get("n"), **cost})
+    first = runs[0][1]
+    return {
+        "base": spec["base"],
+        "model": first["model"],
+        "calibration": {k: v for k, v in first["calibration"].items() if k != "token_groups"},
+        "evaluation": first["evaluation"],
+        "seed": first["calibration"].get("seed"),
+        "rows": rows,
+    }
+
+
+def to_csv(rows: list[dict]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({**r, "removed": " ".join(map(str, r["removed"]))})
+    return buf.getvalue()
+
+
+def to_markdown(report: dict) -> str:
+    rows = report["rows"]
+    plans = list(dict.fromkeys(r["plan"] for r in rows))
+    views = list(dict.fromkeys(r["view"] for r in rows))
+    sources = list(dict.fromkeys(r["source"] for r in rows if not r["source"].startswith("zeroshot/")))
+    cal, ev = report["calibration"], report["evaluation"]
+    lines = [
+        "# ghostdistill compare",
+        "",
+        f"- model: `{report['model']['source']}` ({report['model']['dtype']})",
+        f"- calibration: {cal['source']['source']} (documents {cal['source']['first_document']}–"
+        f"{'end' if cal['source']['max_documents'] is None else cal['source']['first_document'] + cal['source']['max_documents'] - 1}), "
+        f"{cal['windows']} × {cal['seq_len']} tokens, seed {cal['seed']}",
+        f"- evaluation: windows of {ev['seq_len']} tokens; "
+        + ", ".join(f"{k}: {v['windows']} windows of {v['source']}" for k, v in ev["sources"].items()),
+        "- removed layers: " + "; ".join(
+            f"{p}: {next(r['removed'] for r in rows if r['plan'] == p)}" for p in plans),
+        "",
+    ]
+    for source in sources:
+        lines.append(f"Perplexity on {source} (KL to dense in parentheses; fit time in seconds, after the shared statistics pass):")
+        lines.append("")
+        lines.append("| method | " + " | ".join(plans) + " | fit time (s) |")
+        lines.append("|---|" + "---|" * (len(plans) + 1))
+        for view in views:
+            cells, times = [], []
+            for p in plans:
+                r = next((r for r in rows if r["plan"] == p and r["view"] == view and r["source"] == source), None)
+                if r is None:
+                    cells.append("–")
+                    continue
+                cells.append(f"{r['ppl']:.2f}" + (f" ({r['kl']:.3f})" if r["kl"] is not None else ""))
+                if r["fit_s"] is not None:
+                    times.append(f"{r['fit_s']:.1f}")
+            lines.append(f"| {view} | " + " | ".join(cells) + f" | {' / '.join(times) or '–'} |")
+        lines.append("")
+    if any(r["source"] == "zeroshot/average" for r in rows):
+        lines.append("Zero-shot average accuracy (lm-evaluation-harness):")
+        lines.append("")
+        lines.append("| method | " + " | ".join(plans) + " |")
+        lines.append("|---|" + "---|" * len(plans))
+        for view in views:
+            cells = []
+            for p in plans:
+                r = next((r for r in rows if r["plan"] == p and r["view"] == view and r["source"] == "zeroshot/average"), None)
+                cells.append("–" if r is None else f"{r['acc']:.3f}")
+            lines.append(f"| {view} | " + " | ".join(cells) + " |")
+        lines.append("")
+    stats = {p: next(r["statistics_s"] for r in rows if r["plan"] == p) for p in plans}
+    lines.append("Shared statistics pass (s): " + ", ".join(f"{p} {t}" for p, t in stats.items()))
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["rows"] if r["ppl"] is not None]
+    source = rows[0]["source"]
+    criteria = list(dict.fromkeys(r["criterion"] for r in rows))
+    fig, axes = plt.subplots(1, len(criteria), figsize=(5.2 * len(criteria), 4), squeeze=False)
+    for ax, crit in zip(axes[0], criteria):
+        sub = [r for r in rows if r["criterion"] == crit and r["source"] == source]
+        for view in dict.fromkeys(r["view"] for r in sub):
+            pts = sorted((r["layers_removed"], r["ppl"]) for r in sub if r["view"] == view)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=view)
+        ax.set_yscale("log")
+        ax.set_xlabel("layers removed")
+        ax.set_ylabel(f"{source} perplexity (log scale)")
+        ax.set_title(f"criterion: {crit}", fontsize=9)
+        ax.legend(fontsize=7)
+    atomic_savefig(fig, path)
+    plt.close(fig)
+
+
+def write(root: Path, report: dict) -> None:
+    atomic_write_json(root / "compare.json", report)
+    atomic_write_text(root / "compare.csv", to_csv(report["rows"]))
+    atomic_write_text(root / "compare.md", to_markdown(report))
+    plot(report, root / "compare.png")
+

@@ -1,0 +1,126 @@
+"""results.json (everything), results.md (a table to read) and results.png (perplexity per view)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text
+
+
+def markdown_table(report: dict) -> str:
+    views: dict = report.get("views", {})
+    sources = list(next(iter(views.values()))["metrics"]) if views else []
+    head = ["view", "params (M)"]
+    for s in sources:
+        head += [f"{s} PPL", f"{s} KL", f"{s} top-1"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for view, entry in views.items():
+        row = [view, f"{entry['params'] / 1e6:.1f}"]
+        for s in sources:
+            m = entry["metrics"][s]
+            row += [f"{m['ppl']:.2f}", f"{m['kl']:.3f}" if "kl" in m else "–", f"{m['top1']:.3f}" if "top1" in m else "–"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def zeroshot_table(report: dict) -> str:
+    views = {v: e["zeroshot"] for v, e in report.get("views", {}).items() if "zeroshot" in e}
+    if not views:
+        return ""
+    first = next(iter(views.values()))
+    tasks = [t for t in first if t != "average"]
+    head = ["view", *(f"{t} (n={first[t]['n']})" for t in tasks), "average acc"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for view, scores in views.items():
+        cells = []
+        for t in tasks:
+            cell = f"{scores[t]['acc']:.3f}"
+            if "acc_norm" in scores[t]:
+                cell += f" ({scores[t]['acc_norm']:.3f})"
+            cells.append(cell)
+        lines.append(f"| {view} | " + " | ".join(cells) + f" | {scores['average']['acc']:.3f} |")
+    zs = report.get("zeroshot", {})
+    limit = zs.get("limit")
+    if limit is None or (isinstance(limit, dict) and all(n is None for n in limit.values())):
+        scope = "every item of each task"
+    elif isinstance(limit, dict):
+        firsts = ", ".join(f"the first {n} of {t}" for t, n in limit.items() if n is not None)
+        scope = f"{firsts}; every item of the others"
+    else:
+        scope = f"the first {limit} items of each task"
+    source = f"local files in {zs['data_dir']}" if zs.get("data_dir") else "lm-eval's hub datasets"
+    return (f"Zero-shot accuracy (lm-evaluation-harness, acc with acc_norm in parentheses; n = items scored: "
+            f"{scope}; {source}):\n\n" + "\n".join(lines))
+
+
+def render_markdown(report: dict) -> str:
+    plan = report.get("plan", {})
+    cal = report.get("calibration", {})
+    ev = report.get("evaluation", {})
+    src = cal.get("source", {})
+    parts = [
+        "# ghostdistill results",
+        "",
+        f"- model: `{report.get('model', {}).get('source')}` ({report.get('model', {}).get('dtype')})",
+        f"- removed layers ({plan.get('chosen_by')}): {plan.get('removed')} — gaps {plan.get('gaps')}",
+        f"- calibration: {src.get('source')} (documents from {src.get('first_document')}), "
+        f"{cal.get('windows')} × {cal.get('seq_len')} tokens, seed {cal.get('seed')}",
+        f"- evaluation: windows of {ev.get('seq_len')} tokens; "
+        + ", ".join(f"{k}: {v.get('windows')} windows of {v.get('source')}" for k, v in ev.get("sources", {}).items()),
+        "- KL is KL(dense ‖ view) per token in nats; top-1 is agreement with the dense model's argmax.",
+        "",
+        markdown_table(report),
+        "",
+    ]
+    zs = zeroshot_table(report)
+    if zs:
+        parts += [zs, ""]
+    groups = cal.get("token_groups", {})
+    if groups:
+        parts.append("First-position tokens given their own map / massive activations seen (per gap):")
+        parts.append("")
+        for gap, c in groups.items():
+            parts.append(
+                f"- gap {gap}: {c['first']} first-position tokens, {c['regular']} others; massive activations "
+                f"after the gap: {c['massive_first']} at the first position, {c['massive_other']} elsewhere"
+            )
+        parts.append("")
+    timings = report.get("timings", {})
+    if timings:
+        parts.append("Timings (s): " + ", ".join(f"{k.removesuffix('_s')} {v}" for k, v in timings.items()))
+        parts.append("")
+    return "\n".join(parts)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    views = report["views"]
+    sources = list(next(iter(views.values()))["metrics"])
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(views) * max(1, len(sources)) / 2, 3.6))
+    width = 0.8 / len(sources)
+    for j, s in enumerate(sources):
+        vals = [views[v]["metrics"][s]["ppl"] for v in views]
+        bars = ax.bar([i + j * width for i in range(len(views))], vals, width, label=s)
+        ax.bar_label(bars, fmt="%.1f", fontsize=7)
+    ax.set_xticks([i + width * (len(sources) - 1) / 2 for i in range(len(views))], list(views), rotation=20)
+    ax.set_yscale("log")
+    ax.set_ylabel("perplexity (log scale)")
+    ax.set_title(f"removed layers {report.get('plan', {}).get('removed')}", fontsize=9)
+    ax.legend(fontsize=8)
+    atomic_savefig(fig, path)
+    plt.close(fig)
+
+
+def write_report(run_dir: Path, report: dict) -> list[Path]:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    paths = [run_dir / "results.json", run_dir / "results.md"]
+    atomic_write_json(paths[0], report)
+    atomic_write_text(paths[1], render_markdown(report))
+    if report.get("views"):
+        paths.append(run_dir / "results.png")
+        plot(report, paths[-1])
+    return paths

@@ -1,0 +1,86 @@
+import gzip
+import json
+
+import pytest
+import torch
+
+from conftest import C4_HEAD, C4_SAMPLE, WIKITEXT, WIKITEXT_HEAD, need_shared, tiny_model
+from ghostdistill.data import (
+    TextSource,
+    calibration_windows,
+    evaluation_windows,
+    generate_windows,
+    load_documents,
+    validate_source,
+)
+
+
+def test_local_formats(tmp_path, text_corpus):
+    txt = tmp_path / "a.txt"
+    txt.write_text("hello world")
+    assert load_documents(TextSource(str(txt)), for_eval=True) == ["hello world"]
+    jl = tmp_path / "b.jsonl.gz"
+    with gzip.open(jl, "wt") as f:
+        for i in range(5):
+            f.write(json.dumps({"body": f"doc {i}"}) + "\n")
+    src = TextSource(str(jl), text_field="body", first_document=1, max_documents=2)
+    assert load_documents(src, for_eval=False) == ["doc 1", "doc 2"]
+    js = tmp_path / "c.json"
+    js.write_text(json.dumps([{"text": "x"}, {"text": "y"}]))
+    assert load_documents(TextSource(str(js)), for_eval=False) == ["x", "y"]
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"text": ["p", "q"]}), tmp_path / "d.parquet")
+    assert load_documents(TextSource(str(tmp_path / "d.parquet")), for_eval=False) == ["p", "q"]
+    with pytest.raises(ValueError, match="no text field 'body'"):
+        load_documents(TextSource(str(js), text_field="body"), for_eval=False)
+
+
+def test_bad_sources_are_named(tmp_path):
+    with pytest.raises(ValueError, match="data.csv"):
+        validate_source(TextSource(str(tmp_path / "data.csv")))
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        validate_source(TextSource(str(tmp_path / "nope.jsonl")))
+    (tmp_path / "e.txt").write_text("x")
+    with pytest.raises(ValueError, match="first_document=-1"):
+        validate_source(TextSource(str(tmp_path / "e.txt"), first_document=-1))
+
+
+def test_windows_are_deterministic_for_a_seed(tiny_tokenizer, text_files):
+    src = TextSource(str(text_files["jsonl_gz"]))
+    a = calibration_windows(tiny_tokenizer, src, 64, 10, seed=0)
+    b = calibration_windows(tiny_tokenizer, src, 64, 10, seed=0)
+    c = calibration_windows(tiny_tokenizer, src, 64, 10, seed=1)
+    assert a.shape == (10, 64) and torch.equal(a, b) and not torch.equal(a, c)
+    ev = evaluation_windows(tiny_tokenizer, TextSource(str(text_files["txt"])), 64, max_windows=5)
+    assert ev.shape == (5, 64)
+    with pytest.raises(ValueError, match="only 0 windows of 1000000 tokens"):
+        calibration_windows(tiny_tokenizer, src, 1_000_000, 2, seed=0)
+
+
+def test_generated_calibration_is_seeded_and_full_length(tiny_tokenizer):
+    model = tiny_model("llama", num_layers=2)
+    a = generate_windows(model, tiny_tokenizer, seq_len=12, num_samples=3, seed=0, batch_size=2, progress=False)
+    b = generate_windows(model, tiny_tokenizer, seq_len=12, num_samples=3, seed=0, batch_size=2, progress=False)
+    c = generate_windows(model, tiny_tokenizer, seq_len=12, num_samples=3, seed=1, batch_size=2, progress=False)
+    assert a.shape == (3, 12) and torch.equal(a, b) and not torch.equal(a, c)
+    assert (a[:, 0] == tiny_tokenizer.bos_token_id).all()
+
+
+def test_shared_data_files_load(tiny_tokenizer):
+    need_shared(C4_SAMPLE, WIKITEXT)
+    docs = load_documents(TextSource(str(C4_SAMPLE), first_document=1000), for_eval=True)
+    assert len(docs) == 1000
+    wiki = load_documents(TextSource(str(WIKITEXT), join=""), for_eval=True)
+    assert wiki[0].startswith(" = Robert Boulter = ")
+
+
+def test_shipped_excerpts_load(tiny_tokenizer):
+    """The excerpts in data/ (the demo's evaluation text, the integration tests' calibration text)."""
+    docs = load_documents(TextSource(str(C4_HEAD)), for_eval=False)
+    assert len(docs) == 100 and all(len(d) > 0 for d in docs)
+    wiki = load_documents(TextSource(str(WIKITEXT_HEAD), join=""), for_eval=True)
+    assert len(wiki) == 1 and wiki[0].startswith(" = Robert Boulter = ") and wiki[0].endswith("\n")
+    if WIKITEXT.is_file():  # an exact prefix of the full file
+        assert WIKITEXT.read_text().startswith(wiki[0])

@@ -1,0 +1,82 @@
+"""The Lightning layer: what the module registers, what the data module caches, and who writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from conftest import tiny_model
+from ghostdistill.cli import main
+from ghostdistill.core.model import ModelConfig
+from ghostdistill.core.plan import PlanConfig, PruningPlan
+from ghostdistill.lit.module import GhostDistill
+from ghostdistill.methods import RecoveryConfig, identity_fit
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _args(model_dir, text_files, run, *extra):
+    return [
+        "fit", "--config", str(ROOT / "configs" / "smollm2_demo.yaml"),
+        "--model.model.source", str(model_dir),
+        "--model.plan.layers", "[2, 3]",
+        "--data.calibration.num_samples", "4",
+        "--data.calibration.seq_len", "16",
+        "--data.evaluation.seq_len", "32",
+        "--data.evaluation.max_windows", "2",
+        "--data.evaluation.sources", json.dumps([{"name": "held_out", "source": str(text_files["txt"])}]),
+        "--trainer.default_root_dir", str(run),
+        "--trainer.enable_progress_bar", "false",
+        "--calibration.progress", "false",
+        *extra,
+    ]
+
+
+def test_every_methods_maps_are_registered_children(tiny_dir):
+    """ReplaceMe's MLP maps reach parameters() (so an optimizer) and state_dict() (so checkpoints)."""
+    module = GhostDistill(model=ModelConfig(source=str(tiny_dir)), plan=PlanConfig(layers=[2, 3]),
+                          recovery=[RecoveryConfig(name="rm", method="replaceme"), RecoveryConfig(name="g")])
+    module.configure_model()
+    pruned = module.set_plan(PruningPlan.from_layers([2, 3], 6))
+    for cfg in module.recovery_cfgs:
+        fit = identity_fit(cfg, 64)
+        pruned.add_method(cfg.name, {"2-3": fit.operator} if fit.operator else {},
+                          {"2-3": fit.mlp_map} if fit.mlp_map else {})
+    keys = set(module.state_dict())
+    assert "mlp_maps.rm.2-3.delta" in keys and "operators.g.2-3.delta" in keys
+    params = {id(p) for p in module.parameters()}
+    assert id(pruned.mlp_maps["rm"]["2-3"].delta) in params
+    assert id(pruned.operators["g"]["2-3"].delta) in params
+
+
+def test_generated_calibration_text_is_kept_per_model(tiny_dir, tiny_tokenizer, text_files, tmp_path):
+    """Two models in one run folder: each generates (and caches) its own text; neither reuses the other's."""
+    other = tmp_path / "other_model"
+    tiny_model("llama", num_layers=6, seed=1).save_pretrained(other)
+    tiny_tokenizer.save_pretrained(other)
+    run = tmp_path / "run"
+    main(_args(tiny_dir, text_files, run))
+    first = sorted(run.glob("generated_calibration_*.pt"))
+    main(_args(other, text_files, run))
+    both = sorted(run.glob("generated_calibration_*.pt"))
+    assert len(first) == 1 and len(both) == 2
+    texts = [torch.load(p) for p in both]
+    assert not torch.equal(texts[0], texts[1])  # another model samples other text from the same seed
+    # The first model's cache is still what it wrote, and a rerun of that model reuses it.
+    before = first[0].stat().st_mtime_ns
+    main(_args(tiny_dir, text_files, run))
+    assert first[0].stat().st_mtime_ns == before and len(list(run.glob("generated_calibration_*.pt"))) == 2
+
+
+def test_only_rank_zero_writes(tiny_dir, text_files, tmp_path, monkeypatch):
+    """A process that is not rank 0 computes everything but writes no file."""
+    from lightning.pytorch import Trainer
+
+    monkeypatch.setattr(Trainer, "is_global_zero", property(lambda self: False))
+    run = tmp_path / "run"
+    main(_args(tiny_dir, text_files, run, "--calibration.checkpoint_every", "1"))
+    written = sorted(p.name for p in run.rglob("*") if p.is_file()) if run.exists() else []
+    # LightningCLI saves config.yaml on rank 0 only as well.
+    assert written == [], written

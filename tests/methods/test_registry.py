@@ -1,0 +1,108 @@
+"""Adding a method is one module and one registry entry: a toy method registered here runs through
+calibration, the fit and the report like the shipped ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ghostdistill.cli import main
+from ghostdistill.core.operator import GhostOperator
+from ghostdistill.core.plan import Gap
+from ghostdistill.methods import GapFit, GapTaps, Method, RecoveryConfig, get_method, register, registered, unregister
+from ghostdistill.methods.base import NoFold, validate_recovery
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class ScaleStatistics:
+    """Σ x_pre·x_post and Σ x_pre·x_pre over real tokens: the best single scale s in x_post ≈ s·x_pre."""
+
+    def __init__(self, hidden_size: int, device) -> None:
+        self.cross = torch.zeros((), dtype=torch.float64, device=device)
+        self.square = torch.zeros((), dtype=torch.float64, device=device)
+
+    def update(self, taps: GapTaps) -> None:
+        keep = taps.mask.bool()
+        x, y = taps.x_pre[keep].double(), taps.x_post[keep].double()
+        self.cross += (x * y).sum()
+        self.square += (x * x).sum()
+
+    def state_dict(self) -> dict:
+        return {"cross": self.cross, "square": self.square}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cross, self.square = state["cross"], state["square"]
+
+
+class ToyScale(NoFold):
+    name = "toy_scale"
+
+    def collector(self, hidden_size, device):
+        return ScaleStatistics(hidden_size, device)
+
+    def validate(self, cfg: RecoveryConfig) -> None:
+        pass
+
+    def fit(self, cfg: RecoveryConfig, gap: Gap, stats: ScaleStatistics, hidden_size: int) -> GapFit:
+        op = GhostOperator(hidden_size)
+        op.load_solution((stats.cross / stats.square - 1.0) * torch.eye(hidden_size, dtype=torch.float64))
+        return GapFit(operator=op)
+
+    def identity(self, cfg: RecoveryConfig, hidden_size: int) -> GapFit:
+        return GapFit(operator=GhostOperator(hidden_size))
+
+
+@pytest.fixture
+def toy():
+    method = register(ToyScale())
+    yield method
+    unregister(method.name)
+
+
+def test_shipped_methods_implement_the_interface():
+    assert set(registered()) >= {"none", "ghost", "linearpatch", "replaceme", "magnitude"}
+    for name in registered():
+        method = get_method(name)
+        assert isinstance(method, Method) and method.name == name
+    assert [get_method(n).folds for n in ("ghost", "linearpatch", "replaceme", "magnitude")] == [False, False, True, True]
+
+
+def test_unknown_method_is_named_with_the_registered_ones(toy):
+    with pytest.raises(ValueError, match="'lora'.*toy_scale"):
+        validate_recovery([RecoveryConfig(name="x", method="lora")])
+    with pytest.raises(TypeError, match="does not implement"):
+        register(object())
+
+
+def test_a_registered_method_runs_through_calibration_fit_and_report(toy, tiny_dir, text_files, tmp_path):
+    run = tmp_path / "run"
+    main([
+        "fit", "--config", str(ROOT / "configs" / "smollm2_demo.yaml"),
+        "--model.model.source", str(tiny_dir),
+        "--model.plan.layers", "[2, 3]",
+        "--model.recovery", json.dumps([{"name": "ghost"}, {"name": "scaled", "method": "toy_scale"}]),
+        "--data.calibration.source.source", str(text_files["jsonl_gz"]),
+        "--data.calibration.num_samples", "8",
+        "--data.calibration.seq_len", "32",
+        "--data.evaluation.seq_len", "32",
+        "--data.evaluation.max_windows", "4",
+        "--data.evaluation.sources", json.dumps([{"name": "held_out", "source": str(text_files["txt"])}]),
+        "--trainer.default_root_dir", str(run),
+        "--trainer.enable_progress_bar", "false",
+        "--calibration.progress", "false",
+    ])
+    results = json.loads((run / "results.json").read_text())
+    assert list(results["views"]) == ["dense", "pruned", "ghost", "scaled"]
+    assert results["recovery"]["scaled"]["method"] == "toy_scale"
+    scaled, pruned = results["views"]["scaled"], results["views"]["pruned"]
+    assert scaled["metrics"]["held_out"]["ppl"] != pruned["metrics"]["held_out"]["ppl"]
+    assert scaled["params"] == pruned["params"] + 64 * 64  # one inserted C×C operator
+    assert "| scaled |" in (run / "results.md").read_text()
+    # Its statistics were collected in the shared pass and saved for resuming like every method's.
+    state = torch.load(run / "calibration_state.pt", weights_only=False)
+    saved = state["stats"]["2-3"]["toy_scale"]
+    assert float(saved["square"]) > 0 and float(saved["cross"]) != 0

@@ -1,0 +1,149 @@
+"""The package's architecture, checked: no import cycles, lower layers never import upper ones, and
+every third-party import is declared in pyproject.toml."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "ghostdistill"
+
+# Lowest first. A module may import from its own layer's modules and from lower layers only.
+LAYERS = ["core", "methods", "data", "evaluation", "criteria", "calibration", "reporting", "lit", "cli"]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every ghostdistill module a file imports, at any depth of the file (functions included), with
+    `from x import y` counted as x.y when y is a module."""
+    tree = ast.parse(path.read_text())
+    this = module_name(path)
+    package = this if path.name == "__init__.py" else this.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("ghostdistill"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("ghostdistill"):
+                continue
+            for alias in node.names:
+                candidate = f"{target}.{alias.name}"
+                found.add(candidate if candidate in MODULES else target)
+    return {m for m in found if m in MODULES and m != this}
+
+
+FILES = sorted(PACKAGE.rglob("*.py"))
+MODULES = {module_name(p) for p in FILES}
+GRAPH = {module_name(p): imports_of(p) for p in FILES}
+
+
+def layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_the_graph_sees_imports():
+    assert "ghostdistill.core.model" in GRAPH["ghostdistill.core.views"]
+    assert "ghostdistill.methods.base" in GRAPH["ghostdistill.methods.ghost"]
+    assert "ghostdistill.lit.callbacks" in GRAPH["ghostdistill.cli"]
+
+
+def test_no_two_modules_import_each_other_directly_or_in_a_circle():
+    """Tarjan's strongly connected components: any component of more than one module is a cycle. A
+    package's __init__ importing its own submodules is not a cycle unless a submodule imports it back."""
+    index, low, on_stack, stack, cycles = {}, {}, set(), [], []
+    sys.setrecursionlimit(10_000)
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in GRAPH:
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_lower_layers_never_import_upper_ones():
+    bad = []
+    for module, deps in GRAPH.items():
+        own = layer(module)
+        if own not in LAYERS:
+            continue
+        for dep in deps:
+            other = layer(dep)
+            if other in LAYERS and LAYERS.index(other) > LAYERS.index(own):
+                bad.append(f"{module} imports {dep}")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_layer_is_a_known_subpackage():
+    top = {layer(m) for m in MODULES} - {None, "__main__"}
+    assert top == set(LAYERS), f"update LAYERS for {top ^ set(LAYERS)}"
+
+
+# Import name -> distribution name, where they differ.
+DISTRIBUTIONS = {"yaml": "pyyaml", "lm_eval": "lm-eval", "pyarrow": "datasets"}
+
+
+def test_every_third_party_import_is_declared():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[<>=\[ ;!~]", d)[0].lower() for d in project["dependencies"]}
+    stdlib = set(sys.stdlib_module_names)
+    missing = set()
+    for path in FILES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                if top in stdlib or top == "ghostdistill":
+                    continue
+                dist = DISTRIBUTIONS.get(top, top).lower()
+                if dist not in declared and dist.replace("_", "-") not in declared:
+                    missing.add(f"{top} (in {path.relative_to(PACKAGE.parent)})")
+    assert not missing, f"imported but not in pyproject.toml dependencies: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("layer_name", LAYERS[:-1])
+def test_each_layer_is_documented(layer_name):
+    init = PACKAGE / layer_name / "__init__.py"
+    assert ast.get_docstring(ast.parse(init.read_text())), f"{init} needs a docstring saying what the layer holds"
