@@ -17,7 +17,7 @@ from pathlib import Path
 
 from lightning.pytorch.cli import LightningCLI
 
-from .lit.callbacks import Calibration, Report
+from .lit.callbacks import Calibration, LastCheckpoint, Report
 from .lit.datamodule import GhostDataModule
 from .lit.module import GhostDistill
 from .methods import RecoveryConfig
@@ -45,7 +45,17 @@ class GhostDistillCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs):
         extra = kwargs.pop("callbacks", []) or []
-        return super().instantiate_trainer(callbacks=[*extra, Report()], **kwargs)
+        callbacks = [*extra, Report()]
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        steps = config.get("trainer", {}).get("max_steps", 0)
+        if steps and steps > 0:
+            # Resumable distillation: `<run>/checkpoints/last.ckpt` every distill.checkpoint_every steps and at
+            # the end, holding only what trains (`--ckpt_path last` resumes).
+            every = config["model"]["distill"]["checkpoint_every"] or steps
+            callbacks.append(LastCheckpoint(dirpath=Path(config["trainer"]["default_root_dir"]) / "checkpoints",
+                                            every_n_train_steps=every))
+            kwargs["enable_checkpointing"] = True
+        return super().instantiate_trainer(callbacks=callbacks, **kwargs)
 
     def after_fit(self) -> None:
         self.trainer.test(self.model, datamodule=self.datamodule)

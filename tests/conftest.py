@@ -113,7 +113,7 @@ def corpus() -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(40, 400))) + "." for _ in range(300)]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def shared_data() -> Path:
     """../shared/data with the offline zero-shot files (skip without it; fail under CI)."""
     need_shared(*(DATA / task for task in ("arc_easy", "arc_challenge", "piqa", "winogrande", "hellaswag", "boolq", "openbookqa")))

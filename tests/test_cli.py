@@ -304,3 +304,12 @@ def test_bad_zeroshot_limit_is_named(tiny_dir, text_files, tmp_path):
         with pytest.raises(ValueError, match=match):
             main(_args(tiny_dir, text_files, tmp_path / "run", "--model.evaluation.zeroshot", zs))
     assert not (tmp_path / "run").exists()
+
+
+def test_offline_zeroshot_with_the_default_tasks_fails_before_loading(tiny_dir, text_files, tmp_path):
+    """The default tasks include rte, copa and race, which have no offline files: said at once, with
+    the tasks that have them."""
+    zs = json.dumps({"enabled": True, "data_dir": str(tmp_path)})
+    with pytest.raises(ValueError, match="'rte', 'copa', 'race'.*valid offline tasks: arc_easy"):
+        main(_args(tiny_dir, text_files, tmp_path / "run", "--model.evaluation.zeroshot", zs))
+    assert not (tmp_path / "run").exists()

@@ -15,6 +15,7 @@ import torch
 
 from ..core.views import PrunedModel
 from ..methods import Collector, GapFit, RecoveryConfig, get_method, make_collectors
+from .distributed import sum_collectors
 from .stream import accumulate_students
 
 Batches = Sequence[dict[str, torch.Tensor]]
@@ -37,10 +38,14 @@ def fit_methods(
     hidden: int,
     device: torch.device | str,
     progress: Callable[[Iterable, str], Iterable] = lambda it, desc: it,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, dict]:
     """Fit every gap of every method and register each method's view (in config order, the order of
     the views in every report); returns each method's settings and what its fit cost (`fit_s`: its own
-    student passes and solves plus an equal share of the shared dense passes)."""
+    student passes and solves plus an equal share of the shared dense passes).
+
+    With several processes, `batches` is this rank's share and `reduce` sums a tensor over ranks: the
+    student statistics of sequential fits are summed before each solve, like the shared ones."""
     gaps = pruned.plan.gaps
     methods = {cfg.name: get_method(cfg.method) for cfg in cfgs}
     fits = {cfg.name: {g.key: methods[cfg.name].identity(cfg, hidden) for g in gaps} for cfg in cfgs}
@@ -65,6 +70,8 @@ def fit_methods(
             )
             for cfg in sequential:
                 seconds[cfg.name] += spent[cfg.name] + spent["dense"] / len(sequential)
+                if reduce is not None:
+                    sum_collectors({cfg.method: collectors[cfg.name]}, reduce)
         for cfg in cfgs:
             start = time.perf_counter()
             fits[cfg.name][gap.key] = methods[cfg.name].fit(cfg, gap, collectors[cfg.name], hidden)

@@ -8,7 +8,7 @@ teacher costs no extra memory while the kept blocks are frozen.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -28,7 +28,10 @@ class PrunedModel:
     """A dense model plus a pruning plan, and one set of gap operators per recovery method.
 
     `set_view("dense")` restores the original model; `set_view("pruned")` drops the planned blocks;
-    `set_view(method)` drops them and applies that method's operators at each gap.
+    `set_view(method)` drops them and applies that method's operators at each gap. A view may also
+    replace some surviving blocks by its own copies (`substitute_blocks`: fine-tuning whole blocks
+    leaves the dense teacher's blocks untouched), and listeners hear every view change (fine-tuning
+    switches LoRA adapters there).
     """
 
     def __init__(self, model: nn.Module, plan: PruningPlan) -> None:
@@ -49,16 +52,26 @@ class PrunedModel:
         # train them.
         self.operators = nn.ModuleDict()
         self.mlp_maps = nn.ModuleDict()
+        # view -> str(dense block index) -> that view's own copy of the block.
+        self.blocks = nn.ModuleDict()
         self.view = DENSE
-        self._handles = [self._host(gap) for gap in plan.gaps]
+        self.skip = 0
+        self.listeners: list[Callable[[str], None]] = []
+        self._handles = [self._host(gap, self.dense_layers) for gap in plan.gaps]
         self._mlp_hooked: set[str] = set()
 
     # ------------------------------------------------------------------ views
-    def set_view(self, view: str) -> None:
+    def set_view(self, view: str, skip: int = 0) -> None:
+        """Switch to `view`. `skip` leaves out the view's first blocks (a forward then starts from the
+        residual stream entering block `skip`, passed as the input embeddings)."""
         if view not in (DENSE, PRUNED) and view not in self.operators:
             raise ValueError(f"unknown view {view!r}; available: {self.views}")
-        indices = range(self.plan.num_layers) if view == DENSE else self.plan.kept
-        layers = [self.dense_layers[i] for i in indices]
+        indices = list(range(self.plan.num_layers) if view == DENSE else self.plan.kept)
+        if not 0 <= skip < len(indices):
+            raise ValueError(f"skip={skip} must leave at least one of the view's {len(indices)} blocks")
+        indices = indices[skip:]
+        own = self.blocks[view] if view in self.blocks else {}
+        layers = [own[str(i)] if str(i) in own else self.dense_layers[i] for i in indices]
         self.stack.set_layers(layers)
         self.model.config.num_hidden_layers = len(layers)
         for name, values in self._config_lists.items():
@@ -68,15 +81,18 @@ class PrunedModel:
                 if hasattr(module, "layer_idx"):
                     module.layer_idx = new_idx
         self.view = view
+        self.skip = skip
+        for listener in self.listeners:
+            listener(view)
 
     @contextlib.contextmanager
-    def use(self, view: str) -> Iterator[nn.Module]:
-        previous = self.view
-        self.set_view(view)
+    def use(self, view: str, skip: int = 0) -> Iterator[nn.Module]:
+        previous = (self.view, self.skip)
+        self.set_view(view, skip)
         try:
             yield self.model
         finally:
-            self.set_view(previous)
+            self.set_view(*previous)
 
     @property
     def views(self) -> list[str]:
@@ -105,15 +121,36 @@ class PrunedModel:
         self.mlp_maps[name] = nn.ModuleDict(mlp_maps).to(device)
         for gap in self.plan.gaps:
             if gap.key in mlp_maps and gap.key not in self._mlp_hooked:
-                self._handles.append(self._host_mlp(gap))
+                self._handles.append(self._host_mlp(gap, self.dense_layers))
+                for own in self.blocks.values():
+                    if str(gap.start - 1) in own:
+                        self._handles.append(self._host_mlp(gap, [own.get(str(i), b) for i, b in enumerate(self.dense_layers)]))
                 self._mlp_hooked.add(gap.key)
+
+    def substitute_blocks(self, view: str, blocks: dict[int, nn.Module]) -> None:
+        """Give `view` its own modules for some surviving blocks (dense indices); the gap operators and
+        MLP maps act on them as on the shared ones."""
+        if view not in self.operators:
+            raise ValueError(f"substitute_blocks: {view!r} is not a method view; available: {self.views}")
+        removed = set(self.plan.removed)
+        bad = [i for i in blocks if i in removed or not 0 <= i < self.plan.num_layers]
+        if bad:
+            raise ValueError(f"substitute_blocks: blocks {bad} are not surviving blocks (kept: {list(self.plan.kept)})")
+        layers = [blocks.get(i, self.dense_layers[i]) for i in range(self.plan.num_layers)]
+        self.blocks[view] = nn.ModuleDict({str(i): m for i, m in blocks.items()})
+        for gap in self.plan.gaps:
+            host = gap.stop if gap.stop < self.plan.num_layers else gap.start - 1
+            if host in blocks:
+                self._handles.append(self._host(gap, layers))
+            if gap.key in self._mlp_hooked and gap.start - 1 in blocks:
+                self._handles.append(self._host_mlp(gap, layers))
 
     def _operator(self, gap: Gap) -> GhostOperator | None:
         if self.view in (DENSE, PRUNED) or gap.key not in self.operators[self.view]:
             return None
         return self.operators[self.view][gap.key]
 
-    def _host_mlp(self, gap: Gap):
+    def _host_mlp(self, gap: Gap, layers: list[nn.Module]):
         if gap.start == 0:
             raise ValueError(f"gap {gap.key} starts at block 0: there is no MLP before it to fuse into")
 
@@ -122,9 +159,9 @@ class PrunedModel:
                 return None
             return self.mlp_maps[self.view][gap.key](output)
 
-        return mlp_module(self.dense_layers[gap.start - 1]).register_forward_hook(hook)
+        return mlp_module(layers[gap.start - 1]).register_forward_hook(hook)
 
-    def _host(self, gap: Gap):
+    def _host(self, gap: Gap, layers: list[nn.Module]):
         """The operator acts on the residual stream entering the first block after the gap; when the
         gap reaches the end of the stack it acts on the output of the last block before it instead."""
         if gap.stop < self.plan.num_layers:
@@ -137,7 +174,7 @@ class PrunedModel:
                 first = first_position_mask(kwargs.get("position_ids"), hidden)
                 return (op(hidden, first), *rest), kwargs
 
-            return self.dense_layers[gap.stop].register_forward_pre_hook(pre_hook, with_kwargs=True)
+            return layers[gap.stop].register_forward_pre_hook(pre_hook, with_kwargs=True)
         if gap.start == 0:
             raise ValueError("the plan removes every block; nothing is left to host an operator")
 
@@ -150,7 +187,7 @@ class PrunedModel:
             new = op(hidden, first)
             return (new, *output[1:]) if isinstance(output, tuple) else new
 
-        return self.dense_layers[gap.start - 1].register_forward_hook(post_hook, with_kwargs=True)
+        return layers[gap.start - 1].register_forward_hook(post_hook, with_kwargs=True)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -158,8 +195,28 @@ class PrunedModel:
         self._handles = []
 
 
+# Names of LoRA adapter parameters (peft). Adapters merge into the weights they adapt when a view is
+# exported, so they are not counted as parameters of any view.
+_ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+
+
 def count_parameters(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+    return sum(
+        p.numel() for name, p in module.named_parameters() if not any(f".{part}." in f".{name}." for part in _ADAPTER_PARTS)
+    )
+
+
+def copy_block(block: nn.Module) -> nn.Module:
+    """A deep copy of a block without the hooks of the original (the views' operator hooks would act
+    twice otherwise): what `substitute_blocks` expects."""
+    import copy
+
+    clone = copy.deepcopy(block)
+    for module in clone.modules():
+        for hooks in ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+                      "_forward_hooks_always_called"):
+            getattr(module, hooks).clear()
+    return clone
 
 
 @torch.no_grad()

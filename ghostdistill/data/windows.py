@@ -31,7 +31,7 @@ def calibration_windows(tokenizer, src: TextSource, seq_len: int, num_samples: i
 
     A window comes from one document long enough to hold it (random document, random offset, as GPTQ
     and the pruning papers sample C4); if too few documents are long enough, the rest come from the
-    documents joined into one stream.
+    short documents joined into one stream, then from further random offsets of the long ones.
     """
     docs = load_documents(src, for_eval=False)
     rng = random.Random(seed)
@@ -39,6 +39,7 @@ def calibration_windows(tokenizer, src: TextSource, seq_len: int, num_samples: i
     rng.shuffle(order)
     windows: list[list[int]] = []
     short: list[int] = []
+    long: list[list[int]] = []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     for i in order:
         if len(windows) == num_samples:
@@ -47,11 +48,17 @@ def calibration_windows(tokenizer, src: TextSource, seq_len: int, num_samples: i
         if len(ids) >= seq_len:
             start = rng.randint(0, len(ids) - seq_len)
             windows.append(ids[start : start + seq_len])
+            long.append(ids)
         else:
             short.extend(ids + eos)
     while len(windows) < num_samples and len(short) >= seq_len:
         start = rng.randint(0, len(short) - seq_len)
         windows.append(short[start : start + seq_len])
+    # Few but long documents (one book, one raw file): more windows at other random offsets of them.
+    while len(windows) < num_samples and long:
+        ids = long[rng.randrange(len(long))]
+        start = rng.randint(0, len(ids) - seq_len)
+        windows.append(ids[start : start + seq_len])
     if len(windows) < num_samples:
         raise ValueError(
             f"{src.label}: only {len(windows)} windows of {seq_len} tokens available, {num_samples} requested; "
@@ -92,3 +99,18 @@ def generate_windows(
             )
             out.append(seqs[:, :seq_len].cpu())
     return torch.cat(out)
+
+
+def shared_ngrams(windows: torch.Tensor, reference: torch.Tensor, n: int = 32) -> list[int]:
+    """Indices of the rows of `windows` that share a run of `n` tokens with `reference`: the check that
+    training or validation windows never overlap evaluation windows cut from the same text (a shared
+    32-token run does not happen by chance in natural text). `reference` rows are consecutive windows of
+    one text, so runs across their boundaries count too; `n` shrinks to half a window for short windows."""
+    n = max(1, min(n, windows.shape[1] // 2 or 1))
+    stream = reference.reshape(-1).tolist()
+    seen = {hash(tuple(stream[i : i + n])) for i in range(len(stream) - n + 1)}
+    hits = []
+    for k, row in enumerate(windows.tolist()):
+        if any(hash(tuple(row[i : i + n])) in seen for i in range(len(row) - n + 1)):
+            hits.append(k)
+    return hits

@@ -38,6 +38,7 @@ __all__ = [
     "PAPER_TASKS",
     "ZeroShotResults",
     "average_scores",
+    "check_offline_tasks",
     "evaluate_zeroshot",
     "offline_task_name",
     "task_limits",
@@ -116,12 +117,19 @@ def _as_list(tasks: Sequence[str] | str) -> list[str]:
     return list(dict.fromkeys(names))  # drop repeats, keep order
 
 
+def check_offline_tasks(tasks: Sequence[str], data_dir: str | os.PathLike[str]) -> None:
+    """Fail early when a task has no offline definition (the paper's rte, copa and race have none) or
+    its files are missing from `data_dir`; the error names the task and lists the valid ones."""
+    _check_offline(_as_list(tasks), data_dir)
+
+
 def _check_offline(tasks: list[str], data_dir: str | os.PathLike[str]) -> None:
     unknown = [t for t in tasks if t not in OFFLINE_TASKS]
     if unknown:
         raise ValueError(
             f"task(s) {', '.join(map(repr, unknown))} cannot be read from a data folder; "
-            f"valid offline tasks: {', '.join(OFFLINE_TASKS)}"
+            f"valid offline tasks: {', '.join(OFFLINE_TASKS)} (set zeroshot.tasks to those, or data_dir: null "
+            "for lm-eval's hub datasets)"
         )
     for task in tasks:
         _loaders.check_files(task, data_dir)  # FileNotFoundError naming task and path

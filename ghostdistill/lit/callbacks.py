@@ -8,9 +8,11 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 from tqdm.auto import tqdm
 
+from ..calibration.distributed import shard, sum_collectors
 from ..calibration.fit import fit_methods
 from ..calibration.stream import accumulate
 from ..core.io import atomic_torch_save, json_digest
@@ -49,7 +51,19 @@ class Calibration(Callback):
         pl_module.configure_model()
         # The strategy moves the module only after setup; calibrating an 8B model on the CPU would crawl.
         pl_module.to(trainer.strategy.root_device)
+        if trainer.max_steps < 0:
+            raise ValueError(
+                f"trainer.max_steps={trainer.max_steps}: set 0 (training-free) or the number of distillation steps"
+            )
         self.calibrate(trainer, pl_module)
+        if pl_module.distilling:
+            # Students start from their method's closed form, before the optimizer exists.
+            students = pl_module.setup_students()
+            students.check_prefix(next(iter(trainer.datamodule.calibration_dataloader())))
+            rank_zero_info(
+                f"distilling {students.views} ({', '.join(pl_module.distill_cfg.train)}); blocks before the first "
+                f"gap run {'once, shared' if students.share_prefix else 'for every student'}"
+            )
         self.done = True
 
     def _fingerprint(self, pl_module, datamodule) -> str:
@@ -72,6 +86,11 @@ class Calibration(Callback):
         state = torch.load(state_path, weights_only=False) if state_path.is_file() else None
         if state is not None and state.get("fingerprint") != fingerprint:
             rank_zero_info(f"{state_path} belongs to other settings; calibrating from scratch")
+            state = None
+        world, rank = trainer.world_size, trainer.global_rank
+        if state is not None and world > 1 and state["batches_done"] < state.get("batches_total", -1):
+            # Partial sums of one process cannot be split among several: only complete states are reused.
+            rank_zero_info(f"{state_path} is incomplete and this run has {world} processes; calibrating from scratch")
             state = None
         timings = pl_module.report["timings"]
         llm = pl_module.llm
@@ -115,20 +134,31 @@ class Calibration(Callback):
             done, tokens = state["batches_done"], state["tokens"]
             rank_zero_info(f"resuming calibration after {done}/{len(batches)} batches from {state_path}")
         start = time.perf_counter()
-        bar = tqdm(total=len(batches), initial=done, desc="calibration statistics", disable=not self.progress)
-        for i in range(done, len(batches)):
-            tokens += accumulate(llm, pruned.stack, plan.gaps, [batches[i]], stats)
-            bar.update(1)
-            if self.checkpoint_every and (i + 1) % self.checkpoint_every == 0 and i + 1 < len(batches):
-                self._save(trainer, state_path, fingerprint, plan, stats, i + 1, tokens)
-        bar.close()
-        self._save(trainer, state_path, fingerprint, plan, stats, len(batches), tokens)
+        reduce = (lambda t: trainer.strategy.reduce(t, reduce_op="sum")) if world > 1 else None
+        if world > 1 and done < len(batches):
+            # Each rank streams its share; the sums are added across ranks before the solve.
+            mine = shard(batches, rank, world)
+            for batch in tqdm(mine, desc=f"calibration statistics (rank {rank})", disable=not self.progress):
+                tokens += accumulate(llm, pruned.stack, plan.gaps, [batch], stats)
+            for collectors in stats.values():
+                sum_collectors(collectors, reduce)
+            tokens = int(reduce(torch.tensor(tokens, dtype=torch.float64, device=device)).item())
+        else:
+            bar = tqdm(total=len(batches), initial=done, desc="calibration statistics", disable=not self.progress)
+            for i in range(done, len(batches)):
+                tokens += accumulate(llm, pruned.stack, plan.gaps, [batches[i]], stats)
+                bar.update(1)
+                if self.checkpoint_every and (i + 1) % self.checkpoint_every == 0 and i + 1 < len(batches):
+                    self._save(trainer, state_path, fingerprint, plan, stats, i + 1, tokens, len(batches))
+            bar.close()
+        self._save(trainer, state_path, fingerprint, plan, stats, len(batches), tokens, len(batches))
         timings["statistics_s"] = round(time.perf_counter() - start, 2)
 
         # ---- operators, gap by gap (sequential fits need the earlier gaps of their own method)
         fits = fit_methods(
-            pl_module.recovery_cfgs, pruned, stats, batches, c, device,
+            pl_module.recovery_cfgs, pruned, stats, shard(batches, rank, world) if world > 1 else batches, c, device,
             progress=lambda it, desc: tqdm(it, desc=desc, disable=not self.progress),
+            reduce=reduce,
         )
         timings["solve_s"] = round(sum(f["fit_s"] for f in fits.values()), 2)
 
@@ -151,7 +181,8 @@ class Calibration(Callback):
 
     @staticmethod
     def _save(
-        trainer: Trainer, path: Path, fingerprint: str, plan: PruningPlan, stats: dict, done: int, tokens: int
+        trainer: Trainer, path: Path, fingerprint: str, plan: PruningPlan, stats: dict, done: int, tokens: int,
+        total: int,
     ) -> None:
         if not trainer.is_global_zero:
             return  # only rank 0 writes; every rank holds the same statistics
@@ -161,6 +192,7 @@ class Calibration(Callback):
                      "scores": plan.scores},
             "stats": {k: {name: _to(c.state_dict(), "cpu") for name, c in cs.items()} for k, cs in stats.items()},
             "batches_done": done,
+            "batches_total": total,
             "tokens": tokens,
         }
         atomic_torch_save(state, path)
@@ -199,3 +231,17 @@ class Report(Callback):
             }
             paths = write_report(Path(trainer.default_root_dir), report)
             rank_zero_info("results written to " + ", ".join(str(p) for p in paths))
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """`last.ckpt` in the run's `checkpoints/` folder every `every_n_train_steps` and after the final step
+    (what `--ckpt_path last` resumes from); the module keeps only trainable tensors in it."""
+
+    def __init__(self, dirpath: Path, every_n_train_steps: int) -> None:
+        super().__init__(dirpath=dirpath, save_top_k=0, save_last=True, every_n_train_steps=every_n_train_steps,
+                         save_on_train_epoch_end=False)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if trainer.global_step == trainer.max_steps and self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))

@@ -1,13 +1,19 @@
-"""The LightningModule: the dense teacher, the pruned student and its gap operators, and evaluation.
+"""The LightningModule: the dense teacher, the pruned students and their gap operators, distillation
+and evaluation.
 
-Training-free mode (`trainer.max_steps: 0`) never takes a step: the `Calibration` callback fits the
-operators before anything runs and `test` evaluates every view. The training step is where
-distillation will go; the teacher is the dense view of the same blocks, so it costs no memory.
+Training-free (`trainer.max_steps: 0`) never takes a step: the `Calibration` callback fits every
+method's operators before anything runs and `test` evaluates every view. Fine-tuned recovery
+(`max_steps` > 0, `distill.methods` set): the callback also builds a `<method>_ft` student per method
+from its closed-form fit (`distill.students`); each training step runs the teacher once and every
+student on the same batch, with the chunked KL loss (`distill.loss`); validation every
+`distill.val_every` steps keeps each student's best step; `test` then evaluates the training-free and
+the fine-tuned views side by side. The teacher is the dense view of the same blocks: no extra memory.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -20,9 +26,13 @@ from ..core.io import json_digest, tensor_digest
 from ..core.model import ModelConfig, load_model, load_tokenizer
 from ..core.plan import PlanConfig, PruningPlan
 from ..core.views import DENSE, PRUNED, PrunedModel, view_parameter_count
+from ..distill.config import DistillConfig
+from ..distill.loss import chunked_distillation_loss
+from ..distill.optim import make_optimizer
+from ..distill.students import Students
 from ..evaluation.metrics import next_token_targets, score_tokens
 from ..evaluation.scores import ScoreStore, score_key
-from ..evaluation.zeroshot import PAPER_TASKS, average_scores, task_limits
+from ..evaluation.zeroshot import PAPER_TASKS, average_scores, check_offline_tasks, task_limits
 from ..methods import RecoveryConfig, validate_recovery
 
 
@@ -66,6 +76,10 @@ class EvalConfig:
     zeroshot: ZeroShotConfig = field(default_factory=ZeroShotConfig)
 
 
+# The model stays in eval mode while the students train (see `GhostDistill.train`): intended.
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
+
+
 class GhostDistill(LightningModule):
     """Holds the model, its pruning plan and one operator set per recovery method.
 
@@ -74,6 +88,7 @@ class GhostDistill(LightningModule):
         plan: which layers go (explicit list or criterion).
         recovery: the recovery methods to fit and compare; each becomes a view (default: one `ghost`).
         evaluation: which views to evaluate.
+        distill: fine-tuned recovery (with `trainer.max_steps` > 0): which methods, what trains, how.
     """
 
     def __init__(
@@ -82,23 +97,30 @@ class GhostDistill(LightningModule):
         plan: PlanConfig = PlanConfig(num_layers=7),
         recovery: list[RecoveryConfig] | None = None,
         evaluation: EvalConfig = EvalConfig(),
+        distill: DistillConfig = DistillConfig(),
     ) -> None:
         super().__init__()
         recovery = [RecoveryConfig()] if recovery is None else recovery
         validate_recovery(recovery)
+        distill.validate([r.name for r in recovery])
         task_limits(evaluation.zeroshot.tasks, evaluation.zeroshot.limit)  # bad limits fail before loading
+        if evaluation.zeroshot.enabled and evaluation.zeroshot.data_dir is not None:
+            # Before an hour of calibration, not after: tasks without offline files, or missing files.
+            check_offline_tasks(evaluation.zeroshot.tasks, evaluation.zeroshot.data_dir)
         if plan.layers is None and plan.num_layers is None:
             raise ValueError("plan needs either layers (explicit list) or num_layers (for the criterion)")
         self.model_cfg = model
         self.plan_cfg = plan
         self.recovery_cfgs = list(recovery)
         self.eval_cfg = evaluation
+        self.distill_cfg = distill
         self.save_hyperparameters(
             {
                 "model": asdict(model),
                 "plan": asdict(plan),
                 "recovery": [asdict(r) for r in recovery],
                 "evaluation": asdict(evaluation),
+                "distill": asdict(distill),
             }
         )
         self.tokenizer = load_tokenizer(model)
@@ -108,6 +130,13 @@ class GhostDistill(LightningModule):
         self.report: dict = {"timings": {}}
         self._metrics: torch.nn.ModuleDict | None = None
         self._test_sources: list[str] = []
+        # Distillation: the students, validation history and each student's best step.
+        self.students: Students | None = None
+        self.history: list[dict] = []
+        self.best: dict[str, dict] = {}
+        self._last_validated: int | None = None
+        # Checkpoints hold only what trains; the frozen base comes from `model.source` on resume.
+        self.strict_loading = False
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -143,16 +172,181 @@ class GhostDistill(LightningModule):
         return [v for v in available if v in wanted]
 
     # --------------------------------------------------------------- training
-    def training_step(self, batch, batch_idx):
-        raise RuntimeError(
-            "ghostdistill runs training-free: set trainer.max_steps: 0. Distillation (KL against the dense "
-            "teacher) is not available in this release."
-        )
+    @property
+    def distilling(self) -> bool:
+        return self._trainer is not None and self.trainer.max_steps != 0 and bool(self.distill_cfg.methods)
+
+    def setup_students(self) -> Students:
+        """Build the `<method>_ft` views from the fitted ones (called by `Calibration` after the fit)."""
+        assert self.pruned is not None
+        self.students = Students(self.pruned, self.distill_cfg)
+        self.students.build()
+        # Registered, so the copied blocks move with the module and reach the checkpoints.
+        self.student_blocks = self.pruned.blocks
+        return self.students
+
+    def train(self, mode: bool = True):
+        """The model stays in eval mode (the teacher, and the students' frozen blocks, never drop
+        anything out); only the adapters' dropout follows `mode`."""
+        super().train(mode)
+        if self.llm is not None:
+            self.llm.eval()
+            if mode:
+                for name, module in self.llm.named_modules():
+                    if ".lora_dropout" in f".{name}":
+                        module.train(True)
+        return self
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if not self.distilling or self.students is None:
+            raise RuntimeError(
+                "trainer.max_steps > 0 trains the students of model.distill.methods, which is empty: name the "
+                "methods to fine-tune (e.g. --model.distill.methods [ghost]) or set trainer.max_steps: 0"
+            )
+        students = self.students
+        start = time.perf_counter()
+        ids = batch["input_ids"]
+        mask = batch.get("attention_mask")
+        mask = torch.ones_like(ids) if mask is None else mask
+        targets, valid = next_token_targets(ids, mask)
+        head = self.llm.get_output_embeddings()
+        teacher_hidden, prefix = students.teacher(batch)
+        total = teacher_hidden.new_zeros((), dtype=torch.float32)
+        for view in students.views:
+            hidden = students.student(view, batch, prefix)
+            loss = chunked_distillation_loss(
+                hidden[:, :-1], teacher_hidden[:, :-1], head, valid, targets, self.distill_cfg.loss
+            )
+            self.log(f"train/{view}/loss", loss.detach(), on_step=True, prog_bar=len(students.views) <= 2)
+            # Students share no parameter: the gradient of the sum is each student's own gradient.
+            total = total + loss
+        tokens = float(valid.sum()) * self.trainer.world_size
+        self.log("tok/s", tokens / max(time.perf_counter() - start, 1e-9), on_step=True, prog_bar=True)
+        return total
 
     def configure_optimizers(self):
-        # Lightning sets up optimizers even for max_steps=0; the operators are what distillation trains first.
-        params = [p for p in self.parameters() if p.requires_grad] or [torch.nn.Parameter(torch.zeros(1))]
-        return torch.optim.AdamW(params, lr=1e-4)
+        if not self.distilling or self.students is None:
+            # Lightning sets up optimizers even for max_steps=0; nothing trains then.
+            return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+        optimizer, scheduler = make_optimizer(self.students.params, self.distill_cfg, self.trainer.max_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Clip each student on its own: one global norm over all students would let one student's
+        gradients shrink another's, and the comparison would not be the same recipe for each."""
+        if not gradient_clip_val:
+            return
+        by_student: dict[str, list] = {}
+        for group in optimizer.param_groups:
+            by_student.setdefault(group.get("student", ""), []).extend(group["params"])
+        for params in by_student.values():
+            if gradient_clip_algorithm in (None, "norm"):
+                torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+            else:
+                torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+
+    # ------------------------------------------------------------- validation
+    def on_train_start(self) -> None:
+        if self.distilling:
+            self.validate_students()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        every = self.distill_cfg.val_every
+        if self.distilling and every and self.global_step % every == 0:
+            self.validate_students()
+
+    def on_train_end(self) -> None:
+        if not self.distilling or self.students is None:
+            return
+        self.validate_students()
+        keep = self.distill_cfg.keep
+        for view in self.students.views:
+            best = self.best.get(view)
+            if keep == "best" and best is not None and best["step"] != self.global_step:
+                self.students.load_trainable_state(view, best["state"])
+        self.report["distill"] = {
+            **asdict(self.distill_cfg),
+            "steps": self.global_step,
+            "kept": keep,
+            "prefix_shared": self.students.share_prefix,
+            "best": {v: {"step": b["step"], "val_kl": b["kl"]} for v, b in self.best.items()},
+            "history": self.history,
+        }
+
+    @torch.no_grad()
+    def validate_students(self) -> None:
+        """KL to the teacher and perplexity of every fine-tuned view on the validation windows (each
+        rank scores its share, sums are reduced), logged, kept in the history, and each student's best
+        step by KL remembered."""
+        step = self.global_step
+        if self._last_validated == step or self.students is None:
+            return
+        self._last_validated = step
+        ids = self.trainer.datamodule.val_ids()
+        if ids is None:
+            return
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        views = self.students.views
+        sums = torch.zeros(len(views), 3, dtype=torch.float64, device=self.device)  # nll, kl, tokens
+        was_training = self.training
+        self.eval()
+        try:
+            for lo in range(rank * self.trainer.datamodule.batch_size, len(ids), world * self.trainer.datamodule.batch_size):
+                chunk = ids[lo : lo + self.trainer.datamodule.batch_size].to(self.device)
+                mask = torch.ones_like(chunk)
+                targets, valid = next_token_targets(chunk, mask)
+                with self.pruned.use(DENSE) as model:
+                    logits = model(input_ids=chunk, attention_mask=mask, use_cache=False).logits[:, :-1]
+                reference = score_tokens(logits, targets, chunk=self.eval_cfg.logit_chunk, keep_logprobs=True).logprobs
+                for k, view in enumerate(views):
+                    with self.pruned.use(view) as model:
+                        logits = model(input_ids=chunk, attention_mask=mask, use_cache=False).logits[:, :-1]
+                    scores = score_tokens(logits, targets, reference=reference, chunk=self.eval_cfg.logit_chunk)
+                    sums[k, 0] += scores.nll[valid].double().sum()
+                    sums[k, 1] += scores.kl[valid].double().sum()
+                    sums[k, 2] += valid.sum()
+        finally:
+            self.train(was_training)
+        sums = self.trainer.strategy.reduce(sums.clone(), reduce_op="sum") if world > 1 else sums
+        entry: dict = {"step": step}
+        if world > 1:
+            # Every rank must hold the same students (DDP averages gradients; a desync is a bug, not noise).
+            check = torch.stack([p.detach().double().sum() for v in views for p in self.students.params[v].all()])
+            reduce = self.trainer.strategy.reduce
+            spread = reduce(check.clone(), reduce_op="max") - reduce(check.clone(), reduce_op="min")
+            entry["ranks_in_sync"] = bool((spread.abs() == 0).all())
+            if not entry["ranks_in_sync"]:
+                raise RuntimeError(f"the students differ between ranks at step {step}: distributed training went out of sync")
+        for k, view in enumerate(views):
+            nll, kl, tokens = (float(x) for x in sums[k])
+            entry[view] = {"kl": kl / tokens, "ppl": float(torch.exp(torch.tensor(nll / tokens)))}
+            if view not in self.best or entry[view]["kl"] < self.best[view]["kl"]:
+                self.best[view] = {"step": step, "kl": entry[view]["kl"], "state": self.students.trainable_state(view)}
+        self.history.append(entry)
+        line = ", ".join(f"{v} KL {entry[v]['kl']:.4f} PPL {entry[v]['ppl']:.2f}" for v in views)
+        rank_zero_info(f"validation at step {step}: {line}")
+
+    # ------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Only what trains (the students' parameters) goes into the state dict, never the frozen base;
+        the validation history and each student's best step come along so a resumed run continues them."""
+        trainable = {name for name, p in self.named_parameters() if p.requires_grad}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        checkpoint["ghostdistill"] = {"history": self.history, "best": self.best, "last_validated": self._last_validated}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        trainable = {name for name, p in self.named_parameters() if p.requires_grad}
+        saved = set(checkpoint["state_dict"])
+        if saved != trainable:
+            raise ValueError(
+                f"the checkpoint does not hold this run's students: {len(saved - trainable)} tensors it has are "
+                f"not trainable here and {len(trainable - saved)} trainable tensors are missing from it (e.g. "
+                f"{sorted(saved ^ trainable)[:3]}); resume with the same model.distill and plan"
+            )
+        extra = checkpoint.get("ghostdistill", {})
+        self.history = list(extra.get("history", []))
+        self.best = dict(extra.get("best", {}))
+        self._last_validated = extra.get("last_validated")
 
     # ------------------------------------------------------------- evaluation
     def setup_test_metrics(self, sources: list[str]) -> None:

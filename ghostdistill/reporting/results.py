@@ -1,4 +1,5 @@
-"""results.json (everything), results.md (a table to read) and results.png (perplexity per view)."""
+"""results.json (everything), results.md (a table to read), results.png (perplexity per view) and, after
+distillation, training.png (validation KL and perplexity of every fine-tuned view against the step)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,34 @@ def zeroshot_table(report: dict) -> str:
             f"{scope}; {source}):\n\n" + "\n".join(lines))
 
 
+def distill_section(report: dict) -> str:
+    """What was distilled, with which budget, and which step each fine-tuned view shows."""
+    d = report.get("distill")
+    if not d:
+        return ""
+    tr = report.get("evaluation", {}).get("train", {})
+    budget = f"{d['steps']} steps"
+    if tr:
+        budget += f" of batches from {tr.get('windows')} training windows of {tr.get('seq_len')} tokens"
+    lines = [
+        f"Fine-tuned views (`<method>_ft`): {', '.join(d['methods'])} distilled against the dense teacher with the "
+        f"same recipe: trains {', '.join(d['train'])}; {d['loss']['kind']} KL, temperature {d['loss']['temperature']}"
+        + (f", teacher top-{d['loss']['top_k']}" if d["loss"].get("top_k") else "")
+        + (f", CE weight {d['loss']['ce_weight']}" if d["loss"].get("ce_weight") else "")
+        + f"; AdamW lr {d['lr']} (warm-up {d['warmup_steps']}, cosine to ×{d['min_lr_ratio']}); {budget}.",
+        "",
+    ]
+    best = d.get("best", {})
+    if best:
+        shown = "the best validation step" if d["kept"] == "best" else "the last step"
+        lines.append(f"Each fine-tuned view shows {shown} ({d['steps']} taken):")
+        lines.append("")
+        for view, b in best.items():
+            lines.append(f"- {view}: best validation KL {b['val_kl']:.4f} at step {b['step']}")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def render_markdown(report: dict) -> str:
     plan = report.get("plan", {})
     cal = report.get("calibration", {})
@@ -72,6 +101,9 @@ def render_markdown(report: dict) -> str:
         markdown_table(report),
         "",
     ]
+    ds = distill_section(report)
+    if ds:
+        parts += [ds]
     zs = zeroshot_table(report)
     if zs:
         parts += [zs, ""]
@@ -115,6 +147,26 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_training(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    history = report["distill"]["history"]
+    views = [k for k in history[0] if k not in ("step", "ranks_in_sync")]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for metric, ax in zip(("kl", "ppl"), axes):
+        for view in views:
+            ax.plot([h["step"] for h in history], [h[view][metric] for h in history], marker="o", markersize=3, label=view)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("validation " + ("KL(teacher ‖ student)" if metric == "kl" else "perplexity"))
+        ax.legend(fontsize=8)
+    fig.suptitle(f"distillation, removed layers {report.get('plan', {}).get('removed')}", fontsize=9)
+    atomic_savefig(fig, path)
+    plt.close(fig)
+
+
 def write_report(run_dir: Path, report: dict) -> list[Path]:
     run_dir.mkdir(parents=True, exist_ok=True)
     paths = [run_dir / "results.json", run_dir / "results.md"]
@@ -123,4 +175,7 @@ def write_report(run_dir: Path, report: dict) -> list[Path]:
     if report.get("views"):
         paths.append(run_dir / "results.png")
         plot(report, paths[-1])
+    if report.get("distill", {}).get("history"):
+        paths.append(run_dir / "training.png")
+        plot_training(report, paths[-1])
     return paths

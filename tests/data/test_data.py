@@ -84,3 +84,14 @@ def test_shipped_excerpts_load(tiny_tokenizer):
     assert len(wiki) == 1 and wiki[0].startswith(" = Robert Boulter = ") and wiki[0].endswith("\n")
     if WIKITEXT.is_file():  # an exact prefix of the full file
         assert WIKITEXT.read_text().startswith(wiki[0])
+
+
+def test_shared_ngrams_finds_overlaps_across_window_boundaries():
+    from ghostdistill.data import shared_ngrams
+
+    text = torch.arange(1000)
+    reference = text[:640].view(10, 64)  # the first ten evaluation windows
+    windows = torch.stack([text[100:164], text[600:664], text[700:764], text[630:694]])
+    # 100-163 lies inside; 600-663 straddles the end (40 tokens inside); 700-763 is outside; 630-693
+    # shares only 10 tokens, fewer than the 32 of a run.
+    assert shared_ngrams(windows, reference) == [0, 1]

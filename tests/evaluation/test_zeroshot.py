@@ -312,7 +312,7 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def dense_results(smollm2: tuple[Any, Any], one_thread: None) -> Any:
+def dense_results(smollm2: tuple[Any, Any], one_thread: None, shared_data: Path) -> Any:
     model, tokenizer = smollm2
     return evaluate_zeroshot(
         model, tokenizer, ["arc_easy", "piqa"], data_dir=DATA_DIR, limit=LIMIT, log_samples=True

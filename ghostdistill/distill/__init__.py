@@ -1,0 +1,1 @@
+"""Fine-tuned recovery: distilling the pruned students against the dense teacher."""

@@ -1,0 +1,147 @@
+"""Distillation losses between a student's and the teacher's next-token distributions, chunked over tokens.
+
+Per token t (p = softmax(z/τ) of the teacher T and the student S at temperature τ):
+
+    forward   KL(T ‖ S) = Σ_v p_T (log p_T − log p_S)      (the default: Minitron found it best, τ = 1)
+    reverse   KL(S ‖ T) = Σ_v p_S (log p_S − log p_T)
+    symmetric ½ (forward + reverse)
+
+each multiplied by τ² so that gradients keep their scale as τ changes (Hinton et al. 2015). With
+`top_k`, the teacher keeps only its k most likely tokens, renormalised over them (LinearPatch's recipe,
+k = 50): forward KL = Σ_{v ∈ top-k} p̃_T (log p̃_T − log p_S), with the student's full log-softmax.
+Minitron reports that top-k (k ≤ 100) costs accuracy, so it is off by default. `ce_weight` = α mixes in
+the ordinary next-token cross-entropy on the labels: (1 − α)·KD + α·CE (torchtune's `kd_ratio` is 1 − α).
+
+The loss is the mean over real (non-padding) target tokens. `chunked_distillation_loss` starts from the
+final hidden states and applies the output head a chunk of tokens at a time inside activation
+checkpointing, so neither model's [tokens, vocab] logits ever exist for more than one chunk, in the
+forward pass or the backward pass; `distillation_loss` is the plain version over full logits, and the
+two are tested equal, gradients included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+KLKind = Literal["forward", "reverse", "symmetric"]
+
+
+@dataclass
+class LossConfig:
+    """The distillation objective.
+
+    Args:
+        kind: ``forward`` KL(teacher ‖ student) (default), ``reverse`` KL(student ‖ teacher), ``symmetric``.
+        temperature: softens both distributions; the KL is scaled by temperature² (1 = none).
+        top_k: keep only the teacher's top-k tokens, renormalised (LinearPatch uses 50); null = all.
+        ce_weight: α in (1 − α)·KD + α·CE on the labels (0 = KD only).
+        chunk_tokens: tokens per chunk of the output head and the loss (bounds memory).
+    """
+
+    kind: KLKind = "forward"
+    temperature: float = 1.0
+    top_k: int | None = None
+    ce_weight: float = 0.0
+    chunk_tokens: int = 1024
+
+    def validate(self) -> None:
+        if self.kind not in ("forward", "reverse", "symmetric"):
+            raise ValueError(f"distill.loss.kind {self.kind!r} is not known; choose forward, reverse or symmetric")
+        if not self.temperature > 0:
+            raise ValueError(f"distill.loss.temperature must be > 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"distill.loss.top_k must be >= 1 or null (all tokens), got {self.top_k}")
+        if not 0.0 <= self.ce_weight <= 1.0:
+            raise ValueError(f"distill.loss.ce_weight must be in [0, 1], got {self.ce_weight}")
+        if self.chunk_tokens < 1:
+            raise ValueError(f"distill.loss.chunk_tokens must be >= 1, got {self.chunk_tokens}")
+
+
+def token_losses(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    targets: torch.Tensor | None,
+    cfg: LossConfig,
+) -> torch.Tensor:
+    """Per-token loss [N] for student and teacher logits [N, V] (float32 inside) and labels [N]."""
+    tau = cfg.temperature
+    s = F.log_softmax(student_logits.float() / tau, dim=-1)
+    with torch.no_grad():
+        t_logits = teacher_logits.float() / tau
+        if cfg.top_k is not None and cfg.top_k < t_logits.shape[-1]:
+            values, index = t_logits.topk(cfg.top_k, dim=-1)
+            t = F.log_softmax(values, dim=-1)  # renormalised over the teacher's top-k
+        else:
+            index, t = None, F.log_softmax(t_logits, dim=-1)
+    s_on_t = s if index is None else s.gather(-1, index)
+    losses = []
+    if cfg.kind in ("forward", "symmetric"):
+        losses.append((t.exp() * (t - s_on_t)).sum(-1))
+    if cfg.kind in ("reverse", "symmetric"):
+        # Over the teacher's support: with top-k the student's mass is renormalised there too.
+        s_rev = s_on_t if index is None else F.log_softmax(s_on_t, dim=-1)
+        losses.append((s_rev.exp() * (s_rev - t)).sum(-1))
+    kd = sum(losses) / len(losses) * tau**2
+    if cfg.ce_weight > 0:
+        if targets is None:
+            raise ValueError("ce_weight > 0 needs the labels")
+        ce = F.cross_entropy(student_logits.float(), targets, reduction="none")
+        return (1.0 - cfg.ce_weight) * kd + cfg.ce_weight * ce
+    return kd
+
+
+def distillation_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    valid: torch.Tensor,
+    targets: torch.Tensor | None,
+    cfg: LossConfig,
+) -> torch.Tensor:
+    """The plain loss: mean over the `valid` positions of [batch, seq, vocab] logits (the reference)."""
+    n = int(valid.sum())
+    if n == 0:
+        return student_logits.sum() * 0.0
+    y = targets[valid] if targets is not None else None
+    return token_losses(student_logits[valid], teacher_logits[valid], y, cfg).sum() / n
+
+
+def chunked_distillation_loss(
+    student_hidden: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    valid: torch.Tensor,
+    targets: torch.Tensor | None,
+    cfg: LossConfig,
+) -> torch.Tensor:
+    """The same loss from final hidden states [batch, seq, C] (after the final norm) and the output
+    head, `cfg.chunk_tokens` tokens at a time. Each chunk runs inside activation checkpointing: the
+    backward recomputes that chunk's logits instead of keeping them, so peak memory holds one chunk's
+    logits whatever the batch and vocabulary."""
+    s = student_hidden[valid]
+    with torch.no_grad():
+        t = teacher_hidden[valid]
+    y = targets[valid] if targets is not None else None
+    n = s.shape[0]
+    if n == 0:
+        return student_hidden.sum() * 0.0
+
+    def chunk_loss(s_chunk: torch.Tensor, t_chunk: torch.Tensor, y_chunk: torch.Tensor | None) -> torch.Tensor:
+        with torch.no_grad():
+            t_logits = head(t_chunk)
+        return token_losses(head(s_chunk), t_logits, y_chunk, cfg).sum()
+
+    total = student_hidden.new_zeros((), dtype=torch.float32)
+    for lo in range(0, n, cfg.chunk_tokens):
+        hi = lo + cfg.chunk_tokens
+        y_chunk = y[lo:hi] if y is not None else None
+        if s.requires_grad:
+            total = total + checkpoint(chunk_loss, s[lo:hi], t[lo:hi], y_chunk, use_reentrant=False)
+        else:
+            total = total + chunk_loss(s[lo:hi], t[lo:hi], y_chunk)
+    return total / n

@@ -1,0 +1,177 @@
+"""Fine-tuned recovery end to end on a tiny model: the students train, the teacher stays exact in every
+mode, interrupted runs resume to the same operators, and several processes agree."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ghostdistill.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _args(tiny_dir, text_files, run, *extra, steps=4):
+    return [
+        "fit", "--config", str(ROOT / "configs" / "smollm2_demo.yaml"),
+        "--model.model.source", str(tiny_dir),
+        "--model.plan.layers", "[2, 3]",
+        "--model.recovery", json.dumps([{"name": "ghost"}, {"name": "linearpatch", "method": "linearpatch"}]),
+        "--model.distill.methods", "[ghost, linearpatch]",
+        "--model.distill.lr", "1e-3",
+        "--model.distill.val_every", "1",
+        "--data.calibration.source.source", str(text_files["jsonl_gz"]),
+        "--data.calibration.num_samples", "16",
+        "--data.calibration.seq_len", "32",
+        "--data.validation.source", json.dumps({"source": str(text_files["jsonl_gz"]), "first_document": 150}),
+        "--data.validation.num_windows", "4",
+        "--data.validation.seq_len", "32",
+        "--data.evaluation.seq_len", "32",
+        "--data.evaluation.max_windows", "4",
+        "--data.evaluation.sources", json.dumps([{"name": "held_out", "source": str(text_files["txt"])}]),
+        "--data.batch_size", "4",
+        "--trainer.default_root_dir", str(run),
+        "--trainer.max_steps", str(steps),
+        "--trainer.enable_progress_bar", "false",
+        "--calibration.progress", "false",
+        *extra,
+    ]
+
+
+@torch.no_grad()
+def _dense_logits(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    ids = torch.arange(2, 34).view(1, 32)
+    return ids, model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("train", ["operators", "lora", "blocks"])
+def test_students_train_and_the_teacher_stays_exact(train, tiny_dir, text_files, tmp_path):
+    run = tmp_path / "run"
+    extra = ["--model.distill.train", f"[{train}]", "--model.distill.keep", "last"]
+    if train != "operators":
+        extra += ["--model.distill.lora.lr", "1e-2", "--model.distill.block_lr", "1e-3"]
+    cli = main(_args(tiny_dir, text_files, run, *extra, steps=3))
+    module = cli.model
+    ids, reference = _dense_logits(tiny_dir)
+    with torch.no_grad(), module.pruned.use("dense") as model:
+        teacher = model(input_ids=ids).logits
+    assert torch.equal(teacher, reference), "the dense teacher changed"
+    # Each student moved away from its closed-form start, and the training-free views did not.
+    results = json.loads((run / "results.json").read_text())
+    views = results["views"]
+    for method in ("ghost", "linearpatch"):
+        start, tuned = views[method]["metrics"]["held_out"], views[f"{method}_ft"]["metrics"]["held_out"]
+        assert tuned["ppl"] != start["ppl"], method
+        assert views[f"{method}_ft"]["params"] == views[method]["params"]  # adapters merge, copies replace
+    with torch.no_grad(), module.pruned.use("ghost") as model:
+        a = model(input_ids=ids).logits
+    with torch.no_grad(), module.pruned.use("ghost_ft") as model:
+        b = model(input_ids=ids).logits
+    assert not torch.equal(a, b)
+    # The two students share no trained weight.
+    params = module.students.params
+    ids_g = {id(p) for p in params["ghost_ft"].all()}
+    assert ids_g and not ids_g & {id(p) for p in params["linearpatch_ft"].all()}
+    if train == "lora":
+        assert params["ghost_ft"].lora and not params["ghost_ft"].operators
+    # Only trainable tensors in the checkpoint: no base weight.
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 3
+    base = [k for k in ckpt["state_dict"] if k.startswith("llm.") and ".lora_" not in k]
+    assert ckpt["state_dict"] and not base, base[:3]
+    history = results["distill"]["history"]
+    assert [h["step"] for h in history] == [0, 1, 2, 3]
+
+
+def test_interrupted_distillation_resumes_to_the_same_operators(tiny_dir, text_files, tmp_path, monkeypatch):
+    """4 steps straight, against 2 steps + an interruption + `--ckpt_path last` for the rest."""
+    from ghostdistill.lit.module import GhostDistill
+
+    straight = tmp_path / "straight"
+    main(_args(tiny_dir, text_files, straight, "--model.distill.checkpoint_every", "2", "--model.distill.keep", "last"))
+    reference = torch.load(straight / "checkpoints" / "last.ckpt", weights_only=False)
+
+    run = tmp_path / "run"
+    real = GhostDistill.on_train_batch_end
+
+    def dying(self, outputs, batch, batch_idx):
+        real(self, outputs, batch, batch_idx)
+        if self.global_step == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(GhostDistill, "on_train_batch_end", dying)
+    args = _args(tiny_dir, text_files, run, "--model.distill.checkpoint_every", "2", "--model.distill.keep", "last")
+    with pytest.raises((KeyboardInterrupt, SystemExit)):
+        main(args)
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 2
+    assert not (run / "results.json").exists()
+    monkeypatch.setattr(GhostDistill, "on_train_batch_end", real)
+    main([*args, "--ckpt_path", "last"])
+    resumed = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert resumed["global_step"] == 4 and resumed["state_dict"].keys() == reference["state_dict"].keys()
+    for key, value in reference["state_dict"].items():
+        torch.testing.assert_close(resumed["state_dict"][key], value, rtol=1e-6, atol=1e-7)
+    history = json.loads((run / "results.json").read_text())["distill"]["history"]
+    assert [h["step"] for h in history] == [0, 1, 2, 3, 4]
+
+
+def test_distillation_needs_methods_and_names_bad_ones(tiny_dir, text_files, tmp_path):
+    with pytest.raises(ValueError, match=r"distill.methods \['nope'\].*available: \['ghost', 'linearpatch'\]"):
+        main(_args(tiny_dir, text_files, tmp_path / "r", "--model.distill.methods", "[nope]"))
+    with pytest.raises(RuntimeError, match="model.distill.methods, which is empty"):
+        main(_args(tiny_dir, text_files, tmp_path / "r2", "--model.distill.methods", "[]"))
+
+
+def test_training_windows_must_not_overlap_the_evaluation(tiny_dir, text_files, tmp_path):
+    """Random training windows from the evaluation text: with every window evaluated, they must overlap."""
+    train = json.dumps({"source": {"source": str(text_files["txt"])}, "num_samples": 8, "seq_len": 32})
+    with pytest.raises(ValueError, match="8 training windows of .* overlap the evaluation windows of 'held_out'"):
+        main(_args(tiny_dir, text_files, tmp_path / "r", "--data.train", train, "--data.evaluation.max_windows", "null"))
+    # Other documents of the same file are fine: the validation windows come from documents 150 on of the
+    # calibration file, whose first 150 documents train.
+
+
+def test_max_steps_zero_is_the_training_free_run(tiny_dir, text_files, tmp_path):
+    run = tmp_path / "run"
+    main(_args(tiny_dir, text_files, run, steps=0))
+    results = json.loads((run / "results.json").read_text())
+    assert list(results["views"]) == ["dense", "pruned", "ghost", "linearpatch"] and "distill" not in results
+    assert not (run / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_two_processes_agree_with_one(tiny_dir, text_files, tmp_path):
+    """DDP on the CPU (gloo), 2 processes: the summed statistics and the training-free views equal the
+    single-process ones, the students stay identical on both ranks at every step, and validation KL falls."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    runs = {}
+    for devices in (1, 2):
+        run = tmp_path / f"devices{devices}"
+        args = _args(tiny_dir, text_files, run, "--trainer.accelerator", "cpu", "--trainer.devices", str(devices),
+                     "--trainer.strategy", "ddp" if devices > 1 else "auto", "--model.distill.keep", "last",
+                     "--data.batch_size", "2", steps=4)
+        out = subprocess.run([sys.executable, "-m", "ghostdistill", *args], capture_output=True, text=True,
+                             cwd=ROOT, env=env, timeout=900)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[devices] = run
+    one, two = (torch.load(runs[d] / "calibration_state.pt", weights_only=False) for d in (1, 2))
+    assert one["tokens"] == two["tokens"]
+    for group, value in one["stats"]["2-3"]["ghost"]["xtx"].items():
+        torch.testing.assert_close(two["stats"]["2-3"]["ghost"]["xtx"][group], value, rtol=1e-12, atol=1e-9)
+    r1, r2 = (json.loads((runs[d] / "results.json").read_text()) for d in (1, 2))
+    for view in ("pruned", "ghost", "linearpatch"):
+        assert r2["views"][view]["metrics"]["held_out"]["ppl"] == pytest.approx(
+            r1["views"][view]["metrics"]["held_out"]["ppl"], rel=1e-5)
+    history = r2["distill"]["history"]
+    assert [h["step"] for h in history] == [0, 1, 2, 3, 4]
+    assert all(h["ranks_in_sync"] for h in history)
+    assert history[-1]["linearpatch_ft"]["kl"] < history[0]["linearpatch_ft"]["kl"]
