@@ -84,31 +84,17 @@ class Students:
             operators = {k: copy.deepcopy(op) for k, op in pruned.operators[method].items()}
             mlp_maps = {k: copy.deepcopy(op) for k, op in pruned.mlp_maps[method].items()}
             pruned.add_method(view, operators, mlp_maps)
-            # The gap operators (with the first-position shift where the fit uses one) and MLP maps.
-            ops = [
-                p
-                for group in (pruned.operators[view], pruned.mlp_maps[view])
-                for op in group.values()
-                for name, p in op.named_parameters()
-                if name != "first_shift" or op.separate_first
-            ]
-            if "operators" in train and not ops:
-                if train == {"operators"}:
-                    raise ValueError(
-                        f"distill: method {method!r} has no operators to train (e.g. `none`); add lora or blocks "
-                        "to distill.train"
-                    )
-            blocks: list[nn.Parameter] = []
+            has_maps = any(True for group in (pruned.operators[view], pruned.mlp_maps[view]) for _ in group.values())
+            if train == {"operators"} and not has_maps:
+                raise ValueError(
+                    f"distill: method {method!r} has no operators to train (e.g. `none`); add lora or blocks to "
+                    "distill.train"
+                )
             if "blocks" in train:
-                copies = {i: copy_block(pruned.dense_layers[i]) for i in self.adjacent_blocks()}
-                pruned.substitute_blocks(view, copies)
-                blocks = [p for m in copies.values() for p in m.parameters()]
-            self.params[view] = StudentParams(operators=ops if "operators" in train else [], lora=[], blocks=blocks)
+                pruned.substitute_blocks(view, {i: copy_block(pruned.dense_layers[i]) for i in self.adjacent_blocks()})
         if "lora" in train:
             self._add_lora()
-        for params in self.params.values():
-            for p in params.all():
-                p.requires_grad_(True)
+        self.refresh_params()
         self.share_prefix = (
             self.cfg.share_prefix
             and self.prefix_block > 0
@@ -153,10 +139,27 @@ class Students:
         self._lora_layers = [m for m in pruned.model.modules() if isinstance(m, BaseTunerLayer)]
         if not self._lora_layers:
             raise ValueError(f"distill.lora.target_modules {settings.target_modules} matched no layer of the blocks")
+
+    def refresh_params(self) -> None:
+        """Collect each student's trainable parameters from its modules and mark them trainable. Run again
+        after anything replaces parameter objects (FSDP2 sharding does)."""
+        pruned, train = self.pruned, set(self.cfg.train)
         for view in self.views:
-            self.params[view].lora = [
+            # The gap operators (with the first-position shift where the fit uses one) and MLP maps.
+            operators = [
+                p
+                for group in (pruned.operators[view], pruned.mlp_maps[view])
+                for op in group.values()
+                for name, p in op.named_parameters()
+                if name != "first_shift" or op.separate_first
+            ] if "operators" in train else []
+            lora = [
                 p for layer in self._lora_layers for name, p in layer.named_parameters() if f".{view}." in f".{name}."
             ]
+            blocks = [p for m in pruned.blocks[view].values() for p in m.parameters()] if view in pruned.blocks else []
+            self.params[view] = StudentParams(operators=operators, lora=lora, blocks=blocks)
+            for p in self.params[view].all():
+                p.requires_grad_(True)
 
     def _on_view(self, view: str) -> None:
         """Adapters on for a fine-tuned view (its own), off for every other view (the teacher first).
@@ -229,8 +232,9 @@ class Students:
 
     # ---------------------------------------------------------------- state
     def trainable_state(self, view: str) -> dict[str, torch.Tensor]:
-        """A CPU copy of a student's trainable values (to keep its best step)."""
-        return {str(i): p.detach().to("cpu", copy=True) for i, p in enumerate(self.params[view].all())}
+        """A copy of a student's trainable values (to keep its best step); sharded parameters keep their
+        shard, so each rank copies only its part."""
+        return {str(i): p.detach().clone() for i, p in enumerate(self.params[view].all())}
 
     @torch.no_grad()
     def load_trainable_state(self, view: str, state: dict[str, torch.Tensor]) -> None:
@@ -238,4 +242,10 @@ class Students:
         if len(state) != len(params):
             raise ValueError(f"{view}: saved state has {len(state)} tensors, the student {len(params)}")
         for i, p in enumerate(params):
-            p.copy_(state[str(i)].to(p.device, p.dtype))
+            value = state[str(i)]
+            if hasattr(p, "full_tensor") and not hasattr(value, "full_tensor"):
+                # A whole tensor from a checkpoint into a sharded parameter: take this rank's part.
+                from torch.distributed.tensor import distribute_tensor
+
+                value = distribute_tensor(value.to(p.device, p.dtype), p.device_mesh, p.placements)
+            p.copy_(value.to(p.device, p.dtype) if not hasattr(value, "full_tensor") else value)

@@ -51,6 +51,7 @@ class Calibration(Callback):
         pl_module.configure_model()
         # The strategy moves the module only after setup; calibrating an 8B model on the CPU would crawl.
         pl_module.to(trainer.strategy.root_device)
+        _check_strategy(trainer)
         if trainer.max_steps < 0:
             raise ValueError(
                 f"trainer.max_steps={trainer.max_steps}: set 0 (training-free) or the number of distillation steps"
@@ -196,6 +197,27 @@ class Calibration(Callback):
             "tokens": tokens,
         }
         atomic_torch_save(state, path)
+
+
+def _check_strategy(trainer: Trainer) -> None:
+    """Strategies the views work with: single device, DDP, FSDP2 (`ModelParallelStrategy`)."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    strategy = trainer.strategy
+    if isinstance(strategy, FSDPStrategy):
+        raise ValueError(
+            "FSDPStrategy (FSDP1) wraps the decoder blocks in new modules, which the views' block references "
+            "would bypass, and it costs gradient memory for frozen parameters that share a unit with trainable "
+            "ones: use FSDP2, `trainer.strategy: {class_path: lightning.pytorch.strategies.ModelParallelStrategy, "
+            "init_args: {save_distributed_checkpoint: false}}`, or ddp"
+        )
+    if isinstance(strategy, ModelParallelStrategy) and strategy._save_distributed_checkpoint:
+        raise ValueError(
+            "ModelParallelStrategy: set init_args.save_distributed_checkpoint: false. Checkpoints hold only what "
+            "trains, and a sharded checkpoint must hold every weight of the model to load"
+        )
+    if "deepspeed" in type(strategy).__name__.lower() and getattr(strategy, "zero_stage_3", False):
+        raise ValueError("DeepSpeed ZeRO-3 with the teacher inside the module crashes in Lightning; use ZeRO-2, ddp or FSDP2")
 
 
 def _to(state: dict, device) -> dict:

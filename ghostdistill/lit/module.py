@@ -135,17 +135,40 @@ class GhostDistill(LightningModule):
         self.history: list[dict] = []
         self.best: dict[str, dict] = {}
         self._last_validated: int | None = None
+        self._sharded = False
         # Checkpoints hold only what trains; the frozen base comes from `model.source` on resume.
         self.strict_loading = False
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
-        if self.llm is not None:
+        """Load the model (once). Lightning calls this hook again after the `Calibration` callback has
+        calibrated and built the students; under `ModelParallelStrategy` (FSDP2) the students are then
+        sharded (`distill.parallel`)."""
+        if self.llm is None:
+            start = time.perf_counter()
+            self.llm = load_model(self.model_cfg)
+            self.llm.requires_grad_(False)
+            self.report["timings"]["load_model_s"] = round(time.perf_counter() - start, 2)
             return
-        start = time.perf_counter()
-        self.llm = load_model(self.model_cfg)
-        self.llm.requires_grad_(False)
-        self.report["timings"]["load_model_s"] = round(time.perf_counter() - start, 2)
+        if self.students is not None and not self._sharded and self._trainer is not None:
+            from lightning.pytorch.strategies import ModelParallelStrategy
+
+            if isinstance(self.trainer.strategy, ModelParallelStrategy):
+                from ..distill.parallel import shard_students
+
+                if "lora" in self.distill_cfg.train and len(self.students.views) > 1:
+                    raise ValueError(
+                        "FSDP2 with LoRA trains one method at a time: the adapters of every method live in the same "
+                        "sharded blocks, and FSDP2 reduces a block's gradients once per backward, so a second "
+                        f"student's adapter gradients would be lost. Distil {self.distill_cfg.methods} in separate "
+                        "runs (one method each), train operators or blocks, or use ddp"
+                    )
+
+                mesh = self.device_mesh["data_parallel"] if "data_parallel" in (self.device_mesh.mesh_dim_names or ()) else self.device_mesh
+                units = shard_students(self.pruned, self.students.views, mesh)
+                self.students.refresh_params()  # sharding replaced the parameter objects
+                rank_zero_info(f"FSDP2: {units} units sharded over {mesh.size()} ranks")
+                self._sharded = True
 
     def set_plan(self, plan: PruningPlan) -> PrunedModel:
         if self.llm is None:
@@ -287,12 +310,15 @@ class GhostDistill(LightningModule):
             return
         rank, world = self.trainer.global_rank, self.trainer.world_size
         views = self.students.views
+        # The same number of batches on every rank (sharded models run collectives in every forward).
+        ids = ids[: len(ids) // world * world] if world > 1 else ids
         sums = torch.zeros(len(views), 3, dtype=torch.float64, device=self.device)  # nll, kl, tokens
         was_training = self.training
         self.eval()
         try:
-            for lo in range(rank * self.trainer.datamodule.batch_size, len(ids), world * self.trainer.datamodule.batch_size):
-                chunk = ids[lo : lo + self.trainer.datamodule.batch_size].to(self.device)
+            mine = ids[rank::world]
+            for lo in range(0, len(mine), self.trainer.datamodule.batch_size):
+                chunk = mine[lo : lo + self.trainer.datamodule.batch_size].to(self.device)
                 mask = torch.ones_like(chunk)
                 targets, valid = next_token_targets(chunk, mask)
                 with self.pruned.use(DENSE) as model:
@@ -311,7 +337,7 @@ class GhostDistill(LightningModule):
         entry: dict = {"step": step}
         if world > 1:
             # Every rank must hold the same students (DDP averages gradients; a desync is a bug, not noise).
-            check = torch.stack([p.detach().double().sum() for v in views for p in self.students.params[v].all()])
+            check = torch.stack([_full(p).detach().double().sum() for v in views for p in self.students.params[v].all()])
             reduce = self.trainer.strategy.reduce
             spread = reduce(check.clone(), reduce_op="max") - reduce(check.clone(), reduce_op="min")
             entry["ranks_in_sync"] = bool((spread.abs() == 0).all())
@@ -332,11 +358,13 @@ class GhostDistill(LightningModule):
         the validation history and each student's best step come along so a resumed run continues them."""
         trainable = {name for name, p in self.named_parameters() if p.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
-        checkpoint["ghostdistill"] = {"history": self.history, "best": self.best, "last_validated": self._last_validated}
+        best = {v: {**b, "state": {k: _full(t) for k, t in b["state"].items()}} for v, b in self.best.items()}
+        checkpoint["ghostdistill"] = {"history": self.history, "best": best, "last_validated": self._last_validated}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         trainable = {name for name, p in self.named_parameters() if p.requires_grad}
-        saved = set(checkpoint["state_dict"])
+        # FSDP2 (ModelParallelStrategy) has loaded the weights itself by now and passes no state dict.
+        saved = set(checkpoint["state_dict"]) if "state_dict" in checkpoint else trainable
         if saved != trainable:
             raise ValueError(
                 f"the checkpoint does not hold this run's students: {len(saved - trainable)} tensors it has are "
@@ -466,3 +494,9 @@ class GhostDistill(LightningModule):
             if view in group:
                 state.update({f"{prefix}.{k}": v for k, v in group[view].state_dict().items()})
         return json_digest([*base, tensor_digest(state)])
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded (DTensor) parameter; a plain tensor as it is."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if callable(full) else tensor
