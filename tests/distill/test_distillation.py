@@ -221,3 +221,14 @@ def test_fsdp2_trains_like_one_process_and_resumes(train, tiny_dir, text_files, 
 def test_fsdp1_and_sharded_checkpoints_are_refused_with_the_fix(tiny_dir, text_files, tmp_path):
     with pytest.raises(ValueError, match="FSDP1.*ModelParallelStrategy"):
         main(_args(tiny_dir, text_files, tmp_path / "r", "--trainer.strategy", "fsdp", "--trainer.accelerator", "cpu"))
+
+
+@pytest.mark.parametrize("extra", [["--trainer.precision", "bf16-true"], ["--trainer.precision", "bf16-mixed"],
+                                   ["--trainer.accumulate_grad_batches", "2", "--trainer.gradient_clip_val", "0.5"]],
+                         ids=["bf16-true", "bf16-mixed", "accumulate-clip"])
+def test_precisions_and_accumulation(extra, tiny_dir, text_files, tmp_path):
+    run = tmp_path / "run"
+    main(_args(tiny_dir, text_files, run, *extra, "--model.distill.keep", "last", steps=2))
+    results = json.loads((run / "results.json").read_text())
+    assert [h["step"] for h in results["distill"]["history"]] == [0, 1, 2]
+    assert results["views"]["linearpatch_ft"]["metrics"]["held_out"]["ppl"] != results["views"]["linearpatch"]["metrics"]["held_out"]["ppl"]
