@@ -218,9 +218,19 @@ def test_fsdp2_trains_like_one_process_and_resumes(train, tiny_dir, text_files, 
     assert steps[-1] == 6 and steps[:5] == [0, 1, 2, 3, 4]
 
 
-def test_fsdp1_and_sharded_checkpoints_are_refused_with_the_fix(tiny_dir, text_files, tmp_path):
+def test_fsdp1_and_sharded_checkpoints_are_refused_with_the_fix():
+    """Lightning itself refuses FSDP on the CPU, so the check is called on the strategies directly."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    from ghostdistill.lit.callbacks import _check_strategy
+
     with pytest.raises(ValueError, match="FSDP1.*ModelParallelStrategy"):
-        main(_args(tiny_dir, text_files, tmp_path / "r", "--trainer.strategy", "fsdp", "--trainer.accelerator", "cpu"))
+        _check_strategy(SimpleNamespace(strategy=FSDPStrategy()))
+    with pytest.raises(ValueError, match="save_distributed_checkpoint: false"):
+        _check_strategy(SimpleNamespace(strategy=ModelParallelStrategy()))
+    _check_strategy(SimpleNamespace(strategy=ModelParallelStrategy(save_distributed_checkpoint=False)))
 
 
 @pytest.mark.parametrize("extra", [["--trainer.precision", "bf16-true"], ["--trainer.precision", "bf16-mixed"],
