@@ -18,6 +18,7 @@ import sys
 import time
 
 import torch
+from _measure import peak_since, start_peak, sync
 
 from ghostdistill.calibration.stream import accumulate
 from ghostdistill.data import TextSource, calibration_windows
@@ -50,43 +51,15 @@ def _batches(ids: torch.Tensor, batch_size: int):
     return [{"input_ids": ids[i : i + batch_size]} for i in range(0, len(ids), batch_size)]
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak_rss() -> int:
-    """Reset the kernel's peak-RSS mark (so loading the model does not hide the calibration peak)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_bytes("VmRSS")
-
-
 def memory_probe(args) -> dict:
     """Runs in a fresh process: peak memory of one calibration pass over `args.samples` samples."""
     model, tok, plan, device = _setup(args)
     ids = _windows(tok, args, args.samples)
     stack = decoder_stack(model)
     stats = {g.key: make_collectors(METHODS, hidden_size(model), device) for g in plan.gaps}
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = _reset_peak_rss()
+    base = start_peak(device)
     accumulate(model, stack, plan.gaps, _batches(ids, args.batch_size), stats)
-    _sync(device)
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = _status_bytes("VmHWM") - base
+    peak = peak_since(device, base)
     return {"samples": args.samples, "peak_extra_bytes": int(peak), "device": device.type}
 
 
@@ -99,15 +72,15 @@ def timing(args) -> dict:
     calib_s, fwd_s = [], []
     for _ in range(args.repeats):
         stats = {g.key: make_collectors(METHODS, hidden_size(model), device) for g in plan.gaps}
-        _sync(device)
+        sync(device)
         t = time.perf_counter()
         accumulate(model, stack, plan.gaps, batches, stats)
-        _sync(device)
+        sync(device)
         calib_s.append(time.perf_counter() - t)
         t = time.perf_counter()
         for b in batches:
             model(input_ids=b["input_ids"], use_cache=False)
-        _sync(device)
+        sync(device)
         fwd_s.append(time.perf_counter() - t)
     return {
         "plan": list(plan.removed),

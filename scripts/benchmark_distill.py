@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from _measure import peak_since, start_peak, sync
 
 from ghostdistill.calibration.fit import fit_methods
 from ghostdistill.calibration.stream import accumulate
@@ -39,19 +40,6 @@ from ghostdistill.evaluation.metrics import next_token_targets
 from ghostdistill.methods import RecoveryConfig, make_collectors
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def setup(args, share_prefix: bool = True):
@@ -103,11 +91,11 @@ def timing(args) -> dict:
         targets, valid = next_token_targets(ids, torch.ones_like(ids))
         with torch.no_grad():
             teacher, prefix = students.teacher(batch)
-        _sync(device)
+        sync(device)
         t = time.perf_counter()
         hidden = students.student(view, batch, prefix if share else None)
         chunked_distillation_loss(hidden[:, :-1], teacher[:, :-1], head, valid, targets, loss_cfg).backward()
-        _sync(device)
+        sync(device)
         times["student_prefix" if share else "student"].append(time.perf_counter() - t)
         for p in students.params[view].all():
             p.grad = None
@@ -115,19 +103,19 @@ def timing(args) -> dict:
     step(model, students, batches[0], True, loss_cfg)  # warm-up
     for _ in range(args.repeats):
         for batch in batches:
-            _sync(device)
+            sync(device)
             t = time.perf_counter()
             with torch.no_grad():
                 students.teacher(batch)
-            _sync(device)
+            sync(device)
             times["teacher"].append(time.perf_counter() - t)
             student_only(batch, False)
             student_only(batch, True)
             for share, key in ((False, "step"), (True, "step_prefix")):
-                _sync(device)
+                sync(device)
                 t = time.perf_counter()
                 step(model, students, batch, share, loss_cfg)
-                _sync(device)
+                sync(device)
                 times[key].append(time.perf_counter() - t)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
@@ -146,16 +134,9 @@ def timing(args) -> dict:
 def memory_probe(args) -> dict:
     share = args.probe == "prefix"
     model, pruned, students, batches, device = setup(args, share_prefix=share)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        base = _status_bytes("VmRSS")
+    base = start_peak(device)
     step(model, students, batches[0], share, students.cfg.loss)
-    _sync(device)
-    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda" else _status_bytes("VmHWM")) - base
+    peak = peak_since(device, base)
     return {"probe": args.probe, "peak_extra_bytes": int(peak)}
 
 

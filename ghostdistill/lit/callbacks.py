@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -21,6 +22,7 @@ from ..core.plan import PruningPlan
 from ..criteria import choose_plan
 from ..methods import make_collectors
 from ..reporting.results import write_report
+from .module import NO_DISTILL_METHODS
 
 
 class Calibration(Callback):
@@ -56,6 +58,9 @@ class Calibration(Callback):
             raise ValueError(
                 f"trainer.max_steps={trainer.max_steps}: set 0 (training-free) or the number of distillation steps"
             )
+        if trainer.max_steps > 0 and not pl_module.distill_cfg.methods:
+            # Before calibration, not after it: the same message the training step would give.
+            raise RuntimeError(NO_DISTILL_METHODS)
         self.calibrate(trainer, pl_module)
         if pl_module.distilling:
             # Students start from their method's closed form, before the optimizer exists.
@@ -262,6 +267,16 @@ class LastCheckpoint(ModelCheckpoint):
     def __init__(self, dirpath: Path, every_n_train_steps: int) -> None:
         super().__init__(dirpath=dirpath, save_top_k=0, save_last=True, every_n_train_steps=every_n_train_steps,
                          save_on_train_epoch_end=False)
+
+    def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        """Written beside the target, then renamed: an interrupted save leaves the previous `last.ckpt`."""
+        tmp = f"{filepath}.tmp"
+        super()._save_checkpoint(trainer, tmp)
+        trainer.strategy.barrier()
+        if trainer.is_global_zero:
+            os.replace(tmp, filepath)
+        trainer.strategy.barrier()
+        self._last_checkpoint_saved = filepath
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)

@@ -76,6 +76,11 @@ class EvalConfig:
     zeroshot: ZeroShotConfig = field(default_factory=ZeroShotConfig)
 
 
+NO_DISTILL_METHODS = (
+    "trainer.max_steps > 0 trains the students of model.distill.methods, which is empty: name the methods to "
+    "fine-tune (e.g. --model.distill.methods [ghost]) or set trainer.max_steps: 0"
+)
+
 # The model stays in eval mode while the students train (see `GhostDistill.train`): intended.
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
@@ -222,10 +227,7 @@ class GhostDistill(LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if not self.distilling or self.students is None:
-            raise RuntimeError(
-                "trainer.max_steps > 0 trains the students of model.distill.methods, which is empty: name the "
-                "methods to fine-tune (e.g. --model.distill.methods [ghost]) or set trainer.max_steps: 0"
-            )
+            raise RuntimeError(NO_DISTILL_METHODS)
         students = self.students
         start = time.perf_counter()
         ids = batch["input_ids"]
