@@ -42,9 +42,15 @@ def model_card(info: dict, kind: str) -> str:
         )
     cal = info.get("calibration")
     if cal:
+        source = cal.get("source")
+        if isinstance(source, dict):
+            first = source.get("first_document") or 0
+            count = source.get("max_documents")
+            docs = f", documents {first}–{first + count - 1}" if count else (f", documents from {first}" if first else "")
+            source = f"{source.get('source')}{docs}"
         lines.append(
             f"- **Calibration**: {cal.get('windows', cal.get('num_samples'))} windows of {cal.get('seq_len')} tokens "
-            f"from {cal.get('source')} ({cal.get('tokens')} tokens), seed {cal.get('seed')}"
+            f"from {source} ({cal.get('tokens')} tokens), seed {cal.get('seed')}"
         )
     if info.get("seed") is not None:
         lines.append(f"- **Seed**: {info['seed']}")
@@ -61,8 +67,10 @@ def model_card(info: dict, kind: str) -> str:
         for name, per_source in reference.items():
             cells = ", ".join(f"{s} {m['ppl']:.2f}" for s, m in per_source.items())
             lines.append(f"\n{name} perplexity in the same run: {cells}")
-        if info.get("evaluation"):
-            lines.append(f"\nEvaluation windows: {info['evaluation']}")
+        ev = info.get("evaluation") or {}
+        if ev.get("sources"):
+            described = "; ".join(f"{name}: {s.get('windows')} windows of {s.get('source')}" for name, s in ev["sources"].items())
+            lines.append(f"\nEvaluation: windows of {ev.get('seq_len')} tokens; {described}.")
     lines += ["", "## Loading", ""]
     if kind == "operators":
         lines += [
