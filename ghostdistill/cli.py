@@ -116,9 +116,13 @@ def export_run(argv: list[str]) -> list[Path]:
     config = run / "config.yaml"
     if not config.is_file():
         raise SystemExit(f"{config} is missing: export reads a finished run folder (run `fit` first)")
-    # The run's config, parsed exactly as `fit` parsed it.
-    cli = GhostDistillCLI(GhostDistill, GhostDataModule, run=False, save_config_callback=None,
-                          args=["--config", str(config), "--trainer.default_root_dir", str(run)])
+    # The run's config, parsed as `fit` parsed it (less the `fit` subcommand's own keys: ckpt_path, ...).
+    import yaml
+
+    saved = {k: v for k, v in yaml.safe_load(config.read_text()).items()
+             if k in ("seed_everything", "trainer", "model", "data", "calibration", "export")}
+    saved.setdefault("trainer", {})["default_root_dir"] = str(run)
+    cli = GhostDistillCLI(GhostDistill, GhostDataModule, run=False, save_config_callback=None, args=saved)
     paths = export_from_run(cli.model, cli.datamodule, run, args.views, Path(args.dir) if args.dir else None,
                             overwrite=args.overwrite)
     for path in paths:
