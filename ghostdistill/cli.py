@@ -99,6 +99,21 @@ def run_compare(argv: list[str]) -> Path:
     return root
 
 
+def load_run(run: Path) -> tuple[GhostDistill, GhostDataModule]:
+    """The module and datamodule of a run folder, from its `config.yaml` parsed as `fit` parsed it (less
+    the `fit` subcommand's own keys: ckpt_path, ...). Nothing is loaded or computed yet."""
+    import yaml
+
+    config = run / "config.yaml"
+    if not config.is_file():
+        raise SystemExit(f"{config} is missing: export reads a finished run folder (run `fit` first)")
+    saved = {k: v for k, v in yaml.safe_load(config.read_text()).items()
+             if k in ("seed_everything", "trainer", "model", "data", "calibration", "export")}
+    saved.setdefault("trainer", {})["default_root_dir"] = str(run)
+    cli = GhostDistillCLI(GhostDistill, GhostDataModule, run=False, save_config_callback=None, args=saved)
+    return cli.model, cli.datamodule
+
+
 def export_run(argv: list[str]) -> list[Path]:
     """`export <run folder> [--views v ...] [--dir D] [--overwrite]`: write views of a finished run as
     Hugging Face folders (`lit.export`)."""
@@ -113,17 +128,8 @@ def export_run(argv: list[str]) -> list[Path]:
     parser.add_argument("--overwrite", action="store_true", help="replace existing folders")
     args = parser.parse_args(argv)
     run = Path(args.run)
-    config = run / "config.yaml"
-    if not config.is_file():
-        raise SystemExit(f"{config} is missing: export reads a finished run folder (run `fit` first)")
-    # The run's config, parsed as `fit` parsed it (less the `fit` subcommand's own keys: ckpt_path, ...).
-    import yaml
-
-    saved = {k: v for k, v in yaml.safe_load(config.read_text()).items()
-             if k in ("seed_everything", "trainer", "model", "data", "calibration", "export")}
-    saved.setdefault("trainer", {})["default_root_dir"] = str(run)
-    cli = GhostDistillCLI(GhostDistill, GhostDataModule, run=False, save_config_callback=None, args=saved)
-    paths = export_from_run(cli.model, cli.datamodule, run, args.views, Path(args.dir) if args.dir else None,
+    module, datamodule = load_run(run)
+    paths = export_from_run(module, datamodule, run, args.views, Path(args.dir) if args.dir else None,
                             overwrite=args.overwrite)
     for path in paths:
         print(f"exported {path}")
