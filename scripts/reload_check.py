@@ -16,23 +16,31 @@ import sys
 
 sys.modules["ghostdistill"] = None  # type: ignore[assignment]  # a fresh process without ghostdistill
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+import torch
+from transformers import AutoModelForCausalLM
 
 
 @torch.no_grad()
 def main(folder: str, inputs: str, out: str) -> None:
     x = torch.load(inputs)
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=x.get("dtype", torch.float32)).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, trust_remote_code=True, dtype=x.get("dtype", torch.float32)
+    ).eval()
     result: dict = {"class": f"{type(model).__module__}.{type(model).__name__}"}
     if "ids" in x:
-        result["tokens"] = model.generate(input_ids=x["ids"], attention_mask=x["mask"], max_new_tokens=x["new"],
-                                          do_sample=False)
+        result["tokens"] = model.generate(
+            input_ids=x["ids"],
+            attention_mask=x["mask"],
+            max_new_tokens=x["new"],
+            do_sample=False,
+        )
     if "windows" in x:
         nll, count = 0.0, 0
         for chunk in x["windows"].split(x["batch_size"]):
             logits = model(input_ids=chunk, use_cache=False).logits[:, :-1].float()
-            nll += torch.nn.functional.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum").item()
+            nll += torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"
+            ).item()
             count += chunk[:, 1:].numel()
         result.update(ppl=math.exp(nll / count), tokens_scored=count)
     torch.save(result, out)

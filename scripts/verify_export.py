@@ -37,11 +37,15 @@ PROMPTS = [
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("run")
     parser.add_argument("--views", nargs="+", required=True)
     parser.add_argument("--dir", required=True)
-    parser.add_argument("--new", type=int, default=24, help="tokens to generate per prompt")
+    parser.add_argument(
+        "--new", type=int, default=24, help="tokens to generate per prompt"
+    )
     parser.add_argument("--json", default=None, help="write the comparison here too")
     args = parser.parse_args()
     run = Path(args.run)
@@ -56,34 +60,69 @@ def main() -> None:
     report = {}
     with tempfile.TemporaryDirectory() as tmp:
         inputs = Path(tmp) / "inputs.pt"
-        torch.save({"ids": enc["input_ids"], "mask": enc["attention_mask"], "new": args.new, "windows": windows,
-                    "batch_size": dm.batch_size}, inputs)
+        torch.save(
+            {
+                "ids": enc["input_ids"],
+                "mask": enc["attention_mask"],
+                "new": args.new,
+                "windows": windows,
+                "batch_size": dm.batch_size,
+            },
+            inputs,
+        )
         for view, folder in zip(args.views, paths):
             with torch.no_grad(), module.pruned.use(view) as model:
-                expected = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
-                                          max_new_tokens=args.new, do_sample=False)
+                expected = model.generate(
+                    input_ids=enc["input_ids"],
+                    attention_mask=enc["attention_mask"],
+                    max_new_tokens=args.new,
+                    do_sample=False,
+                )
             out = Path(tmp) / f"{view}.pt"
-            env = {**os.environ, "PYTHONPATH": "", "HF_MODULES_CACHE": str(Path(tmp) / "modules")}
-            done = subprocess.run([sys.executable, str(ROOT / "scripts" / "reload_check.py"), str(folder), str(inputs),
-                                   str(out)], env=env, capture_output=True, text=True, cwd=tmp)
+            env = {
+                **os.environ,
+                "PYTHONPATH": "",
+                "HF_MODULES_CACHE": str(Path(tmp) / "modules"),
+            }
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    str(ROOT / "scripts" / "reload_check.py"),
+                    str(folder),
+                    str(inputs),
+                    str(out),
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                cwd=tmp,
+                check=False,
+            )
             if done.returncode:
-                raise SystemExit(f"{view}: the fresh process failed:\n{done.stderr[-3000:]}")
+                raise SystemExit(
+                    f"{view}: the fresh process failed:\n{done.stderr[-3000:]}"
+                )
             got = torch.load(out)
             run_ppl = results["views"][view]["metrics"][source]["ppl"]
             report[view] = {
                 "folder": str(folder),
                 "class": got["class"],
                 "same_tokens": bool(torch.equal(got["tokens"], expected)),
-                "text": tok.batch_decode(got["tokens"][:, enc["input_ids"].shape[1]:], skip_special_tokens=True),
+                "text": tok.batch_decode(
+                    got["tokens"][:, enc["input_ids"].shape[1] :],
+                    skip_special_tokens=True,
+                ),
                 "ppl_run": run_ppl,
                 "ppl_folder": got["ppl"],
                 "rel_diff": abs(got["ppl"] - run_ppl) / run_ppl,
                 "tokens_scored": got["tokens_scored"],
             }
             r = report[view]
-            print(f"{view}: {folder} loaded as {r['class']} in a fresh process; greedy tokens identical to the run's "
-                  f"view: {r['same_tokens']}; {source} PPL run {run_ppl:.4f}, folder {r['ppl_folder']:.4f} "
-                  f"(relative difference {r['rel_diff']:.1e}, {r['tokens_scored']} tokens)")
+            print(
+                f"{view}: {folder} loaded as {r['class']} in a fresh process; greedy tokens identical to the run's "
+                f"view: {r['same_tokens']}; {source} PPL run {run_ppl:.4f}, folder {r['ppl_folder']:.4f} "
+                f"(relative difference {r['rel_diff']:.1e}, {r['tokens_scored']} tokens)"
+            )
             for prompt, text in zip(PROMPTS, r["text"]):
                 print(f"    {prompt!r} -> {text!r}")
     if args.json:

@@ -25,7 +25,9 @@ class GhostOperator(GapOperator):
     dtype when applied, so bf16/fp16 models run one matmul in their own dtype.
     """
 
-    def __init__(self, hidden_size: int, *, separate_first: bool = False, fused: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, *, separate_first: bool = False, fused: bool = False
+    ) -> None:
         super().__init__(hidden_size, separate_first=separate_first)
         # True when the exported model folds this map into existing weights (ReplaceMe, magnitude):
         # it then adds no parameters at inference.
@@ -38,7 +40,9 @@ class GhostOperator(GapOperator):
         return c * c + (c if self.separate_first else 0)
 
     @torch.no_grad()
-    def load_solution(self, delta: torch.Tensor, first_shift: torch.Tensor | None = None) -> None:
+    def load_solution(
+        self, delta: torch.Tensor, first_shift: torch.Tensor | None = None
+    ) -> None:
         self.delta.copy_(delta.to(self.delta.dtype))
         if first_shift is not None:
             self.first_shift.copy_(first_shift.to(self.first_shift.dtype))

@@ -46,7 +46,11 @@ def model_card(info: dict, kind: str) -> str:
         if isinstance(source, dict):
             first = source.get("first_document") or 0
             count = source.get("max_documents")
-            docs = f", documents {first}–{first + count - 1}" if count else (f", documents from {first}" if first else "")
+            docs = (
+                f", documents {first}–{first + count - 1}"
+                if count
+                else (f", documents from {first}" if first else "")
+            )
             source = f"{source.get('source')}{docs}"
         lines.append(
             f"- **Calibration**: {cal.get('windows', cal.get('num_samples'))} windows of {cal.get('seq_len')} tokens "
@@ -56,21 +60,32 @@ def model_card(info: dict, kind: str) -> str:
         lines.append(f"- **Seed**: {info['seed']}")
     metrics = info.get("metrics") or {}
     if metrics:
-        lines += ["", "## Measured in the run that produced these weights", "",
-                  "| evaluation | perplexity | KL(dense ‖ this) | top-1 agreement with dense | tokens |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Measured in the run that produced these weights",
+            "",
+            "| evaluation | perplexity | KL(dense ‖ this) | top-1 agreement with dense | tokens |",
+            "|---|---|---|---|---|",
+        ]
         for source, m in metrics.items():
             kl = f"{m['kl']:.4f}" if "kl" in m else "–"
             top1 = f"{m['top1']:.4f}" if "top1" in m else "–"
-            lines.append(f"| {source} | {m['ppl']:.4f} | {kl} | {top1} | {m.get('tokens', '–')} |")
+            lines.append(
+                f"| {source} | {m['ppl']:.4f} | {kl} | {top1} | {m.get('tokens', '–')} |"
+            )
         reference = info.get("reference_metrics") or {}
         for name, per_source in reference.items():
             cells = ", ".join(f"{s} {m['ppl']:.2f}" for s, m in per_source.items())
             lines.append(f"\n{name} perplexity in the same run: {cells}")
         ev = info.get("evaluation") or {}
         if ev.get("sources"):
-            described = "; ".join(f"{name}: {s.get('windows')} windows of {s.get('source')}" for name, s in ev["sources"].items())
-            lines.append(f"\nEvaluation: windows of {ev.get('seq_len')} tokens; {described}.")
+            described = "; ".join(
+                f"{name}: {s.get('windows')} windows of {s.get('source')}"
+                for name, s in ev["sources"].items()
+            )
+            lines.append(
+                f"\nEvaluation: windows of {ev.get('seq_len')} tokens; {described}."
+            )
     lines += ["", "## Loading", ""]
     if kind == "operators":
         lines += [
@@ -93,5 +108,9 @@ def model_card(info: dict, kind: str) -> str:
             'model = AutoModelForCausalLM.from_pretrained("<this folder>")',
             "```",
         ]
-    lines += ["", "`config.json` records the plan and the run under the key `ghostdistill`.", ""]
+    lines += [
+        "",
+        "`config.json` records the plan and the run under the key `ghostdistill`.",
+        "",
+    ]
     return "\n".join(lines)

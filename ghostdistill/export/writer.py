@@ -63,12 +63,20 @@ def export_view(
     if view not in pruned.views:
         raise ValueError(f"cannot export view {view!r}: the views are {pruned.views}")
     if target.exists() and not overwrite:
-        raise FileExistsError(f"export folder {target} exists; pass overwrite (export.overwrite: true / --overwrite) to replace it")
+        raise FileExistsError(
+            f"export folder {target} exists; pass overwrite (export.overwrite: true / --overwrite) to replace it"
+        )
     info = dict(info or {})
     info.setdefault("view", view)
     info.setdefault("method", method)
-    info.setdefault("plan", {"num_layers": pruned.plan.num_layers, "removed": list(pruned.plan.removed),
-                             "gaps": [g.key for g in pruned.plan.gaps]})
+    info.setdefault(
+        "plan",
+        {
+            "num_layers": pruned.plan.num_layers,
+            "removed": list(pruned.plan.removed),
+            "gaps": [g.key for g in pruned.plan.gaps],
+        },
+    )
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
     try:
@@ -80,7 +88,9 @@ def export_view(
             if generation is not None:
                 generation.save_pretrained(tmp)
         if kind == "operators":
-            shutil.copyfile(modeling_ghostdistill.__file__, tmp / "modeling_ghostdistill.py")
+            shutil.copyfile(
+                modeling_ghostdistill.__file__, tmp / "modeling_ghostdistill.py"
+            )
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / "README.md").write_text(model_card(info, kind))
@@ -96,11 +106,15 @@ def _view_state(pruned: PrunedModel, view: str, method: str | None, info: dict):
     model, plan = pruned.model, pruned.plan
     operators = dict(pruned.operators[view]) if view not in (DENSE, PRUNED) else {}
     mlp_maps = dict(pruned.mlp_maps[view]) if view not in (DENSE, PRUNED) else {}
-    folds = bool(operators or mlp_maps) and method is not None and get_method(method).folds
+    folds = (
+        bool(operators or mlp_maps) and method is not None and get_method(method).folds
+    )
     if (operators or mlp_maps) and method is None:
         raise ValueError(f"view {view!r} has operators: name its method to export it")
     if mlp_maps and not folds:
-        raise ValueError(f"view {view!r} has MLP maps but method {method!r} cannot fold them into weights")
+        raise ValueError(
+            f"view {view!r} has MLP maps but method {method!r} cannot fold them into weights"
+        )
     layers = list(pruned.stack.layers)
     adapted = any(view in getattr(m, "lora_A", {}) for b in layers for m in b.modules())
     changed = adapted or folds
@@ -121,7 +135,9 @@ def _view_state(pruned: PrunedModel, view: str, method: str | None, info: dict):
             fit = GapFit(operator=operators.get(gap.key), mlp_map=mlp_maps.get(gap.key))
             get_method(method).fold(by_dense, gap, fit)
     if changed:
-        pruned.stack.set_layers(layers)  # undone when the caller's `use` restores the view
+        pruned.stack.set_layers(
+            layers
+        )  # undone when the caller's `use` restores the view
     state = _clean(model.state_dict())
     text = copy.deepcopy(pruned.config)
     for attr in ("quantization_config",):
@@ -136,13 +152,23 @@ def _view_state(pruned: PrunedModel, view: str, method: str | None, info: dict):
             op = operators[gap.key]
             at_input = gap.stop < plan.num_layers
             layer = kept.index(gap.stop if at_input else gap.start - 1)
-            gaps.append({"key": gap.key, "layer": layer, "where": "input" if at_input else "output",
-                         "separate_first": bool(op.separate_first)})
+            gaps.append(
+                {
+                    "key": gap.key,
+                    "layer": layer,
+                    "where": "input" if at_input else "output",
+                    "separate_first": bool(op.separate_first),
+                }
+            )
             state[f"gap_operators.{i}.delta"] = op.delta.detach().float()
             state[f"gap_operators.{i}.first_shift"] = op.first_shift.detach().float()
         config = GhostPrunedConfig(
-            text_config=text, gaps=gaps, layers_path=_path_of(model, pruned.stack.layers), ghostdistill=info,
-            architectures=["GhostPrunedForCausalLM"], auto_map=dict(WRAPPER_AUTO_MAP),
+            text_config=text,
+            gaps=gaps,
+            layers_path=_path_of(model, pruned.stack.layers),
+            ghostdistill=info,
+            architectures=["GhostPrunedForCausalLM"],
+            auto_map=dict(WRAPPER_AUTO_MAP),
         )
         return state, config, "operators"
     text.ghostdistill = info
@@ -164,10 +190,14 @@ def _path_of(model: nn.Module, target: nn.Module) -> str:
     for name, module in model.named_modules():
         if module is target:
             return name
-    raise ValueError(f"the decoder blocks are not a submodule of {type(model).__name__}")
+    raise ValueError(
+        f"the decoder blocks are not a submodule of {type(model).__name__}"
+    )
 
 
-def _save_weights(model: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
+def _save_weights(
+    model: nn.Module, state: dict[str, torch.Tensor], folder: Path
+) -> None:
     """safetensors shards; a tied output head is left to the loader, which ties it again."""
     from huggingface_hub import save_torch_state_dict
 

@@ -34,7 +34,12 @@ class Export(Callback):
         overwrite: replace existing folders.
     """
 
-    def __init__(self, views: list[str] | None = None, dir: str | None = None, overwrite: bool = False) -> None:
+    def __init__(
+        self,
+        views: list[str] | None = None,
+        dir: str | None = None,
+        overwrite: bool = False,
+    ) -> None:
         self.views = list(views or [])
         self.dir = dir
         self.overwrite = overwrite
@@ -49,38 +54,80 @@ class Export(Callback):
         available = run_views(pl_module)
         bad = [v for v in self.views if v not in available]
         if bad:
-            raise ValueError(f"export.views {bad} are not views of this run; its views are {available}")
-        existing = [str(self.root(trainer) / v) for v in self.views if (self.root(trainer) / v).exists()]
+            raise ValueError(
+                f"export.views {bad} are not views of this run; its views are {available}"
+            )
+        existing = [
+            str(self.root(trainer) / v)
+            for v in self.views
+            if (self.root(trainer) / v).exists()
+        ]
         if existing and not self.overwrite:
-            raise FileExistsError(f"export folders {existing} exist; set export.overwrite: true to replace them")
+            raise FileExistsError(
+                f"export folders {existing} exist; set export.overwrite: true to replace them"
+            )
 
     def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self.views or not trainer.is_global_zero:
             return
-        report = {"model": asdict(pl_module.model_cfg), **pl_module.report, "evaluation": trainer.datamodule.eval_summary()}
+        report = {
+            "model": asdict(pl_module.model_cfg),
+            **pl_module.report,
+            "evaluation": trainer.datamodule.eval_summary(),
+        }
         seed = _seed(Path(trainer.default_root_dir))
-        for path in export_views(pl_module, report, self.views, self.root(trainer), overwrite=self.overwrite, seed=seed):
+        for path in export_views(
+            pl_module,
+            report,
+            self.views,
+            self.root(trainer),
+            overwrite=self.overwrite,
+            seed=seed,
+        ):
             rank_zero_info(f"exported {path}")
 
 
 def run_views(module: GhostDistill) -> list[str]:
     """Every view a run has: the baselines, each recovery method and each fine-tuned method."""
-    return [DENSE, PRUNED, *(r.name for r in module.recovery_cfgs), *(ft_view(m) for m in module.distill_cfg.methods)]
+    return [
+        DENSE,
+        PRUNED,
+        *(r.name for r in module.recovery_cfgs),
+        *(ft_view(m) for m in module.distill_cfg.methods),
+    ]
 
 
 def export_views(
-    module: GhostDistill, report: dict, views: list[str], root: Path, *, overwrite: bool = False, seed: int | None = None
+    module: GhostDistill,
+    report: dict,
+    views: list[str],
+    root: Path,
+    *,
+    overwrite: bool = False,
+    seed: int | None = None,
 ) -> list[Path]:
     """Write each of `views` of an in-memory run to `root/<view>`; `report` is the run's results."""
     available = run_views(module)
-    bad = [v for v in views if v not in available or (module.pruned is not None and v not in module.pruned.views)]
+    bad = [
+        v
+        for v in views
+        if v not in available
+        or (module.pruned is not None and v not in module.pruned.views)
+    ]
     if bad:
         raise ValueError(f"cannot export {bad}: this run's views are {available}")
     paths = []
     for view in views:
         paths.append(
-            export_view(module.pruned, view, root / view, method=_method(module, view), tokenizer=module.tokenizer,
-                        info=provenance(report, view, _method(module, view), seed), overwrite=overwrite)
+            export_view(
+                module.pruned,
+                view,
+                root / view,
+                method=_method(module, view),
+                tokenizer=module.tokenizer,
+                info=provenance(report, view, _method(module, view), seed),
+                overwrite=overwrite,
+            )
         )
     return paths
 
@@ -105,11 +152,21 @@ def provenance(report: dict, view: str, method: str | None, seed: int | None) ->
         "method": method,
         "recovery": (report.get("recovery") or {}).get(base),
         "plan": {k: v for k, v in report.get("plan", {}).items()},
-        "calibration": {k: v for k, v in report.get("calibration", {}).items() if k != "token_groups"},
+        "calibration": {
+            k: v
+            for k, v in report.get("calibration", {}).items()
+            if k != "token_groups"
+        },
         "seed": seed,
         "metrics": views.get(view, {}).get("metrics"),
-        "reference_metrics": {v: views[v]["metrics"] for v in (DENSE, PRUNED) if v in views and v != view},
-        "evaluation": {k: v for k, v in report.get("evaluation", {}).items() if k in ("seq_len", "max_windows", "sources")},
+        "reference_metrics": {
+            v: views[v]["metrics"] for v in (DENSE, PRUNED) if v in views and v != view
+        },
+        "evaluation": {
+            k: v
+            for k, v in report.get("evaluation", {}).items()
+            if k in ("seq_len", "max_windows", "sources")
+        },
     }
     distill = report.get("distill")
     if distill and view.endswith("_ft"):
@@ -117,7 +174,9 @@ def provenance(report: dict, view: str, method: str | None, seed: int | None) ->
         info["distill"] = {
             "steps": distill.get("steps"),
             "kept": distill.get("kept"),
-            "step": best.get("step") if distill.get("kept") == "best" else distill.get("steps"),
+            "step": best.get("step")
+            if distill.get("kept") == "best"
+            else distill.get("steps"),
             "train": distill.get("train"),
             "lr": distill.get("lr"),
             "loss": distill.get("loss"),
@@ -135,32 +194,56 @@ def _seed(run_dir: Path) -> int | None:
 
 
 def export_from_run(
-    module: GhostDistill, datamodule, run: Path, views: list[str], out: Path | None = None, *, overwrite: bool = False
+    module: GhostDistill,
+    datamodule,
+    run: Path,
+    views: list[str],
+    out: Path | None = None,
+    *,
+    overwrite: bool = False,
 ) -> list[Path]:
     """Export views of the finished run in `run`, given the module and datamodule its `config.yaml`
     builds (`cli.export_run` builds them)."""
     results_path = run / "results.json"
     for path in (results_path, run / Calibration.STATE_FILE):
         if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: export reads a finished run folder (run `fit` first)")
+            raise FileNotFoundError(
+                f"{path} is missing: export reads a finished run folder (run `fit` first)"
+            )
     report = json.loads(results_path.read_text())
     available = run_views(module)
     bad = [v for v in views if v not in available]
     if bad:
         raise ValueError(f"cannot export {bad}: the views of {run} are {available}")
-    fine_tuned = [v for v in views if v in {ft_view(m) for m in module.distill_cfg.methods}]
+    fine_tuned = [
+        v for v in views if v in {ft_view(m) for m in module.distill_cfg.methods}
+    ]
     steps = int((report.get("distill") or {}).get("steps", 0)) if fine_tuned else 0
     # The statistics come from calibration_state.pt; `test` with no batches runs only the setup hooks
     # (the Calibration callback: plan, statistics, solves, students).
     trainer = Trainer(
-        accelerator="auto", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_test_batches=0, default_root_dir=str(run),
+        accelerator="auto",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_test_batches=0,
+        default_root_dir=str(run),
         callbacks=[Calibration(checkpoint_every=0, progress=False)],
     )
     trainer.test(module, datamodule=datamodule, verbose=False)
     if fine_tuned:
         _load_students(module, run, report)
-    return export_views(module, report, views, out or run / "export", overwrite=overwrite, seed=_seed(run))
+    return export_views(
+        module,
+        report,
+        views,
+        out or run / "export",
+        overwrite=overwrite,
+        seed=_seed(run),
+    )
 
 
 @torch.no_grad()
@@ -168,22 +251,34 @@ def _load_students(module: GhostDistill, run: Path, report: dict) -> None:
     """Put each fine-tuned view at the step the run's report shows, from `checkpoints/last.ckpt`."""
     path = run / "checkpoints" / "last.ckpt"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: the fine-tuned views' weights are in the run's checkpoint")
+        raise FileNotFoundError(
+            f"{path} is missing: the fine-tuned views' weights are in the run's checkpoint"
+        )
     checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    module.on_load_checkpoint(checkpoint)  # checks the checkpoint holds exactly this run's students
+    module.on_load_checkpoint(
+        checkpoint
+    )  # checks the checkpoint holds exactly this run's students
     missing, unexpected = module.load_state_dict(checkpoint["state_dict"], strict=False)
     trainable = {name for name, p in module.named_parameters() if p.requires_grad}
     if unexpected or trainable & set(missing):
-        raise ValueError(f"{path} does not match the run's students (unexpected {unexpected[:3]}, missing "
-                         f"{sorted(trainable & set(missing))[:3]})")
+        raise ValueError(
+            f"{path} does not match the run's students (unexpected {unexpected[:3]}, missing "
+            f"{sorted(trainable & set(missing))[:3]})"
+        )
     distill = report.get("distill") or {}
     last_step = int(checkpoint["global_step"])
     for view in module.students.views:
-        wanted = distill.get("steps") if distill.get("kept") != "best" else distill.get("best", {}).get(view, {}).get("step")
+        wanted = (
+            distill.get("steps")
+            if distill.get("kept") != "best"
+            else distill.get("best", {}).get(view, {}).get("step")
+        )
         if wanted is None or int(wanted) == last_step:
             continue
         best = module.best.get(view)
         if best is None or int(best["step"]) != int(wanted):
-            raise ValueError(f"{view}: the report shows step {wanted}, but {path} holds step {last_step} and best "
-                             f"step {None if best is None else best['step']}")
+            raise ValueError(
+                f"{view}: the report shows step {wanted}, but {path} holds step {last_step} and best "
+                f"step {None if best is None else best['step']}"
+            )
         module.students.load_trainable_state(view, best["state"])
