@@ -251,3 +251,32 @@ def test_model_card_states_the_plan_the_repair_and_the_numbers(tmp_path):
         ]["ppl"]
         == 12.3456
     )
+
+
+@torch.no_grad()
+def test_a_view_with_its_own_blocks_exports_them(tmp_path):
+    """A fine-tuned view that trains whole blocks (per-view copies) ships its copies, not the originals."""
+    import copy
+
+    from ghostdistill.core.views import copy_block
+
+    torch.manual_seed(0)
+    pm, _ = fit_all(
+        tiny_model("llama"), PruningPlan.from_layers([2, 3], 6), [METHODS[0]]
+    )
+    pm.add_method(
+        "ghost_ft", {k: copy.deepcopy(op) for k, op in pm.operators["ghost"].items()}
+    )
+    own = copy_block(pm.dense_layers[4])
+    for p in own.parameters():
+        p.mul_(1.1)
+    pm.substitute_blocks("ghost_ft", {4: own})
+    ids, mask = _left_padded()
+    folder = export_view(pm, "ghost_ft", tmp_path / "ft", method="ghost")
+    with pm.use("ghost_ft") as model:
+        expected = model(input_ids=ids, attention_mask=mask).logits
+    with pm.use("ghost") as model:
+        training_free = model(input_ids=ids, attention_mask=mask).logits
+    got = load_exported(folder)(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    assert (got - training_free).abs().max() > 1e-3
