@@ -88,7 +88,7 @@ def main() -> None:
                 [
                     sys.executable,
                     str(ROOT / "scripts" / "reload_check.py"),
-                    str(folder),
+                    str(Path(folder).resolve()),
                     str(inputs),
                     str(out),
                 ],
