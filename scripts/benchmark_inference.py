@@ -13,7 +13,10 @@ repeat):
 
 Reported: the median and the spread (min–max) over repeats, the ratio of medians to dense and to pruned,
 and the ideal L/(L−n) speed-up of removing n of L blocks (what the blocks alone would give if nothing
-else cost anything: embeddings, the output head and the operators do).
+else cost anything: embeddings, the output head and the operators do). Because whole-model timings on
+a shared machine are noisy, the ghost operator is also timed alone (its forward on the prefill's and
+on one decode step's hidden states, first-position map included), interleaved with the same repeats,
+as a share of the pruned model's time.
 
     .venv/bin/python scripts/benchmark_inference.py --repeats 7
 """
@@ -112,6 +115,19 @@ def prefill_and_decode(
     return prefill, time.perf_counter() - start
 
 
+@torch.no_grad()
+def operator_seconds(op, x: torch.Tensor, device, calls: int = 20) -> float:
+    """Seconds per call of a gap operator on `x` (first-position mask from the plain positions)."""
+    positions = torch.arange(x.shape[1], device=device).unsqueeze(0)
+    mask = (positions == 0).expand(x.shape[0], x.shape[1])
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        op(x, mask)
+    sync(device)
+    return (time.perf_counter() - start) / calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -140,7 +156,18 @@ def main() -> None:
         for name in names:  # warm-up: allocator, kernels, lazy init
             prefill_and_decode(models[name], ids, 2, device)
         times = {name: {"prefill": [], "decode": []} for name in names}
+        op = models["ghost"].gap_operators[0]
+        hidden = op.delta.shape[0]
+        x_prefill = torch.randn(
+            args.batch, args.prompt, hidden, device=device, dtype=op.delta.dtype
+        )
+        x_decode = torch.randn(
+            args.batch, 1, hidden, device=device, dtype=op.delta.dtype
+        )
+        op_times: dict[str, list[float]] = {"prefill": [], "decode": []}
         for r in range(args.repeats):
+            op_times["prefill"].append(operator_seconds(op, x_prefill, device))
+            op_times["decode"].append(operator_seconds(op, x_decode, device))
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 p, d = prefill_and_decode(models[name], ids, args.new, device)
                 times[name]["prefill"].append(args.batch * args.prompt / p)
