@@ -196,9 +196,33 @@ def main() -> None:
             ]
         print(f"| {name} | " + " | ".join(cells) + " |")
         rows[name] = {"samples": times[name], "median": med[name]}
+    shares = {}
+    for kind, tokens, calls in (
+        ("prefill", args.batch * args.prompt, 1),
+        ("decode", args.batch * args.new, args.new),
+    ):
+        model_seconds = tokens / med["pruned"][kind]
+        per_call = statistics.median(op_times[kind])
+        shares[kind] = {
+            "operator_s": per_call,
+            "calls": calls,
+            "share_of_pruned": per_call * calls / model_seconds,
+        }
+        print(
+            f"ghost operator alone, {kind}: {per_call * 1e3:.3f} ms per call × {calls} = "
+            f"{100 * shares[kind]['share_of_pruned']:.2f}% of the pruned model's {kind} time (median)"
+        )
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"args": vars(args), "ideal": ideal, "models": rows}, indent=2)
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "ideal": ideal,
+                    "models": rows,
+                    "operator": shares,
+                },
+                indent=2,
+            )
         )
 
 
