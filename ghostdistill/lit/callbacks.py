@@ -19,7 +19,7 @@ from ..calibration.stream import accumulate
 from ..core.io import atomic_torch_save, json_digest
 from ..core.model import decoder_stack, hidden_size
 from ..core.plan import PruningPlan
-from ..criteria import choose_plan
+from ..criteria import check_plan, choose_plan
 from ..methods import make_collectors
 from ..reporting.results import write_report
 from .module import NO_DISTILL_METHODS
@@ -102,6 +102,9 @@ class Calibration(Callback):
         llm = pl_module.llm
         llm.eval()
 
+        # The plan's depth checks before any data is read or generated (minutes, for `generate`).
+        explicit = check_plan(pl_module.plan_cfg, len(decoder_stack(llm).layers)) if state is None else None
+
         start = time.perf_counter()
         ids = dm.calibration_ids()
         timings["calibration_data_s"] = round(time.perf_counter() - start, 2)
@@ -111,10 +114,8 @@ class Calibration(Callback):
         start = time.perf_counter()
         if state is not None:
             plan = PruningPlan(**state["plan"])
-        elif pl_module.plan_cfg.layers is not None:
-            plan = PruningPlan.from_layers(
-                pl_module.plan_cfg.layers, llm.config.num_hidden_layers, allow_edges=pl_module.plan_cfg.allow_edges
-            )
+        elif explicit is not None:
+            plan = explicit
         else:
             plan = choose_plan(
                 pl_module.plan_cfg,
@@ -144,15 +145,15 @@ class Calibration(Callback):
         if world > 1 and done < len(batches):
             # Each rank streams its share; the sums are added across ranks before the solve.
             mine = shard(batches, rank, world)
-            for batch in tqdm(mine, desc=f"calibration statistics (rank {rank})", disable=not self.progress):
-                tokens += accumulate(llm, pruned.stack, plan.gaps, [batch], stats)
+            for i, batch in enumerate(tqdm(mine, desc=f"calibration statistics (rank {rank})", disable=not self.progress)):
+                tokens += accumulate(llm, pruned.stack, plan.gaps, [batch], stats, first_batch=rank + i * world)
             for collectors in stats.values():
                 sum_collectors(collectors, reduce)
             tokens = int(reduce(torch.tensor(tokens, dtype=torch.float64, device=device)).item())
         else:
             bar = tqdm(total=len(batches), initial=done, desc="calibration statistics", disable=not self.progress)
             for i in range(done, len(batches)):
-                tokens += accumulate(llm, pruned.stack, plan.gaps, [batches[i]], stats)
+                tokens += accumulate(llm, pruned.stack, plan.gaps, [batches[i]], stats, first_batch=i)
                 bar.update(1)
                 if self.checkpoint_every and (i + 1) % self.checkpoint_every == 0 and i + 1 < len(batches):
                     self._save(trainer, state_path, fingerprint, plan, stats, i + 1, tokens, len(batches))

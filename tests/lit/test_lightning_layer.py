@@ -21,7 +21,7 @@ def _args(model_dir, text_files, run, *extra):
     return [
         "fit", "--config", str(ROOT / "configs" / "smollm2_demo.yaml"),
         "--model.model.source", str(model_dir),
-        "--model.plan.layers", "[2, 3]",
+        "--model.plan.layers", "[2, 3]", "--model.plan.num_layers", "null",
         "--data.calibration.num_samples", "4",
         "--data.calibration.seq_len", "16",
         "--data.evaluation.seq_len", "32",
