@@ -69,7 +69,9 @@ def fit(args: list[str] | None = None) -> GhostDistillCLI:
         seed_everything_default=0,
         save_config_kwargs={"overwrite": True},
         args=args,
-        parser_kwargs={"fit": {"default_config_files": []}},
+        # allow_abbrev off: argparse would otherwise take a misspelt prefix (`--trainer.max_step`) for the key it
+        # abbreviates, where an unknown key must be rejected by name.
+        parser_kwargs={"allow_abbrev": False, "fit": {"default_config_files": [], "allow_abbrev": False}},
     )
 
 
