@@ -19,6 +19,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from .lit.callbacks import Calibration, LastCheckpoint, Report
 from .lit.datamodule import GhostDataModule
+from .lit.interrupts import terminate_on_sigterm
 from .lit.module import GhostDistill
 from .methods import RecoveryConfig
 from .reporting import compare
@@ -62,7 +63,12 @@ class GhostDistillCLI(LightningCLI):
 
 
 def fit(args: list[str] | None = None) -> GhostDistillCLI:
-    """`fit` and LightningCLI's other subcommands."""
+    """`fit` and LightningCLI's other subcommands; SIGTERM stops them in every phase (`lit.interrupts`)."""
+    with terminate_on_sigterm():
+        return _fit(args)
+
+
+def _fit(args: list[str] | None) -> GhostDistillCLI:
     return GhostDistillCLI(
         GhostDistill,
         GhostDataModule,

@@ -11,7 +11,12 @@ from ghostdistill.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 # A model that does not exist: should a bad key ever be accepted, the test fails at once instead of running.
-BASE = ["fit", "--config", str(ROOT / "configs" / "smollm2_demo.yaml"), "--model.model.source=/nonexistent-model"]
+BASE = [
+    "fit",
+    "--config",
+    str(ROOT / "configs" / "smollm2_demo.yaml"),
+    "--model.model.source=/nonexistent-model",
+]
 
 
 @pytest.mark.parametrize(
@@ -25,17 +30,29 @@ BASE = ["fit", "--config", str(ROOT / "configs" / "smollm2_demo.yaml"), "--model
         ("--model.plan.layer=[2]", ["model.plan.layer"]),
         ("--model.evaluation.zeroshot.task=[piqa]", ["model.evaluation.zeroshot.task"]),
         ("--model.distill.loss.kinds=forward", ["model.distill.loss.kinds"]),
-        ("--data.calibration.source={source: c4, bogus: 1}", ["calibration.source.bogus"]),
+        (
+            "--data.calibration.source={source: c4, bogus: 1}",
+            ["calibration.source.bogus"],
+        ),
         ("--data.batchsize=2", ["data.batchsize"]),
         ("--trainer.max_epoch=3", ["trainer.max_epoch"]),
         ("--calibration.every=3", ["calibration.every"]),
-        ("--model.recovery=[{name: a, bogus: 1}]", ["model.recovery", "'bogus' is not accepted"]),
+        (
+            "--model.recovery=[{name: a, bogus: 1}]",
+            ["model.recovery", "'bogus' is not accepted"],
+        ),
         # wrong types and values outside a key's choices
         ("--model.plan.num_layers=abc", ["model.plan.num_layers", "abc"]),
         ("--model.plan.criterion=best", ["model.plan.criterion", "best"]),
-        ("--model.recovery=[{name: a, ridge: abc}]", ["model.recovery", "Expected a <class 'float'>. Got value: abc"]),
+        (
+            "--model.recovery=[{name: a, ridge: abc}]",
+            ["model.recovery", "Expected a <class 'float'>. Got value: abc"],
+        ),
         ("--model.recovery=[{name: a, fit: best}]", ["model.recovery", "best"]),
-        ("--model.evaluation.zeroshot.limit=abc", ["model.evaluation.zeroshot.limit", "abc"]),
+        (
+            "--model.evaluation.zeroshot.limit=abc",
+            ["model.evaluation.zeroshot.limit", "abc"],
+        ),
         ("--model.distill.lora={rank: x}", ["model.distill.lora.rank", "x"]),
         ("--data.calibration.num_samples=x", ["data.calibration.num_samples"]),
         ("--trainer.max_steps=x", ["trainer.max_steps"]),

@@ -24,27 +24,50 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _args(tiny_dir, text_files, run, *extra):
     return [
-        "fit", "--config", str(ROOT / "configs" / "smollm2_demo.yaml"),
-        "--model.model.source", str(tiny_dir),
-        "--model.plan.layers", "[2, 3]", "--model.plan.num_layers", "null",
-        "--model.recovery", json.dumps([{"name": "ghost"}, {"name": "linearpatch", "method": "linearpatch"}]),
-        "--data.calibration.source.source", str(text_files["jsonl_gz"]),
-        "--data.calibration.num_samples", "16",
-        "--data.calibration.seq_len", "32",
-        "--data.evaluation.seq_len", "32",
-        "--data.evaluation.max_windows", "2",
-        "--data.evaluation.sources", json.dumps([{"name": "held_out", "source": str(text_files["txt"])}]),
-        "--data.batch_size", "4",
-        "--calibration.checkpoint_every", "1",
-        "--trainer.default_root_dir", str(run),
-        "--trainer.enable_progress_bar", "false",
-        "--calibration.progress", "false",
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "smollm2_demo.yaml"),
+        "--model.model.source",
+        str(tiny_dir),
+        "--model.plan.layers",
+        "[2, 3]",
+        "--model.plan.num_layers",
+        "null",
+        "--model.recovery",
+        json.dumps(
+            [{"name": "ghost"}, {"name": "linearpatch", "method": "linearpatch"}]
+        ),
+        "--data.calibration.source.source",
+        str(text_files["jsonl_gz"]),
+        "--data.calibration.num_samples",
+        "16",
+        "--data.calibration.seq_len",
+        "32",
+        "--data.evaluation.seq_len",
+        "32",
+        "--data.evaluation.max_windows",
+        "2",
+        "--data.evaluation.sources",
+        json.dumps([{"name": "held_out", "source": str(text_files["txt"])}]),
+        "--data.batch_size",
+        "4",
+        "--calibration.checkpoint_every",
+        "1",
+        "--trainer.default_root_dir",
+        str(run),
+        "--trainer.enable_progress_bar",
+        "false",
+        "--calibration.progress",
+        "false",
         *extra,
     ]
 
 
 def _operators(cli) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in cli.model.pruned.operators.state_dict().items()}
+    return {
+        k: v.detach().clone()
+        for k, v in cli.model.pruned.operators.state_dict().items()
+    }
 
 
 @pytest.mark.slow  # five tiny runs, about 45 s on 2 cores
@@ -55,30 +78,59 @@ def test_same_config_and_seed_give_bit_identical_operators_and_bad_states_are_re
     second = _operators(main(_args(tiny_dir, text_files, tmp_path / "b")))
     assert first.keys() == second.keys() and len(first) >= 2
     for key in first:
-        assert torch.equal(first[key], second[key]), f"{key} differs between two runs of the same config"
+        assert torch.equal(first[key], second[key]), (
+            f"{key} differs between two runs of the same config"
+        )
 
     state = tmp_path / "a" / Calibration.STATE_FILE
     good = state.read_bytes()
     for label, damage in [
         ("truncated", lambda: state.write_bytes(good[: len(good) // 2])),
         ("garbage", lambda: state.write_bytes(b"not a torch file at all")),
-        ("older format", lambda: torch.save({k: v for k, v in torch.load(state, weights_only=True).items()
-                                             if k != "format"}, state)),
+        (
+            "older format",
+            lambda: torch.save(
+                {
+                    k: v
+                    for k, v in torch.load(state, weights_only=True).items()
+                    if k != "format"
+                },
+                state,
+            ),
+        ),
     ]:
         state.write_bytes(good)
         damage()
-        with pytest.warns(UserWarning, match=rf"{Calibration.STATE_FILE} .*calibrating from scratch"):
+        with pytest.warns(
+            UserWarning, match=rf"{Calibration.STATE_FILE} .*calibrating from scratch"
+        ):
             again = _operators(main(_args(tiny_dir, text_files, tmp_path / "a")))
         for key in first:
             assert torch.equal(first[key], again[key]), f"{label}: {key}"
-        assert torch.load(state, weights_only=True)["format"] == STATE_FORMAT, f"{label}: the file was rewritten"
+        assert torch.load(state, weights_only=True)["format"] == STATE_FORMAT, (
+            f"{label}: the file was rewritten"
+        )
 
 
 def _state(hidden: int = 8, **change) -> dict:
-    stats = {name: c.state_dict() for name, c in make_collectors({"ghost"}, hidden, "cpu").items()}
-    state = {"format": STATE_FORMAT, "fingerprint": "abc",
-             "plan": {"num_layers": 6, "removed": (2, 3), "chosen_by": "explicit", "scores": {}},
-             "stats": {"2-3": stats}, "batches_done": 2, "batches_total": 4, "tokens": 100}
+    stats = {
+        name: c.state_dict()
+        for name, c in make_collectors({"ghost"}, hidden, "cpu").items()
+    }
+    state = {
+        "format": STATE_FORMAT,
+        "fingerprint": "abc",
+        "plan": {
+            "num_layers": 6,
+            "removed": (2, 3),
+            "chosen_by": "explicit",
+            "scores": {},
+        },
+        "stats": {"2-3": stats},
+        "batches_done": 2,
+        "batches_total": 4,
+        "tokens": 100,
+    }
     state.update(change)
     return state
 
@@ -86,11 +138,17 @@ def _state(hidden: int = 8, **change) -> dict:
 @pytest.mark.parametrize(
     "state, why",
     [
-        (_state(fingerprint="other"), None),  # other settings: recomputed, said in the log
+        (
+            _state(fingerprint="other"),
+            None,
+        ),  # other settings: recomputed, said in the log
         (_state(format=None), "of format None; this version writes format 2"),
         (_state(batches_done=5), "batches_done 5 of 4"),
         (_state(stats={}), r"statistics for gaps \[\], plan gaps \['2-3'\]"),
-        (_state(hidden=16), r"gap 2-3 ghost.xtx.plain_rest: shape torch.Size\(\[16, 16\]\), expected \(8, 8\)"),
+        (
+            _state(hidden=16),
+            r"gap 2-3 ghost.xtx.plain_rest: shape torch.Size\(\[16, 16\]\), expected \(8, 8\)",
+        ),
         ([1, 2, 3], "holds a list, not a calibration state"),
     ],
 )
