@@ -396,7 +396,9 @@ class GhostDistill(LightningModule):
         mask = batch.get("attention_mask")
         mask = torch.ones_like(ids) if mask is None else mask
         views = self.views
-        scores = self.score_views(ids, mask, views)
+        # Windows added only to even out the ranks' shares are run but not counted (`EvenShares`).
+        counted = batch.get("counted")
+        scores = self.score_views(ids, mask, views, counted=counted)
         for vi, view in enumerate(views):
             m = self._metrics[f"{vi}_{dataloader_idx}"]
             token_nll = scores[view].nll
@@ -406,13 +408,17 @@ class GhostDistill(LightningModule):
                 m["kl"].update(scores[view].kl)
                 m["top1"].update(scores[view].top1)
 
-    def score_views(self, ids: torch.Tensor, mask: torch.Tensor, views: list[str]) -> dict[str, TokenScores]:
+    def score_views(
+        self, ids: torch.Tensor, mask: torch.Tensor, views: list[str], counted: torch.Tensor | None = None
+    ) -> dict[str, TokenScores]:
         """NLL of every view in `views`, and KL and top-1 against the dense view, on one batch (1-D over the
         real next-token positions). Each view's decoder runs once and yields final hidden states; logits
         exist only a chunk of `evaluation.logit_chunk` tokens at a time (`evaluation.metrics.score_hidden`),
-        so memory does not grow with batch × vocabulary."""
+        so memory does not grow with batch × vocabulary. `counted` [batch]: rows to score (default all)."""
         assert self.pruned is not None
         targets, valid = next_token_targets(ids, mask)
+        if counted is not None:
+            valid = valid & counted.bool()[:, None]
         hidden = {}
         for view in [DENSE, *(v for v in views if v != DENSE)]:
             with self.pruned.use(view) as model:
