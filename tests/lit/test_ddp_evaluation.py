@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_run import tiny_run_args
 
 from ghostdistill.lit.datamodule import EvenShares, _Windows
 
@@ -39,45 +40,21 @@ def test_two_processes_give_the_perplexity_of_one_with_an_uneven_window_count(
     results = {}
     for devices in (1, 2):
         run = tmp_path / f"devices{devices}"
-        args = [
-            "fit",
-            "--config",
-            str(ROOT / "configs" / "smollm2_demo.yaml"),
-            "--model.model.source",
-            str(tiny_dir),
-            "--model.plan.layers",
-            "[2, 3]",
-            "--model.plan.num_layers",
-            "null",
-            "--model.recovery",
-            json.dumps([{"name": "ghost"}]),
-            "--data.calibration.source.source",
-            str(text_files["jsonl_gz"]),
-            "--data.calibration.num_samples",
-            "8",
-            "--data.calibration.seq_len",
-            "32",
-            "--data.evaluation.seq_len",
-            "32",
-            "--data.evaluation.max_windows",
-            "5",  # 5 windows over 2 ranks: one rank gets a padding copy
-            "--data.evaluation.sources",
-            json.dumps([{"name": "held_out", "source": str(text_files["txt"])}]),
+        args = tiny_run_args(
+            tiny_dir,
+            text_files,
+            run,
             "--data.batch_size",
             "2",
-            "--calibration.progress",
-            "false",
-            "--trainer.enable_progress_bar",
-            "false",
             "--trainer.accelerator",
             "cpu",
             "--trainer.devices",
             str(devices),
             "--trainer.strategy",
             "ddp" if devices > 1 else "auto",
-            "--trainer.default_root_dir",
-            str(run),
-        ]
+            samples=8,
+            eval_windows=5,  # 5 windows over 2 ranks: one rank gets a padding copy
+        )
         out = subprocess.run(
             [sys.executable, "-m", "ghostdistill", *args],
             capture_output=True,

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import torch
-
 from conftest import tiny_model
+
 from ghostdistill.cli import main
 from ghostdistill.core.model import ModelConfig
 from ghostdistill.core.plan import PlanConfig, PruningPlan

@@ -4,11 +4,11 @@ and the same config and seed give bit-identical operators."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from tiny_run import tiny_run_args
 
 from ghostdistill.cli import main
 from ghostdistill.lit.callbacks import (
@@ -23,44 +23,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _args(tiny_dir, text_files, run, *extra):
-    return [
-        "fit",
-        "--config",
-        str(ROOT / "configs" / "smollm2_demo.yaml"),
-        "--model.model.source",
-        str(tiny_dir),
-        "--model.plan.layers",
-        "[2, 3]",
-        "--model.plan.num_layers",
-        "null",
-        "--model.recovery",
-        json.dumps(
-            [{"name": "ghost"}, {"name": "linearpatch", "method": "linearpatch"}]
-        ),
-        "--data.calibration.source.source",
-        str(text_files["jsonl_gz"]),
-        "--data.calibration.num_samples",
-        "16",
-        "--data.calibration.seq_len",
-        "32",
-        "--data.evaluation.seq_len",
-        "32",
-        "--data.evaluation.max_windows",
-        "2",
-        "--data.evaluation.sources",
-        json.dumps([{"name": "held_out", "source": str(text_files["txt"])}]),
-        "--data.batch_size",
-        "4",
+    recovery = [{"name": "ghost"}, {"name": "linearpatch", "method": "linearpatch"}]
+    return tiny_run_args(
+        tiny_dir,
+        text_files,
+        run,
         "--calibration.checkpoint_every",
         "1",
-        "--trainer.default_root_dir",
-        str(run),
-        "--trainer.enable_progress_bar",
-        "false",
-        "--calibration.progress",
-        "false",
         *extra,
-    ]
+        recovery=recovery,
+    )
 
 
 def _operators(cli) -> dict[str, torch.Tensor]:

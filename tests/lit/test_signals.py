@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_run import tiny_run_args
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = Path(__file__).with_name("slow_phases.py")
@@ -45,42 +46,14 @@ PHASE_ARGS = {
 
 
 def _args(tiny_dir, text_files, run: Path, phase: str) -> list[str]:
-    return [
-        "fit",
-        "--config",
-        str(ROOT / "configs" / "smollm2_demo.yaml"),
-        "--model.model.source",
-        str(tiny_dir),
-        "--model.plan.layers",
-        "[2, 3]",
-        "--model.plan.num_layers",
-        "null",
-        "--model.recovery",
-        json.dumps([{"name": "ghost"}]),
-        "--data.calibration.source.source",
-        str(text_files["jsonl_gz"]),
-        "--data.calibration.num_samples",
-        "16",
-        "--data.calibration.seq_len",
-        "32",
-        "--data.evaluation.seq_len",
-        "32",
-        "--data.evaluation.max_windows",
-        "2",
-        "--data.evaluation.sources",
-        json.dumps([{"name": "held_out", "source": str(text_files["txt"])}]),
-        "--data.batch_size",
-        "4",
+    return tiny_run_args(
+        tiny_dir,
+        text_files,
+        run,
         "--calibration.checkpoint_every",
         "1",
-        "--calibration.progress",
-        "false",
-        "--trainer.enable_progress_bar",
-        "false",
-        "--trainer.default_root_dir",
-        str(run),
         *PHASE_ARGS[phase],
-    ]
+    )
 
 
 def _start(
