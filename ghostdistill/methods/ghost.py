@@ -130,9 +130,10 @@ def fit_ghost(cfg: RecoveryConfig, gap: Gap, stats: GhostStatistics) -> GhostOpe
     separate_first = cfg.fit in ("first", "first_weighted")
     weighted = cfg.fit in ("weighted", "first_weighted")
     xtx, xtd = stats.normal_equations(weighted=weighted, include_first=not separate_first)
-    if stats.counts.regular + (0 if separate_first else stats.counts.first) == 0:
+    tokens = stats.counts.regular + (0 if separate_first else stats.counts.first)
+    if tokens == 0:
         raise ValueError(f"gap {gap.key}: no calibration tokens to fit on")
-    delta = solve(xtx, xtd, cfg.solver, cfg.ridge)
+    delta = solve(xtx, xtd, cfg.solver, cfg.ridge, tokens=tokens, what=f"{cfg.name} (ghost, fit {cfg.fit}) gap {gap.key}")
     op = GhostOperator(xtx.shape[0], separate_first=separate_first)
     op.load_solution(delta, stats.first_shift() if separate_first else None)
     return op
