@@ -6,7 +6,7 @@ Prints `PHASE <phase>` (flushed) when the phase starts, then keeps it busy in Py
 statistics loop and the training loop are) for `$SLOW_SECONDS` (default 60) before doing the real work,
 so a test can send a signal while the run is inside that phase. Phases: calibration, fitting,
 evaluation, zeroshot (lm-eval itself is replaced by a stand-in score: no task data is needed),
-distillation.
+distillation, export (the end-of-fit export, inside its temporary folder).
 """
 
 from __future__ import annotations
@@ -68,6 +68,16 @@ def slow(phase: str) -> None:
             return real_train(self, batch, batch_idx)
 
         module.GhostDistill.training_step = training_step
+    elif phase == "export":
+        from ghostdistill.export import writer
+
+        real_save = writer._save_weights
+
+        def save_weights(*args, **kwargs):
+            busy(phase)  # the temporary folder exists, half-filled
+            return real_save(*args, **kwargs)
+
+        writer._save_weights = save_weights
     else:
         raise SystemExit(f"unknown phase {phase!r}")
 

@@ -1,7 +1,8 @@
 """SIGINT and SIGTERM stop a run within seconds in every phase and leave only complete files; rerunning the
 same command resumes and completes. Each case runs `ghostdistill fit` on the tiny model in a subprocess
 with the phase slowed down (`slow_phases.py`), signals it once the phase has started, and measures the
-seconds to exit. Export is not covered (it does not exist on this branch).
+seconds to exit. An interrupted export leaves no folder (not even its temporary one); the rerun is
+`ghostdistill export <run>`, from what the run saved.
 
 With `SIGNAL_REPORT=<file>` every case appends its figures there as a JSON line (the README table).
 """
@@ -42,6 +43,7 @@ PHASE_ARGS = {
         "--model.distill.checkpoint_every",
         "1",
     ],
+    "export": ["--export.views", "[ghost]"],
 }
 
 
@@ -113,6 +115,8 @@ CASES = [
     ("zeroshot", signal.SIGINT),
     ("distillation", signal.SIGTERM),
     ("distillation", signal.SIGINT),
+    ("export", signal.SIGTERM),
+    ("export", signal.SIGINT),
 ]
 
 
@@ -141,6 +145,13 @@ def test_a_signal_stops_the_run_within_seconds_and_the_rerun_resumes(
     assert seconds < 10, f"{signum.name} in {phase}: {seconds:.1f} s to exit"
     left = _files(run)
     _complete(run)
+    if phase == "export":
+        # The report is written before the export starts; the export left nothing behind.
+        assert "results.json" in left
+        assert not [f for f in left if f.startswith("export")], left
+        assert not list(run.glob(".*tmp*")) and not list(run.glob("export/.*")), left
+        _rerun_export(run, phase, signum, seconds, code, left)
+        return
     assert "results.json" not in left
 
     extra = ["--ckpt_path", "last"] if phase == "distillation" else []
@@ -177,6 +188,22 @@ def test_a_signal_stops_the_run_within_seconds_and_the_rerun_resumes(
     if phase == "zeroshot":
         assert results["views"]["ghost"]["zeroshot"]["piqa"]["acc"] == 0.5
 
+    _report(phase, signum, seconds, code, left, resumed)
+
+
+def _rerun_export(run: Path, phase, signum, seconds, code, left) -> None:
+    rerun = subprocess.run(
+        [sys.executable, "-m", "ghostdistill", "export", str(run), "--views", "ghost"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    folder = run / "export" / "ghost"
+    assert (folder / "config.json").is_file() and list(folder.glob("*.safetensors")), _files(run)
+    _report(phase, signum, seconds, code, left, "ghostdistill export <run> --views ghost: complete folder")
+
+
+def _report(phase, signum, seconds, code, left, resumed) -> None:
     report = os.environ.get("SIGNAL_REPORT")
     if report:
         with open(report, "a") as f:
