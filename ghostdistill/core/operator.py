@@ -20,10 +20,15 @@ class GhostOperator(nn.Module):
     dtype when applied, so bf16/fp16 models run one matmul in their own dtype.
     """
 
-    def __init__(self, hidden_size: int, *, separate_first: bool = False, fused: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, *, separate_first: bool = False, fused: bool = False, affine: bool = False
+    ) -> None:
         super().__init__()
         self.delta = nn.Parameter(torch.zeros(hidden_size, hidden_size))
         self.first_shift = nn.Parameter(torch.zeros(hidden_size))
+        # Ordinary tokens get x + x·M + c when `affine` (the `bias` fit option); no parameter otherwise, so
+        # existing checkpoints and the trainable set of non-affine operators are unchanged.
+        self.bias = nn.Parameter(torch.zeros(hidden_size)) if affine else None
         self.separate_first = separate_first
         # True when the exported model folds this map into existing weights (ReplaceMe, magnitude):
         # it then adds no parameters at inference.
@@ -33,23 +38,34 @@ class GhostOperator(nn.Module):
         if self.fused:
             return 0
         c = self.delta.shape[0]
-        return c * c + (c if self.separate_first else 0)
+        return c * c + (c if self.separate_first else 0) + (c if self.bias is not None else 0)
 
     @torch.no_grad()
-    def load_solution(self, delta: torch.Tensor, first_shift: torch.Tensor | None = None) -> None:
+    def load_solution(
+        self, delta: torch.Tensor, first_shift: torch.Tensor | None = None, bias: torch.Tensor | None = None
+    ) -> None:
         self.delta.copy_(delta.to(self.delta.dtype))
         if first_shift is not None:
             self.first_shift.copy_(first_shift.to(self.first_shift.dtype))
+        if bias is not None:
+            if self.bias is None:
+                raise ValueError("this operator was built without a bias (affine=False); cannot load one")
+            self.bias.copy_(bias.to(self.bias.dtype))
 
     def forward(self, x: torch.Tensor, first_mask: torch.Tensor | None = None) -> torch.Tensor:
         y = x + x @ self.delta.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
         if self.separate_first and first_mask is not None:
             shifted = x + self.first_shift.to(x.dtype)
             y = torch.where(first_mask.unsqueeze(-1), shifted, y)
         return y
 
     def extra_repr(self) -> str:
-        return f"hidden_size={self.delta.shape[0]}, separate_first={self.separate_first}, fused={self.fused}"
+        return (
+            f"hidden_size={self.delta.shape[0]}, separate_first={self.separate_first}, fused={self.fused}, "
+            f"affine={self.bias is not None}"
+        )
 
 
 def first_position_mask(position_ids: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor:
