@@ -151,6 +151,17 @@ def test_all_methods_and_sequential_fit_through_the_cli(tiny_dir, text_files, tm
     assert results["views"]["magnitude"]["params"] == pruned["params"]
     assert results["views"]["linearpatch"]["params"] == pruned["params"] + 2 * c * c
     assert results["views"]["ghost"]["params"] == pruned["params"] + 2 * (c * c + c)
+    # The analysis: every method at both gaps, on held-out windows (the evaluation ones, 4 here).
+    analysis = results["analysis"]
+    assert analysis["held_out_windows"] == 4 and analysis["overlapping_windows"] == 0
+    for gap in results["plan"]["gaps"]:
+        rows = analysis["gaps"][gap]
+        assert set(rows) == set(names)
+        assert 0 < rows["ghost"]["anatomy"]["antisym_share_M"] < 1
+        assert rows["linearpatch"]["anatomy"]["antisym_share_M"] < 1e-10
+        assert rows["ghost"]["held_out_tokens"] == {"other": 4 * 63, "first": 4}
+    assert "antisym M" in (run / "results.md").read_text()
+    assert (run / "analysis.png").stat().st_size > 1000
 
 
 def test_compare_gathers_every_plan_and_method(tiny_dir, text_files, tmp_path, monkeypatch):

@@ -69,10 +69,15 @@ class EvalConfig:
         views: subset of ``dense``, ``pruned`` and the recovery names; empty means all of them.
         logit_chunk: tokens per chunk when turning logits into metrics (bounds memory for big vocabularies).
         zeroshot: zero-shot accuracy with lm-eval (off unless enabled).
+        analysis: per gap and method, the operator anatomy and the alignment error on held-out windows
+            (`ghostdistill.analysis`), in results.json/md and analysis.png.
+        analysis_windows: how many of the first evaluation source's windows the alignment error reads.
     """
 
     views: list[str] = field(default_factory=list)
     logit_chunk: int = 1024
+    analysis: bool = True
+    analysis_windows: int = 8
     zeroshot: ZeroShotConfig = field(default_factory=ZeroShotConfig)
 
 

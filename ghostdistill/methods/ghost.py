@@ -42,6 +42,7 @@ from ..core.plan import Gap
 from ..core.solver import solve, solve_symmetric
 from .base import GapFit, GapTaps, NoFold, RecoveryConfig, register, residual_identity
 
+
 @dataclass
 class TokenCounts:
     regular: int = 0
