@@ -76,8 +76,10 @@ class AlignmentErrors:
 def _maps(
     pruned: PrunedModel, view: str, key: str
 ) -> tuple[GhostOperator | None, GhostOperator | None]:
-    ops, mlps = pruned.operators.get(view, {}), pruned.mlp_maps.get(view, {})
-    return ops.get(key), mlps.get(key)
+    # nn.ModuleDict has no `get`.
+    ops = pruned.operators[view] if view in pruned.operators else {}  # noqa: SIM401
+    mlps = pruned.mlp_maps[view] if view in pruned.mlp_maps else {}  # noqa: SIM401
+    return (ops[key] if key in ops else None), (mlps[key] if key in mlps else None)  # noqa: SIM401
 
 
 @torch.no_grad()
