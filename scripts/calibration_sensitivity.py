@@ -6,13 +6,16 @@ the first n windows are a prefix of that pass, so every size in `--sizes` is sol
 when it is reached. Each (source, size) is fitted with the method settings given (default: the default
 `ghost` fit; several gaps are fitted independently, on the dense model) and scored on the same
 evaluation windows beside the dense and pruned models. Writes `sensitivity.json`, `sensitivity.md` and
-`sensitivity.png` (perplexity against windows, one line per source, log-log) to `--out`.
+`sensitivity.png` (perplexity against windows, one line per source, log-log) to `--out`. With
+`--eval-c4-windows N` every fit is also scored on held-out C4 documents (documents from `--c4-split` on),
+so an in-domain gain on WikiText-2 can be told apart from a general one.
 
 A script, not a `fit` subcommand: a run here is many fits of one method over sources and sizes, not one
 fit of many methods, and it needs none of the Lightning machinery (no steps, no views to fine-tune).
 
 Sources (`--sources`, comma-separated):
   c4        random windows of documents 0-999 of the C4 validation sample (`--c4`), as the README protocol;
+  mix       C4 and wikitext windows alternating (half each in every even prefix);
   wikitext  random non-overlapping windows of the WikiText-2 raw test file (`--wikitext`) after the
             first `--wikitext-skip` windows, checked to share no 32-token run with the evaluation windows
             (the train split is not available offline; this is the same distribution, disjoint text);
@@ -84,7 +87,7 @@ def source_windows(
     if name == "c4":
         return calibration_windows(
             tokenizer,
-            TextSource(args.c4, max_documents=1000),
+            TextSource(args.c4, max_documents=args.c4_split),
             args.seq_len,
             n,
             args.seed,
@@ -108,6 +111,13 @@ def source_windows(
                 f"wikitext: {len(hits)} calibration windows overlap the evaluation windows"
             )
         return ids
+    if name == "mix":
+        # Alternating C4 and WikiText windows: every prefix of even length is half of each.
+        c4 = source_windows("c4", args, tokenizer, model, eval_ids, (n + 1) // 2)
+        wiki = source_windows("wikitext", args, tokenizer, model, eval_ids, n // 2)
+        return torch.stack(
+            [c4[i // 2] if i % 2 == 0 else wiki[i // 2] for i in range(n)]
+        )
     if name == "generate":
         cache = Path(args.out) / f"generated_{n}x{args.seq_len}_seed{args.seed}.pt"
         if cache.is_file():
@@ -117,7 +127,9 @@ def source_windows(
         )
         atomic_torch_save(ids, cache)
         return ids
-    raise SystemExit(f"unknown source {name!r}; choose from c4, wikitext, generate")
+    raise SystemExit(
+        f"unknown source {name!r}; choose from c4, wikitext, mix, generate"
+    )
 
 
 def plot(result: dict, path: Path) -> None:
@@ -174,6 +186,22 @@ def markdown(result: dict) -> str:
             + " | ".join(f"{by[s]:.2f}" if s in by else "–" for s in sizes)
             + " |"
         )
+    if "eval_c4" in result:
+        head = (
+            f"The same fits on {result['eval_c4']} (dense {result['dense_c4']:.2f}, pruned "
+            f"{result['pruned_c4']:.2f}):"
+        )
+        lines += [
+            "",
+            head,
+            "",
+            "| source | " + " | ".join(str(s) for s in sizes) + " |",
+            "|---|" + "---|" * len(sizes),
+        ]
+        for source, rows in result["curves"].items():
+            by = {r["windows"]: r["ppl_c4"] for r in rows}
+            cells = " | ".join(f"{by[s]:.2f}" if s in by else "–" for s in sizes)
+            lines.append(f"| {source} | {cells} |")
     lines += [
         "",
         "Seconds per source (one statistics pass, then a solve and an evaluation per size): "
@@ -231,6 +259,18 @@ def main() -> None:
         default="{}",
         help='RecoveryConfig fields as JSON, e.g. \'{"fit": "first"}\'',
     )
+    parser.add_argument(
+        "--eval-c4-windows",
+        type=int,
+        default=0,
+        help="also score every fit on the first N windows of the C4 documents after --c4-split",
+    )
+    parser.add_argument(
+        "--c4-split",
+        type=int,
+        default=1000,
+        help="C4 documents before this calibrate, the rest evaluate (README protocol: 1000)",
+    )
     parser.add_argument("--out", default="runs/sensitivity")
     args = parser.parse_args()
     if args.wikitext_skip < args.eval_windows:
@@ -261,9 +301,20 @@ def main() -> None:
         "curves": {},
         "seconds": {},
     }
+    c4_ids = None
+    if args.eval_c4_windows:
+        c4_src = TextSource(args.c4, first_document=args.c4_split)
+        c4_ids = evaluation_windows(
+            tokenizer, c4_src, args.seq_len, args.eval_c4_windows
+        )
+        result["eval_c4"] = (
+            f"C4 documents 1000-1999, first {len(c4_ids)} windows of {args.seq_len}"
+        )
     for view in (DENSE, PRUNED):
         result[view] = perplexity(pruned, view, eval_ids, args.batch_size)
-        print(f"{view}: {result[view]:.2f}", flush=True)
+        if c4_ids is not None:
+            result[f"{view}_c4"] = perplexity(pruned, view, c4_ids, args.batch_size)
+        print(f"{view}: {result[view]:.2f} {result.get(f'{view}_c4', '')}", flush=True)
     for source in args.sources.split(","):
         start = time.perf_counter()
         wanted = [
@@ -305,7 +356,11 @@ def main() -> None:
             )
             ppl = perplexity(pruned, cfg.name, eval_ids, args.batch_size)
             rows.append({"windows": n, "ppl": ppl})
-            print(f"{source} {n:4d} windows: ppl {ppl:.2f}", flush=True)
+            if c4_ids is not None:
+                rows[-1]["ppl_c4"] = perplexity(
+                    pruned, cfg.name, c4_ids, args.batch_size
+                )
+            print(f"{source} {n:4d} windows: {rows[-1]}", flush=True)
         result["curves"][source] = rows
         result["seconds"][source] = round(time.perf_counter() - start, 1)
         atomic_write_json(

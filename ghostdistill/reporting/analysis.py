@@ -107,6 +107,9 @@ def plot_analysis(report: dict, path: Path) -> None:
     axes[0].set_ylim(0, 1)
     axes[0].legend(fontsize=7)
     axes[2].axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    axes[2].set_yscale(
+        "log"
+    )  # a method that mangles the massive first token is off the scale otherwise
     axes[1].set_title("singular values of M (descending)", fontsize=9)
     axes[1].set_xlabel("index")
     axes[1].legend(fontsize=6)

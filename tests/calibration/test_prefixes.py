@@ -85,6 +85,12 @@ def test_sensitivity_script_writes_every_source_and_size(
         "2",
         "--wikitext-skip",
         "4",
+        "--sources",
+        "c4,wikitext,mix,generate",
+        "--eval-c4-windows",
+        "1",
+        "--c4-split",
+        "150",
         "--c4",
         str(text_files["jsonl_gz"]),
         "--wikitext",
@@ -102,7 +108,10 @@ def test_sensitivity_script_writes_every_source_and_size(
     )
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((out / "sensitivity.json").read_text())
-    assert list(result["curves"]) == ["c4", "wikitext", "generate"]
+    assert list(result["curves"]) == ["c4", "wikitext", "mix", "generate"]
+    assert result["dense_c4"] > 1 and all(
+        "ppl_c4" in r for rows in result["curves"].values() for r in rows
+    )
     for rows in result["curves"].values():
         assert [r["windows"] for r in rows] == [2, 4]
         assert all(r["ppl"] > 1 for r in rows)
