@@ -149,7 +149,7 @@ class GhostStatistics:
         if missing:
             raise ValueError(
                 f"ghost statistics {missing} lack groups of this version ({list(self.GROUPS)}): the state comes from "
-                "an older version; delete calibration_state.pt to recalibrate"
+                "an older version and cannot be resumed"
             )
         for key in ("xtx", "xtd", "xsum", "dsum", "scalars"):
             setattr(self, key, {k: v.to(torch.float64) for k, v in state[key].items()})
