@@ -118,6 +118,11 @@ def source_windows(
         return torch.stack(
             [c4[i // 2] if i % 2 == 0 else wiki[i // 2] for i in range(n)]
         )
+    if name == "generate" and args.generated:
+        ids = torch.load(args.generated)
+        if len(ids) < n:
+            raise SystemExit(f"{args.generated}: {len(ids)} windows, {n} requested")
+        return ids[:n]
     if name == "generate":
         cache = Path(args.out) / f"generated_{n}x{args.seq_len}_seed{args.seed}.pt"
         if cache.is_file():
@@ -132,6 +137,11 @@ def source_windows(
     )
 
 
+def tokens(result: dict, row: dict) -> int:
+    """Calibration tokens of a row (rows of the same size in windows differ when a source's windows do)."""
+    return row.get("tokens", row["windows"] * result["seq_len"])
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -141,7 +151,7 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for source, rows in result["curves"].items():
         ax.plot(
-            [r["windows"] for r in rows],
+            [tokens(result, r) for r in rows],
             [r["ppl"] for r in rows],
             marker="o",
             label=source,
@@ -155,8 +165,8 @@ def plot(result: dict, path: Path) -> None:
             label=f"{view} {result[view]:.1f}",
         )
     ax.set_xscale("log", base=2)
+    ax.set_xlabel("calibration tokens")
     ax.set_yscale("log")
-    ax.set_xlabel(f"calibration windows (× {result['seq_len']} tokens)")
     ax.set_ylabel(f"perplexity ({result['eval']})")
     ax.set_title(
         f"{result['method']['name']}, removed layers {result['removed']}", fontsize=9
@@ -167,7 +177,9 @@ def plot(result: dict, path: Path) -> None:
 
 
 def markdown(result: dict) -> str:
-    sizes = sorted({r["windows"] for rows in result["curves"].values() for r in rows})
+    sizes = sorted(
+        {tokens(result, r) for rows in result["curves"].values() for r in rows}
+    )
     intro = (
         f"Perplexity on {result['eval']} with `{result['method']['name']}` ({result['method']}) against the number "
         f"of calibration windows of {result['seq_len']} tokens; removed layers {result['removed']}; dense "
@@ -176,11 +188,13 @@ def markdown(result: dict) -> str:
     lines = [
         intro,
         "",
-        "| source | " + " | ".join(str(s) for s in sizes) + " |",
+        "| source \\ calibration tokens | "
+        + " | ".join(f"{s:,}" for s in sizes)
+        + " |",
         "|---|" + "---|" * len(sizes),
     ]
     for source, rows in result["curves"].items():
-        by = {r["windows"]: r["ppl"] for r in rows}
+        by = {tokens(result, r): r["ppl"] for r in rows}
         lines.append(
             f"| {source} | "
             + " | ".join(f"{by[s]:.2f}" if s in by else "–" for s in sizes)
@@ -195,11 +209,13 @@ def markdown(result: dict) -> str:
             "",
             head,
             "",
-            "| source | " + " | ".join(str(s) for s in sizes) + " |",
+            "| source \\ calibration tokens | "
+            + " | ".join(f"{s:,}" for s in sizes)
+            + " |",
             "|---|" + "---|" * len(sizes),
         ]
         for source, rows in result["curves"].items():
-            by = {r["windows"]: r["ppl_c4"] for r in rows}
+            by = {tokens(result, r): r["ppl_c4"] for r in rows if "ppl_c4" in r}
             cells = " | ".join(f"{by[s]:.2f}" if s in by else "–" for s in sizes)
             lines.append(f"| {source} | {cells} |")
     lines += [
@@ -271,6 +287,17 @@ def main() -> None:
         default=1000,
         help="C4 documents before this calibrate, the rest evaluate (README protocol: 1000)",
     )
+    parser.add_argument(
+        "--generated",
+        default=None,
+        help="a .pt file of self-generated token windows (e.g. a fit run's generated_calibration_*.pt) to use "
+        "for `generate` instead of sampling anew (any window length: the report counts tokens)",
+    )
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="add the sources to `--out`/sensitivity.json (same layers and evaluation) instead of starting anew",
+    )
     parser.add_argument("--out", default="runs/sensitivity")
     args = parser.parse_args()
     if args.wikitext_skip < args.eval_windows:
@@ -301,6 +328,15 @@ def main() -> None:
         "curves": {},
         "seconds": {},
     }
+    saved = out / "sensitivity.json"
+    if args.append and saved.is_file():
+        previous = json.loads(saved.read_text())
+        same = ("removed", "seq_len", "method", "eval")
+        if any(previous.get(k) != result[k] for k in same):
+            raise SystemExit(
+                f"--append: {saved} has other layers, method or evaluation; use another --out"
+            )
+        result = previous
     c4_ids = None
     if args.eval_c4_windows:
         c4_src = TextSource(args.c4, first_document=args.c4_split)
@@ -308,9 +344,11 @@ def main() -> None:
             tokenizer, c4_src, args.seq_len, args.eval_c4_windows
         )
         result["eval_c4"] = (
-            f"C4 documents 1000-1999, first {len(c4_ids)} windows of {args.seq_len}"
+            f"C4 documents from {args.c4_split} on, first {len(c4_ids)} windows of {args.seq_len}"
         )
     for view in (DENSE, PRUNED):
+        if view in result:  # appending: the same windows were scored already
+            continue
         result[view] = perplexity(pruned, view, eval_ids, args.batch_size)
         if c4_ids is not None:
             result[f"{view}_c4"] = perplexity(pruned, view, c4_ids, args.batch_size)
@@ -355,7 +393,7 @@ def main() -> None:
                 {k: f.mlp_map for k, f in fits.items() if f.mlp_map is not None},
             )
             ppl = perplexity(pruned, cfg.name, eval_ids, args.batch_size)
-            rows.append({"windows": n, "ppl": ppl})
+            rows.append({"windows": n, "tokens": n * windows.shape[1], "ppl": ppl})
             if c4_ids is not None:
                 rows[-1]["ppl_c4"] = perplexity(
                     pruned, cfg.name, c4_ids, args.batch_size

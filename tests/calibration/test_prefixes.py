@@ -118,3 +118,39 @@ def test_sensitivity_script_writes_every_source_and_size(
     assert result["pruned"] != result["dense"]
     assert (out / "sensitivity.png").stat().st_size > 1000
     assert "| c4 |" in (out / "sensitivity.md").read_text()
+
+    # Appending a source from saved windows of another length: counted in tokens, the rest kept.
+    import torch as _torch
+
+    short = _torch.load(out / "generated_4x32_seed0.pt")[:, :16].clone()
+    _torch.save(short, tmp_path / "short.pt")
+    cmd = [a for a in cmd if a not in ("c4,wikitext,mix,generate",)]
+    cmd[cmd.index("--sources") + 1 : cmd.index("--sources") + 1] = ["generate"]
+    cmd += [
+        "--append",
+        "--generated",
+        str(tmp_path / "short.pt"),
+        "--eval-c4-windows",
+        "0",
+    ]
+    cmd[cmd.index("--sizes") + 1] = "4"
+    run = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        cwd=root,
+        check=False,
+        env={**__import__("os").environ, "PYTHONPATH": str(root)},
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    again = json.loads((out / "sensitivity.json").read_text())
+    assert (
+        again["curves"]["c4"] == result["curves"]["c4"]
+        and again["dense"] == result["dense"]
+    )
+    assert again["curves"]["generate"] == [
+        {"windows": 4, "tokens": 64, "ppl": again["curves"]["generate"][0]["ppl"]}
+    ]
+    assert (
+        again["curves"]["generate"][0]["ppl"] != result["curves"]["generate"][1]["ppl"]
+    )
