@@ -4,7 +4,8 @@
 `fit` (LightningCLI: YAML configs, `--print_config`, overrides) runs the calibration (the `Calibration`
 callback, before any step), the distillation steps if any are configured (none: training-free), then
 `test` over every view, which writes the results. `compare` runs one `fit` per plan of a compare file,
-each in its own folder, and gathers them into one report.
+each in its own folder, and gathers them into one report. `export <run> --views ...` writes views of a
+finished run as Hugging Face model folders.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from .lit.callbacks import Calibration, LastCheckpoint, Report
 from .lit.datamodule import GhostDataModule
+from .lit.export import Export
 from .lit.module import GhostDistill
 from .methods import RecoveryConfig
 from .reporting import compare
@@ -27,6 +29,7 @@ from .reporting import compare
 class GhostDistillCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(Calibration, "calibration")
+        parser.add_lightning_class_args(Export, "export")
         parser.set_defaults(
             {
                 "trainer.max_steps": 0,
@@ -45,7 +48,8 @@ class GhostDistillCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs):
         extra = kwargs.pop("callbacks", []) or []
-        callbacks = [*extra, Report()]
+        # Export writes after the report, so a failed export never costs the results.
+        callbacks = [*(c for c in extra if not isinstance(c, Export)), Report(), *(c for c in extra if isinstance(c, Export))]
         config = self.config[self.subcommand] if self.subcommand else self.config
         steps = config.get("trainer", {}).get("max_steps", 0)
         if steps and steps > 0:
@@ -95,9 +99,48 @@ def run_compare(argv: list[str]) -> Path:
     return root
 
 
+def load_run(run: Path) -> tuple[GhostDistill, GhostDataModule]:
+    """The module and datamodule of a run folder, from its `config.yaml` parsed as `fit` parsed it (less
+    the `fit` subcommand's own keys: ckpt_path, ...). Nothing is loaded or computed yet."""
+    import yaml
+
+    config = run / "config.yaml"
+    if not config.is_file():
+        raise SystemExit(f"{config} is missing: export reads a finished run folder (run `fit` first)")
+    saved = {k: v for k, v in yaml.safe_load(config.read_text()).items()
+             if k in ("seed_everything", "trainer", "model", "data", "calibration", "export")}
+    saved.setdefault("trainer", {})["default_root_dir"] = str(run)
+    cli = GhostDistillCLI(GhostDistill, GhostDataModule, run=False, save_config_callback=None, args=saved)
+    return cli.model, cli.datamodule
+
+
+def export_run(argv: list[str]) -> list[Path]:
+    """`export <run folder> [--views v ...] [--dir D] [--overwrite]`: write views of a finished run as
+    Hugging Face folders (`lit.export`)."""
+    import argparse
+
+    from .lit.export import export_from_run
+
+    parser = argparse.ArgumentParser(prog="ghostdistill export", description=export_run.__doc__)
+    parser.add_argument("run", help="the run folder (trainer.default_root_dir of a finished fit)")
+    parser.add_argument("--views", nargs="+", required=True, help="views to export, e.g. ghost ghost_ft")
+    parser.add_argument("--dir", default=None, help="parent folder of the exported views (default <run>/export)")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing folders")
+    args = parser.parse_args(argv)
+    run = Path(args.run)
+    module, datamodule = load_run(run)
+    paths = export_from_run(module, datamodule, run, args.views, Path(args.dir) if args.dir else None,
+                            overwrite=args.overwrite)
+    for path in paths:
+        print(f"exported {path}")
+    return paths
+
+
 def main(args: list[str] | None = None):
     """Entry point of `python -m ghostdistill` and the `ghostdistill` script."""
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["compare"]:
         return run_compare(argv[1:])
+    if argv[:1] == ["export"]:
+        return export_run(argv[1:])
     return fit(argv)

@@ -13,7 +13,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "ghostdistill"
 
 # Lowest first. A module may import from its own layer's modules and from lower layers only.
-LAYERS = ["core", "methods", "data", "evaluation", "criteria", "calibration", "analysis", "distill", "reporting", "lit", "cli"]
+LAYERS = ["core", "methods", "data", "evaluation", "criteria", "calibration", "analysis", "distill", "reporting", "export", "lit", "cli"]
 
 
 def module_name(path: Path) -> str:
@@ -116,7 +116,7 @@ def test_every_layer_is_a_known_subpackage():
 
 
 # Import name -> distribution name, where they differ.
-DISTRIBUTIONS = {"yaml": "pyyaml", "lm_eval": "lm-eval", "pyarrow": "datasets"}
+DISTRIBUTIONS = {"yaml": "pyyaml", "lm_eval": "lm-eval", "pyarrow": "datasets", "huggingface_hub": "huggingface-hub"}
 
 
 def test_every_third_party_import_is_declared():

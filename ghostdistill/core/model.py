@@ -106,7 +106,13 @@ def _gguf_cache_dir(folder: str, gguf: str, dtype: str) -> Path:
 
 
 def _from_pretrained(cfg: ModelConfig):
-    """(name_or_folder, kwargs) for `from_pretrained`, preferring a cached conversion of a GGUF file."""
+    """(name_or_folder, kwargs) for `from_pretrained`, preferring a cached conversion of a GGUF file.
+
+    Folders exported with operators (`ghostdistill export`) load through this package's own copy of
+    their modelling code, registered here, so they need no `trust_remote_code`."""
+    from .modeling_ghostdistill import register_auto_classes
+
+    register_auto_classes()
     name, gguf = resolve_source(cfg)
     kwargs: dict = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     if gguf:
@@ -192,8 +198,10 @@ def decoder_stack(model: nn.Module) -> DecoderStack:
     Known attribute paths first; otherwise the one ModuleList whose length is
     `config.num_hidden_layers`. Fails with the class name when there is none.
     """
-    num_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
-    for path in _STACK_PATHS:
+    num_layers = getattr(text_config(model), "num_hidden_layers", None)
+    # An exported ghost model names where its base model keeps the blocks.
+    own = getattr(getattr(model, "config", None), "layers_path", None)
+    for path in ([own] if own else []) + list(_STACK_PATHS):
         layers = _get(model, path)
         if isinstance(layers, nn.ModuleList) and (num_layers is None or len(layers) == num_layers):
             owner_path, attr = path.rsplit(".", 1)
@@ -219,8 +227,16 @@ def _stack(owner: nn.Module, attr: str) -> DecoderStack:
     return DecoderStack(owner=owner, attr=attr, norm=norm)
 
 
+def text_config(model: nn.Module):
+    """The config that describes the decoder stack: the model's own, or the base model's config of a
+    wrapper (an exported ghost model keeps it as `config.text_config`, the same object its base uses)."""
+    config = getattr(model, "config", None)
+    getter = getattr(config, "get_text_config", None)
+    return getter(decoder=True) if callable(getter) else config
+
+
 def hidden_size(model: nn.Module) -> int:
-    return int(model.config.hidden_size)
+    return int(text_config(model).hidden_size)
 
 
 def mlp_module(block: nn.Module) -> nn.Module:

@@ -12,8 +12,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# The operator and the first-position rule live in the self-contained modelling file that exported
+# folders carry, so the in-memory views and the exported models share one definition.
+from .modeling_ghostdistill import GapOperator, first_position_mask
 
-class GhostOperator(nn.Module):
+__all__ = ["GhostOperator", "first_position_mask"]
+
+
+class GhostOperator(GapOperator):
     """x ← x + x·M for ordinary tokens; x ← x + b for first-position tokens when `separate_first`.
 
     Parameters are stored in float32 (they come from a float64 solve) and cast to the activations'
@@ -23,16 +29,14 @@ class GhostOperator(nn.Module):
     def __init__(
         self, hidden_size: int, *, separate_first: bool = False, fused: bool = False, affine: bool = False
     ) -> None:
-        super().__init__()
-        self.delta = nn.Parameter(torch.zeros(hidden_size, hidden_size))
-        self.first_shift = nn.Parameter(torch.zeros(hidden_size))
-        # Ordinary tokens get x + x·M + c when `affine` (the `bias` fit option); no parameter otherwise, so
-        # existing checkpoints and the trainable set of non-affine operators are unchanged.
-        self.bias = nn.Parameter(torch.zeros(hidden_size)) if affine else None
-        self.separate_first = separate_first
+        super().__init__(hidden_size, separate_first=separate_first)
         # True when the exported model folds this map into existing weights (ReplaceMe, magnitude):
         # it then adds no parameters at inference.
         self.fused = fused
+        # Ordinary tokens get x + x·M + c when `affine` (the ghost `bias` fit option); no parameter
+        # otherwise, so existing checkpoints and the trainable set of non-affine operators are unchanged.
+        # The exported modelling file has no bias: `export` refuses affine operators.
+        self.bias = nn.Parameter(torch.zeros(hidden_size)) if affine else None
 
     def inference_parameters(self) -> int:
         if self.fused:
@@ -53,29 +57,16 @@ class GhostOperator(nn.Module):
             self.bias.copy_(bias.to(self.bias.dtype))
 
     def forward(self, x: torch.Tensor, first_mask: torch.Tensor | None = None) -> torch.Tensor:
-        y = x + x @ self.delta.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
+        y = super().forward(x, first_mask)
+        if self.bias is None:
+            return y
+        shifted = y + self.bias.to(x.dtype)
         if self.separate_first and first_mask is not None:
-            shifted = x + self.first_shift.to(x.dtype)
-            y = torch.where(first_mask.unsqueeze(-1), shifted, y)
-        return y
+            return torch.where(first_mask.unsqueeze(-1), y, shifted)  # first positions keep x + b
+        return shifted
 
     def extra_repr(self) -> str:
         return (
             f"hidden_size={self.delta.shape[0]}, separate_first={self.separate_first}, fused={self.fused}, "
             f"affine={self.bias is not None}"
         )
-
-
-def first_position_mask(position_ids: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor:
-    """Tokens at position 0 of their sequence, shaped like hidden[..., 0].
-
-    With left padding, transformers' generate derives position ids from the attention mask, so the
-    first real token is position 0 there too. Blocks called without position ids (older families) get
-    the plain arange, which is right for unpadded, uncached inputs.
-    """
-    batch, seq = hidden.shape[:2]
-    if position_ids is None:
-        position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
-    return (position_ids == 0).expand(batch, seq)

@@ -13,8 +13,9 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from .model import DecoderStack, decoder_stack, mlp_module
-from .operator import GhostOperator, first_position_mask
+from .model import DecoderStack, decoder_stack, mlp_module, text_config
+from .modeling_ghostdistill import attach
+from .operator import GhostOperator
 from .plan import Gap, PruningPlan
 
 DENSE = "dense"
@@ -41,11 +42,13 @@ class PrunedModel:
         self.dense_layers: list[nn.Module] = list(self.stack.layers)
         if len(self.dense_layers) != plan.num_layers:
             raise ValueError(f"plan is for {plan.num_layers} layers but the model has {len(self.dense_layers)}")
+        # The config the blocks are described by (a wrapper's base config for an exported ghost model).
+        self.config = text_config(model)
         self._config_lists = {
-            name: list(getattr(model.config, name))
+            name: list(getattr(self.config, name))
             for name in PER_LAYER_CONFIG_LISTS
-            if isinstance(getattr(model.config, name, None), (list, tuple))
-            and len(getattr(model.config, name)) == plan.num_layers
+            if isinstance(getattr(self.config, name, None), (list, tuple))
+            and len(getattr(self.config, name)) == plan.num_layers
         }
         # method name -> gap key -> operator on the residual stream at the gap, and (ReplaceMe) a map on
         # the MLP output of the block before the gap. ModuleDicts, so the owner can register, move and
@@ -73,9 +76,9 @@ class PrunedModel:
         own = self.blocks[view] if view in self.blocks else {}
         layers = [own[str(i)] if str(i) in own else self.dense_layers[i] for i in indices]
         self.stack.set_layers(layers)
-        self.model.config.num_hidden_layers = len(layers)
+        self.config.num_hidden_layers = len(layers)
         for name, values in self._config_lists.items():
-            setattr(self.model.config, name, [values[i] for i in indices])
+            setattr(self.config, name, [values[i] for i in indices])
         for new_idx, layer in enumerate(layers):
             for module in layer.modules():
                 if hasattr(module, "layer_idx"):
@@ -165,29 +168,10 @@ class PrunedModel:
         """The operator acts on the residual stream entering the first block after the gap; when the
         gap reaches the end of the stack it acts on the output of the last block before it instead."""
         if gap.stop < self.plan.num_layers:
-
-            def pre_hook(module, args, kwargs):
-                op = self._operator(gap)
-                if op is None:
-                    return None
-                hidden, rest = (args[0], args[1:]) if args else (kwargs.pop("hidden_states"), ())
-                first = first_position_mask(kwargs.get("position_ids"), hidden)
-                return (op(hidden, first), *rest), kwargs
-
-            return layers[gap.stop].register_forward_pre_hook(pre_hook, with_kwargs=True)
+            return attach(layers[gap.stop], "input", lambda: self._operator(gap))
         if gap.start == 0:
             raise ValueError("the plan removes every block; nothing is left to host an operator")
-
-        def post_hook(module, args, kwargs, output):
-            op = self._operator(gap)
-            if op is None:
-                return None
-            hidden = output[0] if isinstance(output, tuple) else output
-            first = first_position_mask(kwargs.get("position_ids"), hidden)
-            new = op(hidden, first)
-            return (new, *output[1:]) if isinstance(output, tuple) else new
-
-        return layers[gap.start - 1].register_forward_hook(post_hook, with_kwargs=True)
+        return attach(layers[gap.start - 1], "output", lambda: self._operator(gap))
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

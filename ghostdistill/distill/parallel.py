@@ -4,8 +4,15 @@ FSDP2 shards each parameter in place: the decoder blocks stay the same objects, 
 references and operator hooks keep working, and frozen parameters cost no gradient memory. Each unit
 is one module whose forward is called directly:
 
-- every decoder block (frozen, with its LoRA adapters when they train) and every per-student block copy;
+- every decoder block (frozen) and every per-student block copy;
 - every trainable gap operator and MLP map (called from the views' hooks).
+
+LoRA adapters are left out of the units (`ignored_params`) and stay whole on every rank. Every method's
+adapter lives in the same shared block, which each student calls once per step; FSDP2 reduce-scatters a
+unit's gradients as a backward leaves one of those calls, and measured on two CPU processes the second
+student's adapter gradients were lost (its validation KL never moved). Adapters are small (rank r), so
+they are replicated instead and `average_replicated_grads` averages their gradients across the ranks
+before each optimizer step, as DDP would.
 
 Embeddings, the final norm and the output head stay replicated: they are frozen, and a model with tied
 embeddings calls the same weight as its head outside the decoder. Calibration runs before sharding,
@@ -14,14 +21,20 @@ on the whole model, each rank streaming its share of the windows.
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..core.views import PrunedModel
 
 
-def shard_students(pruned: PrunedModel, views: list[str], mesh) -> int:
-    """Apply `fully_shard` to the units above over `mesh`; returns how many units were sharded."""
+def shard_students(pruned: PrunedModel, views: list[str], mesh, replicated: list[nn.Parameter] = ()) -> int:
+    """Apply `fully_shard` to the units above over `mesh`, leaving the `replicated` parameters (LoRA
+    adapters) whole; returns how many units were sharded."""
     from torch.distributed.fsdp import fully_shard
+
+    ignored = set(replicated)
 
     units: list[nn.Module] = list(pruned.dense_layers)
     for own in pruned.blocks.values():
@@ -30,5 +43,22 @@ def shard_students(pruned: PrunedModel, views: list[str], mesh) -> int:
         for group in (pruned.operators[view], pruned.mlp_maps[view]):
             units += [op for op in group.values() if any(p.requires_grad for p in op.parameters())]
     for unit in units:
-        fully_shard(unit, mesh=mesh)
+        own = {p for p in unit.parameters() if p in ignored}
+        fully_shard(unit, mesh=mesh, ignored_params=own or None)
     return len(units)
+
+
+def average_replicated_grads(params: list[nn.Parameter], group=None) -> int:
+    """Average the gradients of the parameters FSDP2 does not manage (plain tensors, not `DTensor`s) over
+    the ranks of `group`, in one flat all-reduce; returns how many were averaged. A no-op on one process."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0
+    grads = [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
+    if not grads:
+        return 0
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+    return len(grads)

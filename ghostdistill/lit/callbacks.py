@@ -18,7 +18,7 @@ from ..calibration.distributed import shard, sum_collectors
 from ..calibration.fit import fit_methods
 from ..calibration.stream import accumulate
 from ..core.io import atomic_torch_save, json_digest
-from ..core.model import decoder_stack, hidden_size
+from ..core.model import decoder_stack, hidden_size, text_config
 from ..core.plan import PruningPlan
 from ..criteria import choose_plan
 from ..data.windows import shared_ngrams
@@ -115,7 +115,7 @@ class Calibration(Callback):
             plan = PruningPlan(**state["plan"])
         elif pl_module.plan_cfg.layers is not None:
             plan = PruningPlan.from_layers(
-                pl_module.plan_cfg.layers, llm.config.num_hidden_layers, allow_edges=pl_module.plan_cfg.allow_edges
+                pl_module.plan_cfg.layers, text_config(llm).num_hidden_layers, allow_edges=pl_module.plan_cfg.allow_edges
             )
         else:
             plan = choose_plan(

@@ -146,6 +146,8 @@ class GhostDistill(LightningModule):
         self.best: dict[str, dict] = {}
         self._last_validated: int | None = None
         self._sharded = False
+        # FSDP2 leaves the LoRA adapters whole on every rank; their gradients are averaged here.
+        self._replicated: tuple[list, object] | None = None
         # Checkpoints hold only what trains; the frozen base comes from `model.source` on resume.
         self.strict_loading = False
 
@@ -166,16 +168,10 @@ class GhostDistill(LightningModule):
             if isinstance(self.trainer.strategy, ModelParallelStrategy):
                 from ..distill.parallel import shard_students
 
-                if "lora" in self.distill_cfg.train and len(self.students.views) > 1:
-                    raise ValueError(
-                        "FSDP2 with LoRA trains one method at a time: the adapters of every method live in the same "
-                        "sharded blocks, and FSDP2 reduces a block's gradients once per backward, so a second "
-                        f"student's adapter gradients would be lost. Distil {self.distill_cfg.methods} in separate "
-                        "runs (one method each), train operators or blocks, or use ddp"
-                    )
-
                 mesh = self.device_mesh["data_parallel"] if "data_parallel" in (self.device_mesh.mesh_dim_names or ()) else self.device_mesh
-                units = shard_students(self.pruned, self.students.views, mesh)
+                lora = [p for view in self.students.views for p in self.students.params[view].lora]
+                units = shard_students(self.pruned, self.students.views, mesh, replicated=lora)
+                self._replicated = (lora, mesh.get_group())
                 self.students.refresh_params()  # sharding replaced the parameter objects
                 rank_zero_info(f"FSDP2: {units} units sharded over {mesh.size()} ranks")
                 self._sharded = True
@@ -260,6 +256,12 @@ class GhostDistill(LightningModule):
             return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
         optimizer, scheduler = make_optimizer(self.students.params, self.distill_cfg, self.trainer.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self._replicated is not None:
+            from ..distill.parallel import average_replicated_grads
+
+            average_replicated_grads(*self._replicated)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip each student on its own: one global norm over all students would let one student's

@@ -59,11 +59,12 @@ class Magnitude:
         return residual_identity(cfg, hidden_size, fused=True)
 
     def fold(self, blocks: list[nn.Module], gap: Gap, fit: GapFit) -> None:
-        """`blocks`: the dense model's blocks; every surviving block after the gap gets its writes / s.
+        """`blocks`: the dense model's blocks (None where a block is gone); every surviving block after
+        the gap gets its writes / s.
 
         With several gaps the scales compound, which is what dividing block by block gives."""
-        s = float(fit.operator.delta[0, 0]) + 1.0
-        fold_residual_scale(blocks[gap.stop :], s)
+        s = float(fit.operator.delta.detach()[0, 0]) + 1.0
+        fold_residual_scale([b for b in blocks[gap.stop :] if b is not None], s)
 
 
 @torch.no_grad()

@@ -182,12 +182,14 @@ FSDP2 = json.dumps({"class_path": "lightning.pytorch.strategies.ModelParallelStr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("train", ["operators", "blocks"])
+@pytest.mark.parametrize("train", ["operators", "lora", "blocks"])
 def test_fsdp2_trains_like_one_process_and_resumes(train, tiny_dir, text_files, tmp_path):
     """FSDP2 (ModelParallelStrategy) over 2 CPU processes: the blocks and the students' operators are sharded
-    in place; the same global batch gives the single process's validation curve, and a resumed run continues."""
+    in place (LoRA adapters replicated); the same global batch gives the single process's validation curve for
+    both students, and a resumed run continues."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    common = ("--model.distill.keep", "last", "--model.distill.train", f"[{train}]", "--trainer.accelerator", "cpu")
+    common = ("--model.distill.keep", "last", "--model.distill.train", f"[{train}]", "--trainer.accelerator", "cpu",
+              "--model.distill.lora.lr", "1e-2")
     one = tmp_path / "one"
     main(_args(tiny_dir, text_files, one, *common, "--data.batch_size", "4", steps=4))
     sharded = tmp_path / "fsdp"

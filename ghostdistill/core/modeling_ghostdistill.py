@@ -1,0 +1,235 @@
+"""A layer-pruned causal LM with ghost operators at its gaps, as a Hugging Face model.
+
+This file is self-contained (torch and transformers only): `ghostdistill export` copies it into every
+exported folder that keeps operators (ghost, LinearPatch), where `auto_map` registers it, so
+
+    AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+
+loads the model where ghostdistill is not installed. ghostdistill's own views use the same operator,
+first-position rule and hooks from here, so the exported model decides exactly as the in-memory view.
+
+The model is generic over decoder families: the config holds the base model's config (`text_config`,
+already with the surviving number of blocks), `AutoModelForCausalLM.from_config` builds that
+architecture, and each gap's operator acts on the residual stream at one block of it:
+
+- ordinary tokens: x ← x + x·M (W = I + M, the closed-form least-squares map, possibly fine-tuned);
+- first-position tokens (position id 0) when `separate_first`: x ← x + b. With the KV cache a decode
+  step holds no position-0 token, so only the prefill applies b; with left padding `generate` derives
+  the position ids from the attention mask, so the first real token is position 0 (the padding, also
+  given position 0, is masked out of attention and changes nothing);
+- `where: input` acts on the input of block `layer` (a forward pre-hook); `where: output` (a gap at
+  the end of the stack) on the output of block `layer`.
+
+Operators are stored in float32 and applied in the activations' dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationMixin,
+    PreTrainedConfig,
+    PreTrainedModel,
+)
+from transformers.configuration_utils import SubConfigSpec
+
+
+def first_position_mask(
+    position_ids: torch.Tensor | None, hidden: torch.Tensor
+) -> torch.Tensor:
+    """Tokens at position 0 of their sequence, shaped like hidden[..., 0].
+
+    Blocks called without position ids (older families) get the plain arange, which is right for
+    unpadded inputs without a cache."""
+    batch, seq = hidden.shape[:2]
+    if position_ids is None:
+        position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
+    return (position_ids == 0).expand(batch, seq)
+
+
+class GapOperator(nn.Module):
+    """x ← x + x·M for ordinary tokens; x ← x + b for first-position tokens when `separate_first`."""
+
+    def __init__(self, hidden_size: int, *, separate_first: bool = False) -> None:
+        super().__init__()
+        self.delta = nn.Parameter(torch.zeros(hidden_size, hidden_size))
+        self.first_shift = nn.Parameter(torch.zeros(hidden_size))
+        self.separate_first = separate_first
+
+    def forward(
+        self, x: torch.Tensor, first_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # addmm: the product and the residual add in one kernel; `.to` is free when dtypes agree.
+        flat = x.reshape(-1, x.shape[-1])
+        y = torch.addmm(flat, flat, self.delta.to(x.dtype)).view_as(x)
+        if self.separate_first and first_mask is not None:
+            y = torch.where(
+                first_mask.unsqueeze(-1), x + self.first_shift.to(x.dtype), y
+            )
+        return y
+
+
+OperatorGetter = Callable[[], "GapOperator | None"]
+
+
+def input_hook(get_op: OperatorGetter):
+    """A forward pre-hook (with kwargs) applying `get_op()` to a block's input hidden states."""
+
+    def hook(module, args, kwargs):
+        op = get_op()
+        if op is None:
+            return None
+        hidden, rest = (
+            (args[0], args[1:]) if args else (kwargs.pop("hidden_states"), ())
+        )
+        first = first_position_mask(kwargs.get("position_ids"), hidden)
+        return (op(hidden, first), *rest), kwargs
+
+    return hook
+
+
+def output_hook(get_op: OperatorGetter):
+    """A forward hook (with kwargs) applying `get_op()` to a block's output hidden states."""
+
+    def hook(module, args, kwargs, output):
+        op = get_op()
+        if op is None:
+            return None
+        hidden = output[0] if isinstance(output, tuple) else output
+        new = op(hidden, first_position_mask(kwargs.get("position_ids"), hidden))
+        return (new, *output[1:]) if isinstance(output, tuple) else new
+
+    return hook
+
+
+def attach(block: nn.Module, where: str, get_op: OperatorGetter):
+    """Hook an operator onto a block's input (`where="input"`) or output (`"output"`); returns the handle."""
+    if where == "input":
+        return block.register_forward_pre_hook(input_hook(get_op), with_kwargs=True)
+    if where == "output":
+        return block.register_forward_hook(output_hook(get_op), with_kwargs=True)
+    raise ValueError(
+        f"where={where!r}: an operator acts on a block's 'input' or 'output'"
+    )
+
+
+class GhostPrunedConfig(PreTrainedConfig):
+    """The base model's config (`text_config`, with the surviving blocks only) plus the gaps.
+
+    Args:
+        text_config: the base architecture's config (any decoder family `AutoConfig` knows).
+        gaps: one entry per gap: ``{"key", "layer", "where", "separate_first"}`` (`layer` indexes the
+            surviving blocks).
+        layers_path: where the base model keeps its blocks (e.g. ``model.layers``).
+        ghostdistill: what produced the folder (plan, method, calibration, seed, metrics).
+    """
+
+    model_type = "ghostdistill"
+    # The base config's class comes from its own `model_type` (any family AutoConfig knows).
+    sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")}  # noqa: RUF012
+
+    text_config: dict | PreTrainedConfig | None = None
+    gaps: list | None = None
+    layers_path: str = "model.layers"
+    ghostdistill: dict | None = None
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.gaps = list(self.gaps or [])
+        for gap in self.gaps:
+            if gap.get("where") not in ("input", "output"):
+                raise ValueError(f"gap {gap}: where must be 'input' or 'output'")
+        if self.text_config is not None:
+            self.tie_word_embeddings = bool(
+                getattr(self.text_config, "tie_word_embeddings", False)
+            )
+
+
+class GhostPrunedForCausalLM(PreTrainedModel, GenerationMixin):
+    """The base causal LM (`self.pruned`) with `self.gap_operators` hooked onto its blocks."""
+
+    config_class = GhostPrunedConfig
+    base_model_prefix = "pruned"
+    supports_gradient_checkpointing = True
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+    def __init__(self, config: GhostPrunedConfig) -> None:
+        super().__init__(config)
+        self.pruned = AutoModelForCausalLM.from_config(config.text_config)
+        # One config object for the model and its base, so anything that edits one edits both.
+        self.config.text_config = self.pruned.config
+        layers = self.pruned.get_submodule(config.layers_path)
+        if not isinstance(layers, nn.ModuleList):
+            raise TypeError(
+                f"{config.layers_path} of {type(self.pruned).__name__} is not the ModuleList of blocks"
+            )
+        hidden = int(config.text_config.hidden_size)
+        self.gap_operators = nn.ModuleList(
+            GapOperator(hidden, separate_first=bool(g.get("separate_first", False)))
+            for g in config.gaps
+        )
+        for gap, op in zip(config.gaps, self.gap_operators):
+            if not 0 <= int(gap["layer"]) < len(layers):
+                raise ValueError(
+                    f"gap {gap} names block {gap['layer']}; the model has {len(layers)}"
+                )
+            attach(layers[int(gap["layer"])], gap["where"], lambda op=op: op)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # A fresh operator is the identity (M = 0, b = 0); the base model initialises its own modules.
+        if isinstance(module, GapOperator):
+            nn.init.zeros_(module.delta)
+            nn.init.zeros_(module.first_shift)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.pruned.get_input_embeddings()
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.pruned.set_input_embeddings(value)
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        return self.pruned.get_output_embeddings()
+
+    def get_decoder(self) -> nn.Module:
+        return self.pruned.get_decoder()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ):
+        return self.pruned(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **kwargs,
+        )
+
+
+def register_auto_classes() -> None:
+    """Register the classes with the Auto factories, so a folder loads without remote code."""
+    AutoConfig.register(GhostPrunedConfig.model_type, GhostPrunedConfig, exist_ok=True)
+    AutoModelForCausalLM.register(
+        GhostPrunedConfig, GhostPrunedForCausalLM, exist_ok=True
+    )

@@ -1,0 +1,50 @@
+"""Load an exported folder as a user would, where ghostdistill cannot be imported, and measure it.
+
+Reads `inputs.pt` ({"ids", "mask"}: prompts, left-padded; {"windows", "batch_size"}: evaluation windows;
+"new": tokens to generate), loads the folder with `AutoModelForCausalLM.from_pretrained(folder,
+trust_remote_code=True)` and writes `out.pt`: the greedy continuation of the prompts (`generate`, KV cache,
+batched) and the perplexity over the windows (mean next-token NLL over every position but the last of
+each window, as `fit` evaluates). Run as its own process:
+
+    python scripts/reload_check.py <folder> inputs.pt out.pt
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+sys.modules["ghostdistill"] = None  # type: ignore[assignment]  # a fresh process without ghostdistill
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+@torch.no_grad()
+def main(folder: str, inputs: str, out: str) -> None:
+    x = torch.load(inputs)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, trust_remote_code=True, dtype=x.get("dtype", torch.float32)
+    ).eval()
+    result: dict = {"class": f"{type(model).__module__}.{type(model).__name__}"}
+    if "ids" in x:
+        result["tokens"] = model.generate(
+            input_ids=x["ids"],
+            attention_mask=x["mask"],
+            max_new_tokens=x["new"],
+            do_sample=False,
+        )
+    if "windows" in x:
+        nll, count = 0.0, 0
+        for chunk in x["windows"].split(x["batch_size"]):
+            logits = model(input_ids=chunk, use_cache=False).logits[:, :-1].float()
+            nll += torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"
+            ).item()
+            count += chunk[:, 1:].numel()
+        result.update(ppl=math.exp(nll / count), tokens_scored=count)
+    torch.save(result, out)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
