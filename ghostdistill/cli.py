@@ -21,6 +21,7 @@ from lightning.pytorch.cli import LightningCLI
 from .lit.callbacks import Calibration, LastCheckpoint, Report
 from .lit.datamodule import GhostDataModule
 from .lit.export import Export
+from .lit.interrupts import terminate_on_sigterm
 from .lit.module import GhostDistill
 from .methods import RecoveryConfig
 from .reporting import compare
@@ -66,14 +67,21 @@ class GhostDistillCLI(LightningCLI):
 
 
 def fit(args: list[str] | None = None) -> GhostDistillCLI:
-    """`fit` and LightningCLI's other subcommands."""
+    """`fit` and LightningCLI's other subcommands; SIGTERM stops them in every phase (`lit.interrupts`)."""
+    with terminate_on_sigterm():
+        return _fit(args)
+
+
+def _fit(args: list[str] | None) -> GhostDistillCLI:
     return GhostDistillCLI(
         GhostDistill,
         GhostDataModule,
         seed_everything_default=0,
         save_config_kwargs={"overwrite": True},
         args=args,
-        parser_kwargs={"fit": {"default_config_files": []}},
+        # allow_abbrev off: argparse would otherwise take a misspelt prefix (`--trainer.max_step`) for the key it
+        # abbreviates, where an unknown key must be rejected by name.
+        parser_kwargs={"allow_abbrev": False, "fit": {"default_config_files": [], "allow_abbrev": False}},
     )
 
 

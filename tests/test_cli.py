@@ -82,7 +82,7 @@ def test_fit_writes_results(tiny_dir, text_files, tmp_path):
 
 def test_explicit_layers_and_view_selection(tiny_dir, text_files, tmp_path):
     run = tmp_path / "run"
-    main(_args(tiny_dir, text_files, run, "--model.plan.layers", "[1, 4]", "--model.evaluation.views", "[pruned, ghost]"))
+    main(_args(tiny_dir, text_files, run, "--model.plan.layers", "[1, 4]", "--model.plan.num_layers", "null", "--model.evaluation.views", "[pruned, ghost]"))
     results = json.loads((run / "results.json").read_text())
     assert results["plan"]["removed"] == [1, 4] and results["plan"]["gaps"] == ["1-1", "4-4"]
     assert list(results["views"]) == ["pruned", "ghost"]
@@ -92,7 +92,7 @@ def test_bad_values_are_named(tiny_dir, text_files, tmp_path):
     with pytest.raises(ValueError, match="recovery names must be unique"):
         main(_args(tiny_dir, text_files, tmp_path / "r", "--model.recovery", "[{name: a}, {name: a}]"))
     with pytest.raises(ValueError, match="out of range"):
-        main(_args(tiny_dir, text_files, tmp_path / "r", "--model.plan.layers", "[3, 9]"))
+        main(_args(tiny_dir, text_files, tmp_path / "r", "--model.plan.layers", "[3, 9]", "--model.plan.num_layers", "null"))
     with pytest.raises(ValueError, match="calibration.num_samples"):
         main(_args(tiny_dir, text_files, tmp_path / "r", "--data.calibration.num_samples", "0"))
     with pytest.raises(SystemExit):  # jsonargparse rejects values outside a Literal and names them
@@ -104,7 +104,8 @@ def test_interrupted_calibration_resumes(tiny_dir, text_files, tmp_path, monkeyp
     import ghostdistill.lit.callbacks as callbacks
 
     full = tmp_path / "full"
-    main(_args(tiny_dir, text_files, full, "--calibration.checkpoint_every", "1", "--model.plan.layers", "[2, 3]"))
+    main(_args(tiny_dir, text_files, full, "--calibration.checkpoint_every", "1", "--model.plan.layers", "[2, 3]",
+         "--model.plan.num_layers", "null"))
     reference = torch.load(full / Calibration.STATE_FILE, weights_only=False)
 
     real = callbacks.accumulate
@@ -119,14 +120,16 @@ def test_interrupted_calibration_resumes(tiny_dir, text_files, tmp_path, monkeyp
     run = tmp_path / "run"
     monkeypatch.setattr(callbacks, "accumulate", dying)
     with pytest.raises((KeyboardInterrupt, SystemExit)):  # Lightning turns Ctrl-C into exit(1)
-        main(_args(tiny_dir, text_files, run, "--calibration.checkpoint_every", "1", "--model.plan.layers", "[2, 3]"))
+        main(_args(tiny_dir, text_files, run, "--calibration.checkpoint_every", "1", "--model.plan.layers", "[2, 3]",
+         "--model.plan.num_layers", "null"))
     partial = torch.load(run / Calibration.STATE_FILE, weights_only=False)
     assert partial["batches_done"] == 2
     assert not (run / "results.json").exists()
 
     seen = []
     monkeypatch.setattr(callbacks, "accumulate", lambda *a, **k: seen.append(1) or real(*a, **k))
-    main(_args(tiny_dir, text_files, run, "--calibration.checkpoint_every", "1", "--model.plan.layers", "[2, 3]"))
+    main(_args(tiny_dir, text_files, run, "--calibration.checkpoint_every", "1", "--model.plan.layers", "[2, 3]",
+         "--model.plan.num_layers", "null"))
     assert len(seen) == 2  # 4 batches in all, 2 of them done before the interruption
     resumed = torch.load(run / Calibration.STATE_FILE, weights_only=False)
     for group, ref in reference["stats"]["2-3"]["ghost"]["xtx"].items():
@@ -137,7 +140,8 @@ def test_interrupted_calibration_resumes(tiny_dir, text_files, tmp_path, monkeyp
 def test_statistics_of_an_older_version_are_collected_again(tiny_dir, text_files, tmp_path):
     """A complete state whose ghost sums lack this version's groups is not resumed: the pass runs again."""
     run = tmp_path / "run"
-    args = _args(tiny_dir, text_files, run, "--model.plan.layers", "[2, 3]", "--model.evaluation.views", "[ghost]")
+    args = _args(tiny_dir, text_files, run, "--model.plan.layers", "[2, 3]", "--model.plan.num_layers", "null",
+                 "--model.evaluation.views", "[ghost]")
     main(args)
     state = torch.load(run / Calibration.STATE_FILE, weights_only=False)
     fresh = state["stats"]["2-3"]["ghost"]["xtx"]["plain_rest"].clone()
@@ -232,7 +236,7 @@ def test_zeroshot_accuracy_lands_in_results(tiny_dir, text_files, tmp_path, shar
     DATA = shared_data
     run = tmp_path / "run"
     zs = {"enabled": True, "tasks": ["arc_easy", "piqa"], "data_dir": str(DATA), "limit": {"piqa": 3}, "batch_size": 4}
-    args = _args(tiny_dir, text_files, run, "--model.plan.layers", "[2, 3]", "--model.evaluation.views",
+    args = _args(tiny_dir, text_files, run, "--model.plan.layers", "[2, 3]", "--model.plan.num_layers", "null", "--model.evaluation.views",
                  "[dense, ghost]", "--model.evaluation.zeroshot", json.dumps(zs))
     main(args)
     results = json.loads((run / "results.json").read_text())

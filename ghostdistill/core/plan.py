@@ -44,6 +44,33 @@ class PlanConfig:
     keep_last: int = 1
     criterion_samples: int | None = None
 
+    def validate(self) -> None:
+        """The checks the values alone decide, run before the model is loaded (depth-dependent checks:
+        `PruningPlan.from_layers` and the criteria's candidate counts, right after loading)."""
+        if self.layers is not None and self.num_layers is not None:
+            raise ValueError(
+                f"plan.layers {self.layers} and plan.num_layers {self.num_layers} are both set: an explicit list "
+                "removes exactly its layers; set plan.num_layers to null (--model.plan.num_layers null), or drop "
+                "plan.layers to let plan.criterion choose num_layers layers"
+            )
+        if self.layers is None and self.num_layers is None:
+            raise ValueError("plan needs either layers (explicit list) or num_layers (for the criterion)")
+        if self.layers is not None:
+            if not self.layers:
+                raise ValueError("plan.layers is empty: name at least one layer to remove (0-based block indices)")
+            negative = [i for i in self.layers if i < 0]
+            if negative:
+                raise ValueError(f"plan.layers {negative} out of range: layers are 0-based indices, 0..num_layers-1")
+            twice = sorted({i for i in self.layers if self.layers.count(i) > 1})
+            if twice:
+                raise ValueError(f"plan.layers {self.layers} lists layer(s) {twice} twice; each layer can go once")
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ValueError(f"plan.num_layers must be >= 1 (how many layers the criterion removes), got {self.num_layers}")
+        if self.keep_first < 0 or self.keep_last < 0:
+            raise ValueError(f"plan.keep_first and plan.keep_last must be >= 0, got {self.keep_first} and {self.keep_last}")
+        if self.criterion_samples is not None and self.criterion_samples < 1:
+            raise ValueError(f"plan.criterion_samples must be >= 1 (or null for all windows), got {self.criterion_samples}")
+
 
 @dataclass(frozen=True)
 class Gap:
@@ -71,14 +98,16 @@ class PruningPlan:
     def from_layers(cls, layers: list[int], num_layers: int, *, allow_edges: bool = False, **kw) -> "PruningPlan":
         removed = tuple(sorted(set(int(i) for i in layers)))
         if len(removed) != len(layers):
-            raise ValueError(f"plan.layers {layers} lists a layer twice")
+            raise ValueError(f"plan.layers {layers} lists a layer twice; each layer can go once")
         bad = [i for i in removed if not 0 <= i < num_layers]
         if bad:
             raise ValueError(f"plan.layers {bad} out of range: the model has layers 0..{num_layers - 1}")
         if not removed:
             raise ValueError("plan.layers is empty: name at least one layer to remove")
         if len(removed) >= num_layers:
-            raise ValueError(f"plan.layers removes all {num_layers} layers; at least one must remain")
+            raise ValueError(
+                f"plan.layers removes all {num_layers} layers (0..{num_layers - 1}); at least one must remain"
+            )
         if not allow_edges and (0 in removed or num_layers - 1 in removed):
             raise ValueError(
                 f"plan.layers {list(removed)} removes the first or last layer (0 or {num_layers - 1}); "

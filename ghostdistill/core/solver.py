@@ -7,11 +7,20 @@ solvers work on the normal equations: min_M ||X M − D||² ⇔ A M = B.
 family LinearPatch's H·diag(s)·Hᵀ lives in). Setting the gradient of ||X M − D||² + ε||M||² to zero
 within symmetric matrices gives the Lyapunov equation (A + εI) M + M (A + εI) = B + Bᵀ; in the
 eigenbasis A + εI = Q diag(λ) Qᵀ it decouples: (QᵀMQ)_ij = (Qᵀ(B + Bᵀ)Q)_ij / (λ_i + λ_j).
+
+With n tokens and hidden size C, rank(A) ≤ min(n, C): fewer tokens than channels leave A singular and the
+problem under-determined (any M + N with XN = 0 fits as well). `solve`, told n, then returns the
+minimum-norm solution A⁺B (the limit of the ridge solution as ε → 0, and the one that changes the residual
+stream least off the calibration data) and warns with the token count that would make A full rank.
+Everything is float64 whatever the model's dtype: half precision has no stable linalg and XᵀX of
+activations of norm ~100 overflows float16 at once.
 """
 
 from __future__ import annotations
 
 from typing import Literal
+
+import warnings
 
 import torch
 
@@ -75,7 +84,34 @@ def solve_symmetric(xtx: torch.Tensor, xtd: torch.Tensor, ridge: float = 1e-4) -
     return (m + m.T) / 2  # exact symmetry, not up to rounding
 
 
-def solve(xtx: torch.Tensor, xtd: torch.Tensor, solver: SolverName = "ridge", ridge: float = 1e-4) -> torch.Tensor:
+class RankDeficientWarning(UserWarning):
+    """Fewer calibration tokens than the hidden size: the fit fell back to the minimum-norm solution."""
+
+
+def solve(
+    xtx: torch.Tensor,
+    xtd: torch.Tensor,
+    solver: SolverName = "ridge",
+    ridge: float = 1e-4,
+    *,
+    tokens: int | None = None,
+    what: str = "fit",
+) -> torch.Tensor:
+    """M with A M = B by `solver`; with `tokens` (the n behind A) < C, the minimum-norm solution and a
+    `RankDeficientWarning` naming `what`, n, C and how many tokens would be enough."""
+    if solver not in ("ridge", "lstsq"):
+        raise ValueError(f"solver {solver!r} is not known; choose 'ridge' or 'lstsq'")
+    c = xtx.shape[0]
+    if tokens is not None and tokens < c:
+        warnings.warn(
+            f"{what}: {tokens} calibration tokens for hidden size {c}, so XᵀX has rank at most {tokens} < {c} and "
+            f"the least-squares problem is under-determined; using the minimum-norm solution. At least {c} tokens "
+            f"(data.calibration.num_samples × seq_len, padding excluded) would be enough for a full-rank fit; "
+            f"several times {c} for a good one",
+            RankDeficientWarning,
+            stacklevel=2,
+        )
+        return solve_lstsq(xtx, xtd)
     if solver == "ridge":
         return solve_ridge(xtx, xtd, ridge)
     if solver == "lstsq":

@@ -42,6 +42,7 @@ __all__ = [
     "block_similarity",
     "candidate_blocks",
     "candidate_starts",
+    "check_plan",
     "choose_plan",
     "first_windows",
     "protected_edges",
@@ -53,6 +54,26 @@ __all__ = [
 def _lowest(scores: dict[int, float], n: int) -> list[int]:
     # Ties (several identity blocks score exactly alike) go to the earlier block, deterministically.
     return sorted(sorted(scores, key=lambda i: (scores[i], i))[:n])
+
+
+def check_plan(cfg: PlanConfig, num_layers: int) -> PruningPlan | None:
+    """Everything about the plan that the model's depth decides, before any data is read: the explicit plan
+    (out-of-range or edge layers, removing them all), or whether `cfg.criterion` may remove `cfg.num_layers`
+    of `num_layers` blocks with its protected edges. Returns the explicit plan, or None for a criterion."""
+    cfg.validate()
+    if cfg.layers is not None:
+        return PruningPlan.from_layers(cfg.layers, num_layers, allow_edges=cfg.allow_edges)
+    if cfg.criterion not in CRITERIA:
+        raise ValueError(f"plan.criterion {cfg.criterion!r} is not known; choose one of {', '.join(CRITERIA)}")
+    keep_first, keep_last = protected_edges(cfg)
+    try:
+        if cfg.criterion in CONTIGUOUS_CRITERIA:
+            candidate_starts(num_layers, cfg.num_layers, keep_first=keep_first, keep_last=keep_last)
+        else:
+            candidate_blocks(num_layers, cfg.num_layers, keep_first, keep_last)
+    except ValueError as err:
+        raise ValueError(f"plan.num_layers {cfg.num_layers} with plan.criterion {cfg.criterion!r}: {err}") from None
+    return None
 
 
 def choose_plan(cfg: PlanConfig, model: nn.Module, stack: DecoderStack, batches: Iterable[Batch]) -> PruningPlan:

@@ -102,16 +102,34 @@ def _file_documents(src: TextSource) -> list[str]:
         return [t for t in table.column(src.text_field).to_pylist() if t]
     if ".jsonl" in suffixes or ".json" in suffixes:
         with _open(path) as f:
-            first = f.read(1)
-            f.seek(0)
-            records = json.load(f) if first == "[" else [json.loads(line) for line in f if line.strip()]
+            text = f.read()
+        array = text.lstrip().startswith("[")
+        records, number = [], 0
+        try:
+            if array:
+                records = json.loads(text)
+            else:
+                for number, line in enumerate(text.splitlines(), start=1):
+                    if line.strip():
+                        records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            where = "its JSON array" if array else f"line {number}"
+            raise ValueError(f"{path}: {where} is not valid JSON ({err.msg})") from None
+        if not records:
+            raise ValueError(f"{path} is empty: no JSON records")
         if records and not any(isinstance(r, dict) and src.text_field in r for r in records):
             keys = sorted(records[0]) if isinstance(records[0], dict) else type(records[0]).__name__
             raise ValueError(f"{path}: records have no text field {src.text_field!r} (they have {keys}); set text_field")
-        return [r[src.text_field] for r in records if r.get(src.text_field)]
+        docs = [r[src.text_field] for r in records if isinstance(r, dict) and r.get(src.text_field)]
+        if not docs:
+            raise ValueError(f"{path}: every record's {src.text_field!r} field is empty")
+        return docs
     with _open(path) as f:
         # A plain text file is one document (WikiText-2 raw keeps its article structure in the text).
-        return [f.read()]
+        text = f.read()
+    if not text.strip():
+        raise ValueError(f"{path} is empty (no text)")
+    return [text]
 
 
 def _hub_documents(src: TextSource, for_eval: bool) -> list[str]:

@@ -79,6 +79,14 @@ def generate_windows(
     from tqdm.auto import tqdm
 
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if start is None:
+        raise ValueError(
+            f"data-free calibration ('generate') starts every sample from the BOS (or EOS) token, and the tokenizer "
+            f"{type(tokenizer).__name__} has neither: use a text calibration source (a file or a hub name)"
+        )
+    # No sequence finishes early (EOS suppressed by min_new_tokens), so padding is never used; generate
+    # still wants an id when the tokenizer defines none.
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else start
     device = next(model.parameters()).device
     out = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -95,7 +103,7 @@ def generate_windows(
                 top_p=1.0,
                 max_new_tokens=seq_len - 1,
                 min_new_tokens=seq_len - 1,
-                pad_token_id=tokenizer.pad_token_id,
+                pad_token_id=pad,
             )
             out.append(seqs[:, :seq_len].cpu())
     return torch.cat(out)

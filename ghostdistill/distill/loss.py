@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..core.head import token_chunks
+
 KLKind = Literal["forward", "reverse", "symmetric"]
 
 
@@ -137,11 +139,10 @@ def chunked_distillation_loss(
         return token_losses(head(s_chunk), t_logits, y_chunk, cfg).sum()
 
     total = student_hidden.new_zeros((), dtype=torch.float32)
-    for lo in range(0, n, cfg.chunk_tokens):
-        hi = lo + cfg.chunk_tokens
-        y_chunk = y[lo:hi] if y is not None else None
+    for part in token_chunks(n, cfg.chunk_tokens):
+        y_chunk = y[part] if y is not None else None
         if s.requires_grad:
-            total = total + checkpoint(chunk_loss, s[lo:hi], t[lo:hi], y_chunk, use_reentrant=False)
+            total = total + checkpoint(chunk_loss, s[part], t[part], y_chunk, use_reentrant=False)
         else:
-            total = total + chunk_loss(s[lo:hi], t[lo:hi], y_chunk)
+            total = total + chunk_loss(s[part], t[part], y_chunk)
     return total / n

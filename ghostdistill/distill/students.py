@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..core.head import decoder_of
 from ..core.model import model_inputs
 from ..core.views import DENSE, PrunedModel, copy_block
 from .config import DistillConfig, ft_view
@@ -43,17 +44,6 @@ class StudentParams:
 
     def all(self) -> list[nn.Parameter]:
         return [*self.operators, *self.lora, *self.blocks]
-
-
-def decoder_of(model: nn.Module) -> nn.Module:
-    """The decoder (embeddings, blocks, final norm) under the causal-LM head."""
-    getter = getattr(model, "get_decoder", None)
-    decoder = getter() if callable(getter) else None
-    if decoder is None or decoder is model:
-        decoder = getattr(model, "model", None)
-    if not isinstance(decoder, nn.Module):
-        raise TypeError(f"cannot find the decoder of {type(model).__name__} (no get_decoder() or .model)")
-    return decoder
 
 
 class Students:

@@ -1,17 +1,32 @@
-"""Per-token language-model metrics computed chunk by chunk over positions.
+"""Per-token language-model metrics computed chunk by chunk.
 
-Float32 log-probabilities of a whole batch over a 128k vocabulary take gigabytes, so logits are turned
-into metrics a slice of positions at a time: next-token NLL (perplexity), and against a reference
-model's log-probabilities (the dense teacher) KL(reference ‖ model) and top-1 agreement. Shared by
-evaluation (`test_step`) and the `ppl` / `taylor` plan criteria.
+Per token t with target y_t, model log-probabilities log p = log_softmax(z_t) and a reference model's
+log q (the dense teacher): NLL = −log p(y_t) (perplexity = exp of its mean), KL(q ‖ p) = Σ_v q_v (log q_v
+− log p_v) in nats, and top-1 agreement [argmax p = argmax q].
+
+Float32 logits of a whole batch over a 262k vocabulary take gigabytes (4 × 512 × 262,144 × 4 bytes =
+2 GiB, each log-softmax as much again), so nothing of size [batch, seq, vocab] is ever held:
+
+- `score_hidden` (evaluation and validation) starts from every view's final hidden states and applies
+  the output head to `chunk` tokens at a time (`core.head`), the reference view first, so per chunk only
+  that chunk's reference log-probabilities and one view's logits exist: memory is bounded by chunk × V
+  whatever the batch, and the reference is never stored whole;
+- `score_tokens` (the `ppl` / `taylor` plan criteria, which already hold one model's logits) turns given
+  logits into metrics a slice of positions at a time.
+
+Both give the same numbers up to float round-off (tested).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+from ..core.head import token_chunks
 
 
 def next_token_targets(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,9 +36,10 @@ def next_token_targets(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Ten
 
 @dataclass
 class TokenScores:
-    """Per position [batch, seq-1]: NLL of the target; with a reference, KL(reference ‖ model) in nats and
-    whether the argmax agrees with the reference's. `logprobs`: the model's log-probability chunks when
-    asked for (to serve as the reference of later models)."""
+    """Per position ([batch, seq-1] from `score_tokens`; [valid tokens], in row-major order, from
+    `score_hidden`): NLL of the target; with a reference, KL(reference ‖ model) in nats and whether the
+    argmax agrees with the reference's. `logprobs`: the model's log-probability chunks when asked for (to
+    serve as the reference of later models; `score_tokens` only)."""
 
     nll: torch.Tensor
     kl: torch.Tensor | None = None
@@ -60,6 +76,60 @@ def score_tokens(
         top1=torch.cat(top1, 1) if reference is not None else None,
         logprobs=kept if keep_logprobs else None,
     )
+
+
+@torch.no_grad()
+def score_hidden(
+    hidden: dict[str, torch.Tensor],
+    head: Callable[[torch.Tensor], torch.Tensor],
+    targets: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    reference: str | None = None,
+    chunk: int = 1024,
+) -> dict[str, TokenScores]:
+    """Metrics of every view from its final hidden states, `chunk` tokens at a time.
+
+    `hidden`: view → final hidden states [batch, seq-1, C] at the positions that predict `targets`
+    [batch, seq-1]; only the `valid` positions are scored. `head`: hidden → logits (`core.head.output_head`).
+    `reference`: the view (a key of `hidden`) the others are compared with (KL and top-1); its own
+    scores have none. Returns per view 1-D scores over the valid tokens (no gradients: evaluation only).
+    """
+    if reference is not None and reference not in hidden:
+        raise ValueError(f"reference view {reference!r} is not among the scored views {list(hidden)}")
+    y = targets[valid]
+    flat = {view: h[valid] for view, h in hidden.items()}
+    order = [reference, *(v for v in flat if v != reference)] if reference is not None else list(flat)
+    parts: dict[str, dict[str, list[torch.Tensor]]] = {v: {"nll": [], "kl": [], "top1": []} for v in order}
+    for part in token_chunks(y.shape[0], chunk):
+        ref_logp = ref_p = ref_top = None
+        for view in order:
+            logp = _log_softmax_(head(flat[view][part]))
+            out = parts[view]
+            out["nll"].append(-logp.gather(-1, y[part, None]).squeeze(-1))
+            if view == reference:
+                ref_logp, ref_p, ref_top = logp, logp.exp(), logp.argmax(-1)
+            elif ref_logp is not None:
+                out["top1"].append((ref_top == logp.argmax(-1)).float())
+                # KL = Σ q (log q − log p), in place: one more [chunk, V] buffer, not three.
+                out["kl"].append(logp.neg_().add_(ref_logp).mul_(ref_p).sum(-1))
+            del logp
+    empty = y.new_zeros(0, dtype=torch.float32)
+    result = {}
+    for view, out in parts.items():
+        compared = reference is not None and view != reference
+        result[view] = TokenScores(
+            nll=torch.cat(out["nll"]) if out["nll"] else empty,
+            kl=(torch.cat(out["kl"]) if out["kl"] else empty) if compared else None,
+            top1=(torch.cat(out["top1"]) if out["top1"] else empty) if compared else None,
+        )
+    return result
+
+
+def _log_softmax_(logits: torch.Tensor) -> torch.Tensor:
+    """Float32 log-softmax over the last axis, in place when the logits already are float32."""
+    logits = logits.float()
+    return logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
 
 
 def next_token_nll(

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from tqdm.auto import tqdm
 
 from ..analysis import analyse
@@ -18,9 +18,9 @@ from ..calibration.distributed import shard, sum_collectors
 from ..calibration.fit import fit_methods
 from ..calibration.stream import accumulate
 from ..core.io import atomic_torch_save, json_digest
-from ..core.model import decoder_stack, hidden_size, text_config
+from ..core.model import decoder_stack, hidden_size
 from ..core.plan import PruningPlan
-from ..criteria import choose_plan
+from ..criteria import check_plan, choose_plan
 from ..data.windows import shared_ngrams
 from ..methods import make_collectors
 from ..reporting.results import write_report
@@ -75,8 +75,19 @@ class Calibration(Callback):
         self.done = True
 
     def _fingerprint(self, pl_module, datamodule) -> str:
+        llm = pl_module.llm
         key = {
+            "format": STATE_FORMAT,
             "model": asdict(pl_module.model_cfg),
+            # What the weights are, beyond where they came from: a folder overwritten by another model of
+            # another shape must not resume from the first one's statistics.
+            "shape": {
+                "model_type": getattr(llm.config, "model_type", None),
+                "layers": len(decoder_stack(llm).layers),
+                "hidden_size": hidden_size(llm),
+                "vocab_size": llm.get_output_embeddings().weight.shape[0],
+                "dtype": str(next(llm.parameters()).dtype),
+            },
             "plan": asdict(pl_module.plan_cfg),
             "calibration": asdict(datamodule.calibration),
             "batch_size": datamodule.batch_size,
@@ -91,18 +102,19 @@ class Calibration(Callback):
         run_dir = Path(trainer.default_root_dir)
         state_path = run_dir / self.STATE_FILE
         fingerprint = self._fingerprint(pl_module, dm)
-        state = torch.load(state_path, weights_only=False) if state_path.is_file() else None
-        if state is not None and state.get("fingerprint") != fingerprint:
-            rank_zero_info(f"{state_path} belongs to other settings; calibrating from scratch")
-            state = None
+        llm = pl_module.llm
+        methods = {r.method for r in pl_module.recovery_cfgs}
+        state = load_state(state_path, fingerprint, methods, hidden_size(llm))
         world, rank = trainer.world_size, trainer.global_rank
         if state is not None and world > 1 and state["batches_done"] < state.get("batches_total", -1):
             # Partial sums of one process cannot be split among several: only complete states are reused.
             rank_zero_info(f"{state_path} is incomplete and this run has {world} processes; calibrating from scratch")
             state = None
         timings = pl_module.report["timings"]
-        llm = pl_module.llm
         llm.eval()
+
+        # The plan's depth checks before any data is read or generated (minutes, for `generate`).
+        explicit = check_plan(pl_module.plan_cfg, len(decoder_stack(llm).layers)) if state is None else None
 
         start = time.perf_counter()
         ids = dm.calibration_ids()
@@ -113,10 +125,8 @@ class Calibration(Callback):
         start = time.perf_counter()
         if state is not None:
             plan = PruningPlan(**state["plan"])
-        elif pl_module.plan_cfg.layers is not None:
-            plan = PruningPlan.from_layers(
-                pl_module.plan_cfg.layers, text_config(llm).num_hidden_layers, allow_edges=pl_module.plan_cfg.allow_edges
-            )
+        elif explicit is not None:
+            plan = explicit
         else:
             plan = choose_plan(
                 pl_module.plan_cfg,
@@ -132,7 +142,6 @@ class Calibration(Callback):
         # One pass feeds every method's collectors. Accumulate on the model's device, checkpoint on the CPU.
         device = next(llm.parameters()).device
         c = hidden_size(llm)
-        methods = {r.method for r in pl_module.recovery_cfgs}
         stats = {g.key: make_collectors(methods, c, device) for g in plan.gaps}
         done, tokens = 0, 0
         if state is not None:
@@ -152,15 +161,15 @@ class Calibration(Callback):
         if world > 1 and done < len(batches):
             # Each rank streams its share; the sums are added across ranks before the solve.
             mine = shard(batches, rank, world)
-            for batch in tqdm(mine, desc=f"calibration statistics (rank {rank})", disable=not self.progress):
-                tokens += accumulate(llm, pruned.stack, plan.gaps, [batch], stats)
+            for i, batch in enumerate(tqdm(mine, desc=f"calibration statistics (rank {rank})", disable=not self.progress)):
+                tokens += accumulate(llm, pruned.stack, plan.gaps, [batch], stats, first_batch=rank + i * world)
             for collectors in stats.values():
                 sum_collectors(collectors, reduce)
             tokens = int(reduce(torch.tensor(tokens, dtype=torch.float64, device=device)).item())
         else:
             bar = tqdm(total=len(batches), initial=done, desc="calibration statistics", disable=not self.progress)
             for i in range(done, len(batches)):
-                tokens += accumulate(llm, pruned.stack, plan.gaps, [batches[i]], stats)
+                tokens += accumulate(llm, pruned.stack, plan.gaps, [batches[i]], stats, first_batch=i)
                 bar.update(1)
                 if self.checkpoint_every and (i + 1) % self.checkpoint_every == 0 and i + 1 < len(batches):
                     self._save(trainer, state_path, fingerprint, plan, stats, i + 1, tokens, len(batches))
@@ -184,7 +193,7 @@ class Calibration(Callback):
                     **dm.describe()["calibration"],
                     # Names the statistics the operators were solved from (zero-shot scores are keyed by it).
                     "fingerprint": fingerprint,
-                    "windows": int(len(ids)),
+                    "windows": len(ids),
                     "tokens": tokens,
                     # Tokens given their own map (first position) and massive activations seen, per gap.
                     "token_groups": ghost_counts,
@@ -201,6 +210,7 @@ class Calibration(Callback):
         if not trainer.is_global_zero:
             return  # only rank 0 writes; every rank holds the same statistics
         state = {
+            "format": STATE_FORMAT,
             "fingerprint": fingerprint,
             "plan": {"num_layers": plan.num_layers, "removed": plan.removed, "chosen_by": plan.chosen_by,
                      "scores": plan.scores},
@@ -210,6 +220,68 @@ class Calibration(Callback):
             "tokens": tokens,
         }
         atomic_torch_save(state, path)
+
+
+# Version of `calibration_state.pt`; a file of another version is recomputed, never reinterpreted.
+STATE_FORMAT = 2
+
+
+def load_state(path: Path, fingerprint: str, methods: set[str], hidden: int) -> dict | None:
+    """The saved calibration state at `path` when it is readable, of this format, made with `fingerprint`,
+    and holds for every gap of its plan exactly the statistics `methods` collect at hidden size `hidden`
+    (same keys, same shapes, finite); otherwise None, with the reason logged: the caller calibrates from
+    scratch and the next checkpoint replaces the file."""
+    if not path.is_file():
+        return None
+    try:
+        # weights_only: a state file holds tensors, numbers and strings; nothing in it should run code.
+        state = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as err:  # noqa: BLE001 - truncated, corrupt, not a torch file: torch raises any of many types
+        return _discard(path, f"cannot be read ({type(err).__name__}: {str(err)[:200]})")
+    if not isinstance(state, dict):
+        return _discard(path, f"holds a {type(state).__name__}, not a calibration state")
+    if state.get("format") != STATE_FORMAT:
+        return _discard(path, f"is of format {state.get('format', 1)}; this version writes format {STATE_FORMAT}")
+    if state.get("fingerprint") != fingerprint:
+        rank_zero_info(f"{path} belongs to other settings (model, plan, calibration data or methods); calibrating from scratch")
+        return None
+    try:
+        plan = PruningPlan(**state["plan"])
+        done, total, tokens = state["batches_done"], state["batches_total"], state["tokens"]
+        if not (isinstance(done, int) and isinstance(total, int) and 0 <= done <= total and tokens >= 0):
+            raise ValueError(f"batches_done {done} of {total}, tokens {tokens}")
+        gaps = [g.key for g in plan.gaps]
+        if sorted(state["stats"]) != sorted(gaps):
+            raise ValueError(f"statistics for gaps {sorted(state['stats'])}, plan gaps {gaps}")
+        for key in gaps:
+            fresh = make_collectors(methods, hidden, "cpu")
+            if sorted(state["stats"][key]) != sorted(fresh):
+                raise ValueError(f"gap {key}: statistics of {sorted(state['stats'][key])}, expected {sorted(fresh)}")
+            for name, collector in fresh.items():
+                _same_layout(collector.state_dict(), state["stats"][key][name], f"gap {key} {name}")
+    except (KeyError, TypeError, ValueError) as err:
+        return _discard(path, f"does not hold usable statistics ({type(err).__name__}: {err})")
+    return state
+
+
+def _same_layout(expected: dict, saved: dict, where: str) -> None:
+    if not isinstance(saved, dict) or sorted(saved) != sorted(expected):
+        raise TypeError(f"{where}: entries {sorted(saved) if isinstance(saved, dict) else saved!r}, expected {sorted(expected)}")
+    for k, v in expected.items():
+        if isinstance(v, dict):
+            _same_layout(v, saved[k], f"{where}.{k}")
+        elif isinstance(v, torch.Tensor):
+            t = saved[k]
+            if not isinstance(t, torch.Tensor) or t.shape != v.shape:
+                raise ValueError(f"{where}.{k}: shape {getattr(t, 'shape', t)}, expected {tuple(v.shape)}")
+            if not torch.isfinite(t).all():
+                raise ValueError(f"{where}.{k} is not finite")
+
+
+def _discard(path: Path, why: str) -> dict | None:
+    """Log why the state at `path` is not used; the caller calibrates from scratch (returns None)."""
+    rank_zero_warn(f"{path} {why}: not used; calibrating from scratch (the file is replaced at the next checkpoint)")
+    return None
 
 
 def _check_strategy(trainer: Trainer) -> None:
@@ -308,7 +380,40 @@ class LastCheckpoint(ModelCheckpoint):
         trainer.strategy.barrier()
         self._last_checkpoint_saved = filepath
 
+    def _find_last_checkpoints(self, trainer: Trainer) -> set[str]:
+        """What `--ckpt_path last` may resume from: only checkpoints that load and were written by this
+        module. A truncated, corrupt or foreign `last.ckpt` is renamed `<name>.unusable` with a warning,
+        and Lightning then starts distillation from step 0 instead of failing deep inside its restore (a
+        checkpoint of other settings that loads is refused later by `GhostDistill.on_load_checkpoint`)."""
+        usable = set()
+        for path in super()._find_last_checkpoints(trainer):
+            why = checkpoint_problem(path)
+            if why is None:
+                usable.add(path)
+                continue
+            if trainer.is_global_zero:
+                os.replace(path, f"{path}.unusable")
+            rank_zero_warn(f"{path} {why}: moved to {path}.unusable; distillation starts from step 0")
+        # No barrier: every rank checks the file itself and comes to the same answer (a rank that looks after
+        # rank 0 renamed it finds nothing).
+        return usable
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if trainer.global_step == trainer.max_steps and self._last_global_step_saved != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+def checkpoint_problem(path: str | os.PathLike) -> str | None:
+    """Why the Lightning checkpoint at `path` cannot be resumed from (unreadable, or not written by
+    `GhostDistill`), or None when it can."""
+    try:
+        # Lightning's own checkpoints hold optimizer and callback state; the file is the run's own output.
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001 - any failure to load means the same: not resumable
+        return f"cannot be read ({type(err).__name__}: {str(err)[:200]})"
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "global_step" not in ckpt:
+        return "is not a Lightning checkpoint"
+    if "ghostdistill" not in ckpt:
+        return "was not written by ghostdistill (no 'ghostdistill' entry: an older format or another program)"
+    return None

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from ..core.io import atomic_torch_save, json_digest
 from ..data import (
@@ -73,6 +73,8 @@ class ValidationData:
 
 
 class _Windows(Dataset):
+    """Windows by index; an index i ≥ len marks a padding copy of window i − len (`counted` false)."""
+
     def __init__(self, ids: torch.Tensor) -> None:
         self.ids = ids
 
@@ -80,7 +82,25 @@ class _Windows(Dataset):
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i])}
+        n = len(self.ids)
+        window = self.ids[i % n]
+        return {"input_ids": window, "attention_mask": torch.ones_like(window), "counted": torch.tensor(i < n)}
+
+
+class EvenShares(DistributedSampler):
+    """Every rank gets ⌈n / world⌉ windows in order (rank r: windows r, r + world, ...), as Lightning's
+    DistributedSampler gives, so sharded models run the same number of forwards on every rank; but the
+    windows added to even out the shares come as index i + n, which `_Windows` marks as not counted, so
+    each real window is counted exactly once and perplexity is that of one process. (Lightning's own
+    sampler repeats the first windows, which then count twice.)"""
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
+
+    def __iter__(self):
+        n = len(self.dataset)
+        padded = list(range(n)) + [n + i % n for i in range(self.total_size - n)]
+        return iter(padded[self.rank : self.total_size : self.num_replicas])
 
 
 class StepWindows(IterableDataset):
@@ -268,10 +288,15 @@ class GhostDataModule(LightningDataModule):
         return self._eval_ids[src.label]
 
     def test_dataloader(self) -> list[DataLoader]:
-        return [
-            DataLoader(_Windows(self.eval_ids(src)), batch_size=self.batch_size, num_workers=self.num_workers)
-            for src in self.evaluation.sources
-        ]
+        trainer = self.trainer
+        world = trainer.world_size if trainer is not None else 1
+        loaders = []
+        for src in self.evaluation.sources:
+            windows = _Windows(self.eval_ids(src))
+            # Lightning keeps a DistributedSampler it is given: ours pads without counting windows twice.
+            sampler = EvenShares(windows, world, trainer.global_rank) if world > 1 else None
+            loaders.append(DataLoader(windows, batch_size=self.batch_size, num_workers=self.num_workers, sampler=sampler))
+        return loaders
 
     def eval_summary(self) -> dict:
         """What the evaluation read (and, after distillation, what training and validation read)."""
@@ -280,11 +305,11 @@ class GhostDataModule(LightningDataModule):
             summary["train"] = {
                 **asdict(self.train),
                 "source": asdict(self.train.source) if self.train.source else "the calibration windows",
-                "windows": int(len(self._train_ids)),
+                "windows": len(self._train_ids),
                 "seq_len": int(self._train_ids.shape[1]),
             }
         if self._val_ids is not None:
-            summary["validation"] = {**asdict(self.validation), "windows": int(len(self._val_ids))}
+            summary["validation"] = {**asdict(self.validation), "windows": len(self._val_ids)}
         return summary
 
     def _eval_summary(self) -> dict:
@@ -292,7 +317,7 @@ class GhostDataModule(LightningDataModule):
             "seq_len": self.evaluation.seq_len,
             "max_windows": self.evaluation.max_windows,
             "sources": {
-                s.label: {**s.describe(), "windows": int(len(self._eval_ids[s.label]))}
+                s.label: {**s.describe(), "windows": len(self._eval_ids[s.label])}
                 for s in self.evaluation.sources
                 if s.label in self._eval_ids
             },

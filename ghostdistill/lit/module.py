@@ -22,6 +22,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric, SumMetric
 
+from ..core.head import final_hidden, output_head, tokens_per_chunk
 from ..core.io import json_digest, tensor_digest
 from ..core.model import ModelConfig, load_model, load_tokenizer
 from ..core.plan import PlanConfig, PruningPlan
@@ -30,7 +31,7 @@ from ..distill.config import DistillConfig
 from ..distill.loss import chunked_distillation_loss
 from ..distill.optim import make_optimizer
 from ..distill.students import Students
-from ..evaluation.metrics import next_token_targets, score_tokens
+from ..evaluation.metrics import TokenScores, next_token_targets, score_hidden
 from ..evaluation.scores import ScoreStore, score_key
 from ..evaluation.zeroshot import PAPER_TASKS, average_scores, check_offline_tasks, task_limits
 from ..methods import RecoveryConfig, validate_recovery
@@ -67,7 +68,9 @@ class EvalConfig:
 
     Args:
         views: subset of ``dense``, ``pruned`` and the recovery names; empty means all of them.
-        logit_chunk: tokens per chunk when turning logits into metrics (bounds memory for big vocabularies).
+        logit_chunk: tokens per chunk when turning final hidden states into logits and metrics; null (the
+            default) sizes it by the vocabulary, 2^25 logits per chunk (1,024 tokens at 32k, 128 at 262k),
+            so evaluation memory does not grow with the vocabulary or the batch.
         zeroshot: zero-shot accuracy with lm-eval (off unless enabled).
         analysis: per gap and method, the operator anatomy and the alignment error on held-out windows
             (`ghostdistill.analysis`), in results.json/md and analysis.png.
@@ -75,7 +78,7 @@ class EvalConfig:
     """
 
     views: list[str] = field(default_factory=list)
-    logit_chunk: int = 1024
+    logit_chunk: int | None = None
     analysis: bool = True
     analysis_windows: int = 8
     zeroshot: ZeroShotConfig = field(default_factory=ZeroShotConfig)
@@ -117,8 +120,12 @@ class GhostDistill(LightningModule):
         if evaluation.zeroshot.enabled and evaluation.zeroshot.data_dir is not None:
             # Before an hour of calibration, not after: tasks without offline files, or missing files.
             check_offline_tasks(evaluation.zeroshot.tasks, evaluation.zeroshot.data_dir)
-        if plan.layers is None and plan.num_layers is None:
-            raise ValueError("plan needs either layers (explicit list) or num_layers (for the criterion)")
+        if evaluation.logit_chunk is not None and evaluation.logit_chunk < 1:
+            raise ValueError(
+                f"evaluation.logit_chunk must be a positive number of tokens, or null (sized by the vocabulary), "
+                f"got {evaluation.logit_chunk}"
+            )
+        plan.validate()  # what the values alone decide, before the model is loaded
         self.model_cfg = model
         self.plan_cfg = plan
         self.recovery_cfgs = list(recovery)
@@ -235,7 +242,7 @@ class GhostDistill(LightningModule):
         mask = batch.get("attention_mask")
         mask = torch.ones_like(ids) if mask is None else mask
         targets, valid = next_token_targets(ids, mask)
-        head = self.llm.get_output_embeddings()
+        head = output_head(self.llm)
         teacher_hidden, prefix = students.teacher(batch)
         total = teacher_hidden.new_zeros((), dtype=torch.float32)
         for view in students.views:
@@ -328,18 +335,11 @@ class GhostDistill(LightningModule):
             mine = ids[rank::world]
             for lo in range(0, len(mine), self.trainer.datamodule.batch_size):
                 chunk = mine[lo : lo + self.trainer.datamodule.batch_size].to(self.device)
-                mask = torch.ones_like(chunk)
-                targets, valid = next_token_targets(chunk, mask)
-                with self.pruned.use(DENSE) as model:
-                    logits = model(input_ids=chunk, attention_mask=mask, use_cache=False).logits[:, :-1]
-                reference = score_tokens(logits, targets, chunk=self.eval_cfg.logit_chunk, keep_logprobs=True).logprobs
+                scores = self.score_views(chunk, torch.ones_like(chunk), views)
                 for k, view in enumerate(views):
-                    with self.pruned.use(view) as model:
-                        logits = model(input_ids=chunk, attention_mask=mask, use_cache=False).logits[:, :-1]
-                    scores = score_tokens(logits, targets, reference=reference, chunk=self.eval_cfg.logit_chunk)
-                    sums[k, 0] += scores.nll[valid].double().sum()
-                    sums[k, 1] += scores.kl[valid].double().sum()
-                    sums[k, 2] += valid.sum()
+                    sums[k, 0] += scores[view].nll.double().sum()
+                    sums[k, 1] += scores[view].kl.double().sum()
+                    sums[k, 2] += scores[view].nll.numel()
         finally:
             self.train(was_training)
         sums = self.trainer.strategy.reduce(sums.clone(), reduce_op="sum") if world > 1 else sums
@@ -402,27 +402,37 @@ class GhostDistill(LightningModule):
         ids = batch["input_ids"]
         mask = batch.get("attention_mask")
         mask = torch.ones_like(ids) if mask is None else mask
-        targets, valid = next_token_targets(ids, mask)
         views = self.views
-        reference: list[torch.Tensor] | None = None  # dense log-probs, the reference for KL and top-1
-        for view in [DENSE, *(v for v in views if v != DENSE)]:
-            with self.pruned.use(view) as model:
-                logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
-            scores = score_tokens(
-                logits, targets, reference=reference, chunk=self.eval_cfg.logit_chunk, keep_logprobs=reference is None
-            )
-            del logits
-            if reference is None:
-                reference = scores.logprobs
-            if view not in views:
-                continue
-            m = self._metrics[f"{views.index(view)}_{dataloader_idx}"]
-            token_nll = scores.nll[valid]
+        # Windows added only to even out the ranks' shares are run but not counted (`EvenShares`).
+        counted = batch.get("counted")
+        scores = self.score_views(ids, mask, views, counted=counted)
+        for vi, view in enumerate(views):
+            m = self._metrics[f"{vi}_{dataloader_idx}"]
+            token_nll = scores[view].nll
             m["nll"].update(token_nll.double().sum())
             m["tokens"].update(torch.tensor(float(token_nll.numel()), device=token_nll.device))
             if view != DENSE:
-                m["kl"].update(scores.kl[valid])
-                m["top1"].update(scores.top1[valid])
+                m["kl"].update(scores[view].kl)
+                m["top1"].update(scores[view].top1)
+
+    def score_views(
+        self, ids: torch.Tensor, mask: torch.Tensor, views: list[str], counted: torch.Tensor | None = None
+    ) -> dict[str, TokenScores]:
+        """NLL of every view in `views`, and KL and top-1 against the dense view, on one batch (1-D over the
+        real next-token positions). Each view's decoder runs once and yields final hidden states; logits
+        exist only a chunk of `evaluation.logit_chunk` tokens at a time (`evaluation.metrics.score_hidden`),
+        so memory does not grow with batch × vocabulary. `counted` [batch]: rows to score (default all)."""
+        assert self.pruned is not None
+        targets, valid = next_token_targets(ids, mask)
+        if counted is not None:
+            valid = valid & counted.bool()[:, None]
+        hidden = {}
+        for view in [DENSE, *(v for v in views if v != DENSE)]:
+            with self.pruned.use(view) as model:
+                hidden[view] = final_hidden(model, ids, mask)[:, :-1]
+        vocab = self.llm.get_output_embeddings().weight.shape[0]
+        chunk = tokens_per_chunk(vocab, self.eval_cfg.logit_chunk)
+        return score_hidden(hidden, output_head(self.llm), targets, valid, reference=DENSE, chunk=chunk)
 
     def on_test_epoch_end(self) -> None:
         assert self._metrics is not None and self.pruned is not None

@@ -196,7 +196,8 @@ def fit_ghost(cfg: RecoveryConfig, gap: Gap, stats: GhostStatistics, *, symmetri
     separate_first = cfg.fit.startswith("first")
     weighting = FIT_WEIGHTING[cfg.fit]
     include_first = not separate_first
-    if stats.counts.regular + (0 if separate_first else stats.counts.first) == 0:
+    tokens = stats.counts.regular + (0 if separate_first else stats.counts.first)
+    if tokens == 0:
         raise ValueError(f"gap {gap.key}: no calibration tokens to fit on")
     xtx, xtd = stats.normal_equations(weighting, include_first)
     xsum, dsum, n, _ = stats.moments(weighting, include_first)
@@ -208,7 +209,8 @@ def fit_ghost(cfg: RecoveryConfig, gap: Gap, stats: GhostStatistics, *, symmetri
     if symmetric:
         delta = solve_symmetric(xtx, xtd, cfg.ridge)
     else:
-        delta = solve(xtx, xtd, cfg.solver, cfg.ridge)
+        what = f"{cfg.name} (ghost, fit {cfg.fit}) gap {gap.key}"
+        delta = solve(xtx, xtd, cfg.solver, cfg.ridge, tokens=tokens, what=what)
     bias = (dsum - xsum @ delta) / n if cfg.bias else None
     if cfg.scale == "norm":
         delta, bias = _match_norm(stats, delta, bias, weighting, include_first)

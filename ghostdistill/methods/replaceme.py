@@ -63,7 +63,7 @@ class ReplaceMe:
     def fit(self, cfg: RecoveryConfig, gap: Gap, stats: ReplaceMeStatistics, hidden_size: int) -> GapFit:
         if gap.start == 0:
             raise ValueError(f"replaceme: gap {gap.key} starts at block 0, there is no MLP before it")
-        t = solve(stats.mtm, stats.mtr, cfg.solver, cfg.ridge)
+        t = solve(stats.mtm, stats.mtr, cfg.solver, cfg.ridge, tokens=stats.tokens, what=f"{cfg.name} (replaceme) gap {gap.key}")
         op = GhostOperator(t.shape[0], fused=True)
         op.load_solution(t - torch.eye(t.shape[0], dtype=t.dtype, device=t.device))
         return GapFit(mlp_map=op)

@@ -132,3 +132,102 @@ def test_accumulate_fits_every_gap_of_a_non_contiguous_plan():
         return float((dense.exp() * (dense - logp)).sum(-1).mean())
 
     assert kl("ghost") < kl("pruned")
+
+
+# ---------------------------------------------------------------- reliability
+def _ppl_kl(pm, ids):
+    from ghostdistill.core.head import final_hidden, output_head
+    from ghostdistill.evaluation.metrics import next_token_targets, score_hidden
+
+    mask = torch.ones_like(ids)
+    targets, valid = next_token_targets(ids, mask)
+    hidden = {}
+    with torch.no_grad():
+        for view in ("dense", "pruned", "ghost"):
+            with pm.use(view) as m:
+                hidden[view] = final_hidden(m, ids, mask)[:, :-1]
+    scores = score_hidden(hidden, output_head(pm.model), targets, valid, reference="dense", chunk=64)
+    return {v: (float(s.nll.double().mean().exp()), None if s.kl is None else float(s.kl.double().mean()))
+            for v, s in scores.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_calibrate_and_evaluate_like_float32(dtype):
+    """bf16 / fp16 models: statistics and solve stay float64, operators are float32 and come out close to the
+    float32 model's, and perplexity and KL agree with float32 to the half type's precision."""
+    from conftest import fit_all
+
+    plan = PruningPlan.from_layers([2, 3], 6)
+    pm32, _ = fit_all(tiny_model("llama"), plan, [RecoveryConfig(name="ghost")])
+    pm16, stats16 = fit_all(tiny_model("llama").to(dtype), plan, [RecoveryConfig(name="ghost")])
+    ghost16 = stats16["2-3"]["ghost"]
+    assert all(t.dtype == torch.float64 for t in [*ghost16.xtx.values(), *ghost16.xtd.values()])
+    op32, op16 = pm32.operators["ghost"]["2-3"], pm16.operators["ghost"]["2-3"]
+    assert op16.delta.dtype == torch.float32
+    assert torch.isfinite(op16.delta).all()
+    rel = float((op16.delta - op32.delta).detach().norm() / op32.delta.detach().norm())
+    assert rel < 0.05, f"{dtype} operator differs from float32 by {rel:.3f} (relative Frobenius)"
+
+    ids = _batches(n=1, batch=4, seq=32, seed=9)[0]["input_ids"]
+    m32, m16 = _ppl_kl(pm32, ids), _ppl_kl(pm16, ids)
+    for view in ("dense", "pruned", "ghost"):
+        assert m16[view][0] == pytest.approx(m32[view][0], rel=0.01), view
+    for view in ("pruned", "ghost"):
+        assert m16[view][1] == pytest.approx(m32[view][1], rel=0.03), view
+    # The repair works in half precision as it does in float32.
+    assert m16["ghost"][1] < m16["pruned"][1] and m32["ghost"][1] < m32["pruned"][1]
+
+
+def test_non_finite_activations_stop_calibration_naming_block_and_batch():
+    model = tiny_model("llama", num_layers=6)
+    stack = decoder_stack(model)
+    plan = PruningPlan.from_layers([2, 3], 6)
+    stats = {"2-3": {"ghost": GhostStatistics(64)}}
+    batches = _batches(n=3)
+    # Batch 5 (the third batch of a run that started at batch 3) overflows inside block 3.
+    calls = {"n": 0}
+
+    def overflow(module, args, output):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            hidden = output[0] if isinstance(output, tuple) else output
+            hidden[0, 4, 7] = float("inf")
+        return output
+
+    handle = stack.layers[3].register_forward_hook(overflow)
+    try:
+        with pytest.raises(FloatingPointError, match=r"calibration batch 5: the residual stream entering block 4 "
+                                                     r"is not finite at 1 token\(s\) \(first: sequence 0, position 4"):
+            accumulate(model, stack, plan.gaps, batches, stats, first_batch=3)
+    finally:
+        handle.remove()
+    assert stats["2-3"]["ghost"].counts.regular == 2 * 2 * 15, "the bad batch never reached the sums"
+
+
+def test_padding_may_hold_non_finite_values():
+    """Only real tokens are checked: padded positions never reach the statistics."""
+    from ghostdistill.calibration.stream import check_finite
+
+    x = torch.zeros(1, 3, 4)
+    x[0, 2, 0] = float("nan")
+    check_finite(x, torch.tensor([[1, 1, 0]]), "batch 0", "x", torch.nn.Linear(1, 1))
+    with pytest.raises(FloatingPointError, match="batch 0: x is not finite"):
+        check_finite(x, torch.tensor([[1, 1, 1]]), "batch 0", "x", torch.nn.Linear(1, 1))
+
+
+def test_too_few_tokens_give_the_minimum_norm_fit_and_say_how_many_are_enough():
+    from ghostdistill.core.solver import RankDeficientWarning
+
+    model = tiny_model("llama", num_layers=6)
+    stack = decoder_stack(model)
+    plan = PruningPlan.from_layers([2, 3], 6)
+    stats = {"2-3": {"ghost": GhostStatistics(64)}}
+    accumulate(model, stack, plan.gaps, _batches(n=1, batch=2, seq=16), stats)  # 30 regular tokens < 64
+    ghost = stats["2-3"]["ghost"]
+    with pytest.warns(RankDeficientWarning, match=r"ghost \(ghost, fit first\) gap 2-3: 30 calibration tokens for "
+                                                  r"hidden size 64.*At least 64 tokens"):
+        op = fit_ghost(RecoveryConfig(name="ghost", fit="first"), plan.gaps[0], ghost)
+    assert torch.isfinite(op.delta).all()
+    # The minimum-norm solution of the same normal equations.
+    xtx, xtd = ghost.normal_equations(weighted=False, include_first=False)
+    torch.testing.assert_close(op.delta.double(), torch.linalg.pinv(xtx) @ xtd, rtol=1e-3, atol=1e-5)

@@ -1,7 +1,15 @@
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from ghostdistill.core.solver import solve, solve_lstsq, solve_ridge, solve_symmetric
+from ghostdistill.core.solver import (
+    RankDeficientWarning,
+    solve,
+    solve_lstsq,
+    solve_ridge,
+    solve_symmetric,
+)
 
 
 def _problem(n=400, c=24, rank=None, seed=0):
@@ -88,3 +96,68 @@ def test_symmetric_solver_recovers_a_symmetric_truth_and_loses_to_the_free_fit_o
     m_free = solve_lstsq(x.T @ x, x.T @ d)
     assert (x @ m_free - d).norm() < 1e-8 * d.norm()
     assert (x @ m_sym - d).norm() > 0.5 * d.norm()
+
+
+# ---------------------------------------------------------------- properties (hypothesis)
+
+_settings = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _random(seed: int, n: int, c: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, c, generator=g, dtype=torch.float64) * scale, torch.randn(c, c, generator=g, dtype=torch.float64)
+
+
+@_settings
+@given(seed=st.integers(0, 2**31 - 1), c=st.integers(1, 24), extra=st.integers(0, 40),
+       scale=st.floats(1e-3, 1e3), solver=st.sampled_from(["ridge", "lstsq"]))
+def test_full_rank_fit_recovers_the_true_operator(seed, c, extra, scale, solver):
+    """D = X M exactly and X full rank (n ≥ C random rows): both solvers give back M."""
+    x, m = _random(seed, c + extra, c, scale)
+    xtx, xtd = x.T @ x, x.T @ (x @ m)
+    cond = float(torch.linalg.cond(x))
+    if cond > 1e4:  # a nearly singular draw (n = C): recovery is only as good as its conditioning
+        return
+    got = solve(xtx, xtd, solver, ridge=1e-12, tokens=c + extra)
+    torch.testing.assert_close(got, m, rtol=0, atol=1e-9 * cond**2 * max(1.0, float(m.abs().max())))
+
+
+@_settings
+@given(seed=st.integers(0, 2**31 - 1), c=st.integers(2, 24), n=st.integers(1, 23),
+       scale=st.floats(1e-3, 1e3), solver=st.sampled_from(["ridge", "lstsq"]))
+def test_rank_deficient_fit_is_finite_and_minimum_norm(seed, c, n, scale, solver):
+    """Fewer tokens than channels: finite, the minimum-norm solution pinv(X)·D, and a warning that says how
+    many tokens would be enough."""
+    n = min(n, c - 1)
+    x, m = _random(seed, n, c, scale)
+    d = x @ m
+    with pytest.warns(RankDeficientWarning, match=rf"{n} calibration tokens for hidden size {c}.*At least {c} tokens"):
+        got = solve(x.T @ x, x.T @ d, solver, tokens=n, what="test gap")
+    assert torch.isfinite(got).all()
+    expected = torch.linalg.pinv(x) @ d
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6 * max(1.0, float(expected.abs().max())))
+    # It fits the data as well as the true M, with no more norm.
+    torch.testing.assert_close(x @ got, d, rtol=1e-4, atol=1e-6 * max(1.0, float(d.abs().max())))
+    assert got.norm() <= m.norm() * (1 + 1e-6)
+
+
+@_settings
+@given(seed=st.integers(0, 2**31 - 1), c=st.integers(1, 16), n=st.integers(1, 64),
+       factor=st.floats(1e-4, 1e4), ridge=st.floats(1e-6, 1.0))
+def test_scaling_x_and_target_together_leaves_the_ridge_solution_unchanged(seed, c, n, factor, ridge):
+    """ε = ridge·tr(XᵀX)/C scales with the data: (sX, sD) gives the same M as (X, D), whatever the rank."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, c, generator=g, dtype=torch.float64)
+    d = torch.randn(n, c, generator=g, dtype=torch.float64)
+    a = solve_ridge(x.T @ x, x.T @ d, ridge)
+    b = solve_ridge((factor * x).T @ (factor * x), (factor * x).T @ (factor * d), ridge)
+    assert torch.isfinite(a).all()
+    torch.testing.assert_close(b, a, rtol=1e-7, atol=1e-9 * max(1.0, float(a.abs().max())))
+
+
+def test_zero_statistics_give_zero_not_nan():
+    """No signal at all (XᵀX = 0): M = 0 (the identity operator), never NaN."""
+    z = torch.zeros(4, 4, dtype=torch.float64)
+    for solver in ("ridge", "lstsq"):
+        got = solve(z, z, solver)
+        assert torch.equal(got, torch.zeros_like(got))

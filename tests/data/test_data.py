@@ -3,8 +3,15 @@ import json
 
 import pytest
 import torch
+from conftest import (
+    C4_HEAD,
+    C4_SAMPLE,
+    WIKITEXT,
+    WIKITEXT_HEAD,
+    need_shared,
+    tiny_model,
+)
 
-from conftest import C4_HEAD, C4_SAMPLE, WIKITEXT, WIKITEXT_HEAD, need_shared, tiny_model
 from ghostdistill.data import (
     TextSource,
     calibration_windows,
@@ -95,3 +102,48 @@ def test_shared_ngrams_finds_overlaps_across_window_boundaries():
     # 100-163 lies inside; 600-663 straddles the end (40 tokens inside); 700-763 is outside; 630-693
     # shares only 10 tokens, fewer than the 32 of a run.
     assert shared_ngrams(windows, reference) == [0, 1]
+
+
+# ---------------------------------------------------------------- bad inputs
+@pytest.mark.parametrize(
+    "name, content, field, match",
+    [
+        ("missing.txt", None, "text", r"text source file '.*missing.txt' does not exist"),
+        ("empty.txt", "  \n", "text", r"empty.txt is empty \(no text\)"),
+        ("empty.jsonl", "", "text", r"empty.jsonl is empty: no JSON records"),
+        ("broken.jsonl", '{"text": "a"}\n{"text": \n', "text", r"broken.jsonl: line 2 is not valid JSON"),
+        ("field.jsonl", '{"body": "a"}\n', "text", r"records have no text field 'text' \(they have \['body'\]\); set text_field"),
+        ("blank.jsonl", '{"text": ""}\n', "text", r"every record's 'text' field is empty"),
+        ("notes.md", "x", "text", r"neither a hub name .* nor a file ending in"),
+    ],
+)
+def test_bad_files_are_named(tmp_path, name, content, field, match):
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        load_documents(TextSource(str(path), text_field=field), for_eval=False)
+
+
+def test_texts_shorter_than_one_window_are_named(tmp_path, tiny_tokenizer):
+    path = tmp_path / "short.txt"
+    path.write_text("the model layer token")
+    with pytest.raises(ValueError, match=r"short: \d+ tokens is fewer than one window of seq_len=64"):
+        evaluation_windows(tiny_tokenizer, TextSource(str(path)), 64)
+    with pytest.raises(ValueError, match=r"short: only 0 windows of 64 tokens available, 4 requested"):
+        calibration_windows(tiny_tokenizer, TextSource(str(path)), 64, 4, seed=0)
+
+
+def test_generate_without_pad_bos_or_eos(tiny_tokenizer):
+    """No pad token: generation still works (nothing is ever padded). No BOS and no EOS: a clear error."""
+    import copy
+
+    model = tiny_model("llama")
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.pad_token = None
+    ids = generate_windows(model, tok, seq_len=8, num_samples=2, seed=0, progress=False)
+    assert ids.shape == (2, 8) and int(ids[0, 0]) == tok.bos_token_id
+    tok.bos_token = None
+    tok.eos_token = None
+    with pytest.raises(ValueError, match="has neither: use a text calibration source"):
+        generate_windows(model, tok, seq_len=8, num_samples=2, seed=0, progress=False)

@@ -21,7 +21,7 @@ def _args(tiny_dir, text_files, run, *extra, steps=4):
     return [
         "fit", "--config", str(ROOT / "configs" / "smollm2_demo.yaml"),
         "--model.model.source", str(tiny_dir),
-        "--model.plan.layers", "[2, 3]",
+        "--model.plan.layers", "[2, 3]", "--model.plan.num_layers", "null",
         "--model.recovery", json.dumps([{"name": "ghost"}, {"name": "linearpatch", "method": "linearpatch"}]),
         "--model.distill.methods", "[ghost, linearpatch]",
         "--model.distill.lr", "1e-3",

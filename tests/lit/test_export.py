@@ -22,6 +22,8 @@ def _args(tiny_dir, text_files, run, *extra):
         str(ROOT / "configs" / "smollm2_demo.yaml"),
         "--model.model.source",
         str(tiny_dir),
+        "--model.plan.num_layers",
+        "null",
         "--model.plan.layers",
         "[2, 3]",
         "--model.recovery",

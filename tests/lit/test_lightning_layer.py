@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import torch
-
 from conftest import tiny_model
+
 from ghostdistill.cli import main
 from ghostdistill.core.model import ModelConfig
 from ghostdistill.core.plan import PlanConfig, PruningPlan
@@ -21,7 +21,7 @@ def _args(model_dir, text_files, run, *extra):
     return [
         "fit", "--config", str(ROOT / "configs" / "smollm2_demo.yaml"),
         "--model.model.source", str(model_dir),
-        "--model.plan.layers", "[2, 3]",
+        "--model.plan.layers", "[2, 3]", "--model.plan.num_layers", "null",
         "--data.calibration.num_samples", "4",
         "--data.calibration.seq_len", "16",
         "--data.evaluation.seq_len", "32",

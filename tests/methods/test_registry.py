@@ -83,7 +83,7 @@ def test_a_registered_method_runs_through_calibration_fit_and_report(toy, tiny_d
     main([
         "fit", "--config", str(ROOT / "configs" / "smollm2_demo.yaml"),
         "--model.model.source", str(tiny_dir),
-        "--model.plan.layers", "[2, 3]",
+        "--model.plan.layers", "[2, 3]", "--model.plan.num_layers", "null",
         "--model.recovery", json.dumps([{"name": "ghost"}, {"name": "scaled", "method": "toy_scale"}]),
         "--data.calibration.source.source", str(text_files["jsonl_gz"]),
         "--data.calibration.num_samples", "8",

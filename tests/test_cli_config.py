@@ -1,0 +1,78 @@
+"""The CLI rejects unknown keys and wrongly typed values in every config section, nested recovery entries
+included, and names the key (jsonargparse behind LightningCLI), before anything is loaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ghostdistill.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+# A model that does not exist: should a bad key ever be accepted, the test fails at once instead of running.
+BASE = [
+    "fit",
+    "--config",
+    str(ROOT / "configs" / "smollm2_demo.yaml"),
+    "--model.model.source=/nonexistent-model",
+]
+
+
+@pytest.mark.parametrize(
+    "arg, named",
+    [
+        # unknown keys, one per section
+        ("--model.model.sourse=x", ["model.model.sourse"]),
+        # a misspelt prefix of a real key (argparse's abbreviations are off)
+        ("--trainer.max_step=3", ["trainer.max_step"]),
+        ("--model.plan.num_layer=3", ["model.plan.num_layer"]),
+        ("--model.plan.layer=[2]", ["model.plan.layer"]),
+        ("--model.evaluation.zeroshot.task=[piqa]", ["model.evaluation.zeroshot.task"]),
+        ("--model.distill.loss.kinds=forward", ["model.distill.loss.kinds"]),
+        (
+            "--data.calibration.source={source: c4, bogus: 1}",
+            ["calibration.source.bogus"],
+        ),
+        ("--data.batchsize=2", ["data.batchsize"]),
+        ("--trainer.max_epoch=3", ["trainer.max_epoch"]),
+        ("--calibration.every=3", ["calibration.every"]),
+        (
+            "--model.recovery=[{name: a, bogus: 1}]",
+            ["model.recovery", "'bogus' is not accepted"],
+        ),
+        # wrong types and values outside a key's choices
+        ("--model.plan.num_layers=abc", ["model.plan.num_layers", "abc"]),
+        ("--model.plan.criterion=best", ["model.plan.criterion", "best"]),
+        (
+            "--model.recovery=[{name: a, ridge: abc}]",
+            ["model.recovery", "Expected a <class 'float'>. Got value: abc"],
+        ),
+        ("--model.recovery=[{name: a, fit: best}]", ["model.recovery", "best"]),
+        (
+            "--model.evaluation.zeroshot.limit=abc",
+            ["model.evaluation.zeroshot.limit", "abc"],
+        ),
+        ("--model.distill.lora={rank: x}", ["model.distill.lora.rank", "x"]),
+        ("--data.calibration.num_samples=x", ["data.calibration.num_samples"]),
+        ("--trainer.max_steps=x", ["trainer.max_steps"]),
+        ("--calibration.checkpoint_every=x", ["calibration.checkpoint_every"]),
+        ("--model.model.dtype=float8", ["model.model.dtype", "float8"]),
+    ],
+)
+def test_unknown_keys_and_wrong_types_are_rejected_naming_the_key(arg, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*BASE, arg])
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    for text in named:
+        assert text in err, f"{arg}: {text!r} not in the error:\n{err[-1500:]}"
+
+
+def test_an_unknown_key_in_a_config_file_is_named(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  recovery:\n    - {name: ghost, solvr: lstsq}\n")
+    with pytest.raises(SystemExit):
+        main([*BASE, "--config", str(bad)])
+    err = capsys.readouterr().err
+    assert "model.recovery" in err and "'solvr' is not accepted" in err
