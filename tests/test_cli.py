@@ -137,6 +137,25 @@ def test_interrupted_calibration_resumes(tiny_dir, text_files, tmp_path, monkeyp
     assert json.loads((run / "results.json").read_text())["views"]["ghost"]
 
 
+def test_statistics_of_an_older_version_are_collected_again(tiny_dir, text_files, tmp_path):
+    """A complete state whose ghost sums lack this version's groups is not resumed: the pass runs again."""
+    run = tmp_path / "run"
+    args = _args(tiny_dir, text_files, run, "--model.plan.layers", "[2, 3]", "--model.plan.num_layers", "null",
+                 "--model.evaluation.views", "[ghost]")
+    main(args)
+    state = torch.load(run / Calibration.STATE_FILE, weights_only=False)
+    fresh = state["stats"]["2-3"]["ghost"]["xtx"]["plain_rest"].clone()
+    old = state["stats"]["2-3"]["ghost"]
+    for key in ("xsum", "dsum", "scalars"):
+        old.pop(key)
+    old["xtx"] = {k: v * 0 for k, v in old["xtx"].items() if not k.startswith("normed")}
+    torch.save(state, run / Calibration.STATE_FILE)
+    main(args)
+    again = torch.load(run / Calibration.STATE_FILE, weights_only=False)["stats"]["2-3"]["ghost"]
+    torch.testing.assert_close(again["xtx"]["plain_rest"], fresh)
+    assert set(again["xsum"]) == set(again["xtx"])
+
+
 def test_all_methods_and_sequential_fit_through_the_cli(tiny_dir, text_files, tmp_path):
     run = tmp_path / "run"
     main(_args(tiny_dir, text_files, run, "--model.plan.layers", "[1, 4]", "--model.plan.num_layers", "null",
@@ -154,6 +173,17 @@ def test_all_methods_and_sequential_fit_through_the_cli(tiny_dir, text_files, tm
     assert results["views"]["magnitude"]["params"] == pruned["params"]
     assert results["views"]["linearpatch"]["params"] == pruned["params"] + 2 * c * c
     assert results["views"]["ghost"]["params"] == pruned["params"] + 2 * (c * c + c)
+    # The analysis: every method at both gaps, on held-out windows (the evaluation ones, 4 here).
+    analysis = results["analysis"]
+    assert analysis["held_out_windows"] == 4 and analysis["overlapping_windows"] == 0
+    for gap in results["plan"]["gaps"]:
+        rows = analysis["gaps"][gap]
+        assert set(rows) == set(names)
+        assert 0 < rows["ghost"]["anatomy"]["antisym_share_M"] < 1
+        assert rows["linearpatch"]["anatomy"]["antisym_share_M"] < 1e-10
+        assert rows["ghost"]["held_out_tokens"] == {"other": 4 * 63, "first": 4}
+    assert "antisym M" in (run / "results.md").read_text()
+    assert (run / "analysis.png").stat().st_size > 1000
 
 
 def test_compare_gathers_every_plan_and_method(tiny_dir, text_files, tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "ghostdistill"
 
 # Lowest first. A module may import from its own layer's modules and from lower layers only.
-LAYERS = ["core", "methods", "data", "evaluation", "criteria", "calibration", "distill", "reporting", "export", "lit", "cli"]
+LAYERS = ["core", "methods", "data", "evaluation", "criteria", "calibration", "analysis", "distill", "reporting", "export", "lit", "cli"]
 
 
 def module_name(path: Path) -> str:

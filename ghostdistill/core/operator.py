@@ -10,6 +10,7 @@ here at inference.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 # The operator and the first-position rule live in the self-contained modelling file that exported
 # folders carry, so the in-memory views and the exported models share one definition.
@@ -26,26 +27,46 @@ class GhostOperator(GapOperator):
     """
 
     def __init__(
-        self, hidden_size: int, *, separate_first: bool = False, fused: bool = False
+        self, hidden_size: int, *, separate_first: bool = False, fused: bool = False, affine: bool = False
     ) -> None:
         super().__init__(hidden_size, separate_first=separate_first)
         # True when the exported model folds this map into existing weights (ReplaceMe, magnitude):
         # it then adds no parameters at inference.
         self.fused = fused
+        # Ordinary tokens get x + x·M + c when `affine` (the ghost `bias` fit option); no parameter
+        # otherwise, so existing checkpoints and the trainable set of non-affine operators are unchanged.
+        # The exported modelling file has no bias: `export` refuses affine operators.
+        self.bias = nn.Parameter(torch.zeros(hidden_size)) if affine else None
 
     def inference_parameters(self) -> int:
         if self.fused:
             return 0
         c = self.delta.shape[0]
-        return c * c + (c if self.separate_first else 0)
+        return c * c + (c if self.separate_first else 0) + (c if self.bias is not None else 0)
 
     @torch.no_grad()
     def load_solution(
-        self, delta: torch.Tensor, first_shift: torch.Tensor | None = None
+        self, delta: torch.Tensor, first_shift: torch.Tensor | None = None, bias: torch.Tensor | None = None
     ) -> None:
         self.delta.copy_(delta.to(self.delta.dtype))
         if first_shift is not None:
             self.first_shift.copy_(first_shift.to(self.first_shift.dtype))
+        if bias is not None:
+            if self.bias is None:
+                raise ValueError("this operator was built without a bias (affine=False); cannot load one")
+            self.bias.copy_(bias.to(self.bias.dtype))
+
+    def forward(self, x: torch.Tensor, first_mask: torch.Tensor | None = None) -> torch.Tensor:
+        y = super().forward(x, first_mask)
+        if self.bias is None:
+            return y
+        shifted = y + self.bias.to(x.dtype)
+        if self.separate_first and first_mask is not None:
+            return torch.where(first_mask.unsqueeze(-1), y, shifted)  # first positions keep x + b
+        return shifted
 
     def extra_repr(self) -> str:
-        return f"hidden_size={self.delta.shape[0]}, separate_first={self.separate_first}, fused={self.fused}"
+        return (
+            f"hidden_size={self.delta.shape[0]}, separate_first={self.separate_first}, fused={self.fused}, "
+            f"affine={self.bias is not None}"
+        )

@@ -3,6 +3,11 @@
 We never hold the calibration activations, only A = XᵀX and B = XᵀD (D = X_post − X_pre), so both
 solvers work on the normal equations: min_M ||X M − D||² ⇔ A M = B.
 
+`solve_symmetric` is the same problem with M constrained to be symmetric (W = I + M symmetric, the
+family LinearPatch's H·diag(s)·Hᵀ lives in). Setting the gradient of ||X M − D||² + ε||M||² to zero
+within symmetric matrices gives the Lyapunov equation (A + εI) M + M (A + εI) = B + Bᵀ; in the
+eigenbasis A + εI = Q diag(λ) Qᵀ it decouples: (QᵀMQ)_ij = (Qᵀ(B + Bᵀ)Q)_ij / (λ_i + λ_j).
+
 With n tokens and hidden size C, rank(A) ≤ min(n, C): fewer tokens than channels leave A singular and the
 problem under-determined (any M + N with XN = 0 fits as well). `solve`, told n, then returns the
 minimum-norm solution A⁺B (the limit of the ridge solution as ε → 0, and the one that changes the residual
@@ -56,6 +61,27 @@ def solve_lstsq(xtx: torch.Tensor, xtd: torch.Tensor, rcond: float | None = None
     cutoff = rcond * evals.abs().max()
     inv = torch.where(evals > cutoff, 1.0 / evals, torch.zeros_like(evals))
     return evecs @ (inv.unsqueeze(1) * (evecs.T @ xtd))
+
+
+def solve_symmetric(xtx: torch.Tensor, xtd: torch.Tensor, ridge: float = 1e-4) -> torch.Tensor:
+    """The best symmetric M: argmin ||X M − D||² + ε||M||² over M = Mᵀ, ε = ridge · tr(A)/C.
+
+    With ridge 0 and a singular A, pairs of null directions (λ_i + λ_j = 0) get 0: the minimum-norm
+    symmetric solution.
+    """
+    _check(xtx, xtd)
+    c = xtx.shape[0]
+    eps = ridge * torch.trace(xtx) / c
+    if not torch.isfinite(eps) or eps < 0:
+        raise ValueError(f"statistics are not finite or not positive semi-definite (trace {float(torch.trace(xtx))})")
+    evals, q = torch.linalg.eigh(xtx)
+    evals = evals.clamp_min(0) + eps
+    rhs = q.T @ (xtd + xtd.T) @ q
+    denom = evals.unsqueeze(0) + evals.unsqueeze(1)
+    cutoff = c * torch.finfo(xtx.dtype).eps * float(denom.max())
+    tilde = torch.where(denom > cutoff, rhs / denom.clamp_min(cutoff), torch.zeros_like(rhs))
+    m = q @ tilde @ q.T
+    return (m + m.T) / 2  # exact symmetry, not up to rounding
 
 
 class RankDeficientWarning(UserWarning):

@@ -150,6 +150,12 @@ def _view_state(pruned: PrunedModel, view: str, method: str | None, info: dict):
         gaps = []
         for i, gap in enumerate(plan.gaps):
             op = operators[gap.key]
+            if getattr(op, "bias", None) is not None:
+                # The exported modelling file has no bias; dropping it would export another model.
+                raise ValueError(
+                    f"gap {gap.key}: an affine operator (recovery `bias: true`) cannot be exported yet; "
+                    "export a view fitted without `bias`"
+                )
             at_input = gap.stop < plan.num_layers
             layer = kept.index(gap.stop if at_input else gap.start - 1)
             gaps.append(

@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from tqdm.auto import tqdm
 
+from ..analysis import analyse
 from ..calibration.distributed import shard, sum_collectors
 from ..calibration.fit import fit_methods
 from ..calibration.stream import accumulate
@@ -20,6 +21,7 @@ from ..core.io import atomic_torch_save, json_digest
 from ..core.model import decoder_stack, hidden_size
 from ..core.plan import PruningPlan
 from ..criteria import check_plan, choose_plan
+from ..data.windows import shared_ngrams
 from ..methods import make_collectors
 from ..reporting.results import write_report
 from .module import NO_DISTILL_METHODS
@@ -143,11 +145,17 @@ class Calibration(Callback):
         stats = {g.key: make_collectors(methods, c, device) for g in plan.gaps}
         done, tokens = 0, 0
         if state is not None:
-            for key, collectors in state["stats"].items():
-                for name, s in collectors.items():
-                    stats[key][name].load_state_dict(_to(s, device))
-            done, tokens = state["batches_done"], state["tokens"]
-            rank_zero_info(f"resuming calibration after {done}/{len(batches)} batches from {state_path}")
+            try:
+                for key, collectors in state["stats"].items():
+                    for name, s in collectors.items():
+                        stats[key][name].load_state_dict(_to(s, device))
+                done, tokens = state["batches_done"], state["tokens"]
+                rank_zero_info(f"resuming calibration after {done}/{len(batches)} batches from {state_path}")
+            except ValueError as err:
+                # Statistics saved by an older version (a collector gained sums): the same settings, but the
+                # sums must be collected again.
+                rank_zero_info(f"{state_path}: {err}; calibrating from scratch")
+                stats = {g.key: make_collectors(methods, c, device) for g in plan.gaps}
         start = time.perf_counter()
         reduce = (lambda t: trainer.strategy.reduce(t, reduce_op="sum")) if world > 1 else None
         if world > 1 and done < len(batches):
@@ -322,6 +330,10 @@ class Report(Callback):
         pl_module.evaluate_zeroshot(Path(trainer.default_root_dir) / "zeroshot")
         if pl_module.eval_cfg.zeroshot.enabled:
             pl_module.report["timings"]["zeroshot_s"] = round(time.perf_counter() - start, 2)
+        if trainer.is_global_zero and pl_module.eval_cfg.analysis and pl_module.pruned is not None:
+            start = time.perf_counter()
+            pl_module.report["analysis"] = self.analysis(trainer, pl_module)
+            pl_module.report["timings"]["analysis_s"] = round(time.perf_counter() - start, 2)
         if trainer.is_global_zero:
             report = {
                 "model": asdict(pl_module.model_cfg),
@@ -330,6 +342,24 @@ class Report(Callback):
             }
             paths = write_report(Path(trainer.default_root_dir), report)
             rank_zero_info("results written to " + ", ".join(str(p) for p in paths))
+
+
+    @staticmethod
+    @torch.no_grad()
+    def analysis(trainer: Trainer, pl_module: LightningModule) -> dict:
+        """Anatomy and held-out alignment of every method (`ghostdistill.analysis.analyse`) on the first
+        `evaluation.analysis_windows` windows of the first evaluation source, less any that share a
+        32-token run with the calibration windows (so they are held out even when both come from one text)."""
+        dm = trainer.datamodule
+        windows = dm.eval_ids(dm.evaluation.sources[0])[: pl_module.eval_cfg.analysis_windows]
+        overlap = set(shared_ngrams(windows, dm.calibration_ids()))
+        held_out = windows[[i for i in range(len(windows)) if i not in overlap]]
+        if len(held_out) == 0:
+            return {"held_out_windows": 0, "overlapping_windows": len(overlap), "gaps": {}}
+        batches = [{"input_ids": b} for b in held_out.split(dm.batch_size)]
+        views = [v for v in pl_module.pruned.views if v != "dense"]
+        return {**analyse(pl_module.pruned, views, batches), "overlapping_windows": len(overlap),
+                "source": dm.evaluation.sources[0].label}
 
 
 class LastCheckpoint(ModelCheckpoint):

@@ -72,10 +72,15 @@ class EvalConfig:
             default) sizes it by the vocabulary, 2^25 logits per chunk (1,024 tokens at 32k, 128 at 262k),
             so evaluation memory does not grow with the vocabulary or the batch.
         zeroshot: zero-shot accuracy with lm-eval (off unless enabled).
+        analysis: per gap and method, the operator anatomy and the alignment error on held-out windows
+            (`ghostdistill.analysis`), in results.json/md and analysis.png.
+        analysis_windows: how many of the first evaluation source's windows the alignment error reads.
     """
 
     views: list[str] = field(default_factory=list)
     logit_chunk: int | None = None
+    analysis: bool = True
+    analysis_windows: int = 8
     zeroshot: ZeroShotConfig = field(default_factory=ZeroShotConfig)
 
 

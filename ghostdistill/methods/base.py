@@ -36,9 +36,13 @@ class RecoveryConfig:
 
     Args:
         name: label in results; also the view name (`dense` and `pruned` are reserved).
-        method: a registered method: ``none``, ``ghost``, ``linearpatch``, ``replaceme``, ``magnitude``.
-        fit: (ghost) treatment of first-position tokens: ``first_weighted`` (default), ``first``,
-            ``plain`` (the paper) or ``weighted``; see `ghostdistill.methods.ghost`.
+        method: a registered method: ``none``, ``ghost``, ``ghost_symmetric``, ``linearpatch``,
+            ``replaceme``, ``magnitude``.
+        fit: (ghost, ghost_symmetric) token groups and weighting: ``first_weighted`` (default),
+            ``first_normed``, ``first``, ``plain`` (the paper) or ``weighted``; see `ghostdistill.methods.ghost`.
+        bias: (ghost, ghost_symmetric) fit an affine map x + x·M + c for ordinary tokens (C more parameters).
+        scale: (ghost, ghost_symmetric) ``none``, or ``norm``: rescale W so that the fitted tokens' mean
+            ‖x·W‖² equals their mean ‖x_post‖² (undoes least squares' shrinkage).
         solver: (ghost, replaceme) ``ridge`` (regularised normal equations) or ``lstsq`` (minimum norm).
         ridge: relative regulariser; ε = ridge · tr(XᵀX)/C.
         variant: (linearpatch) ``rotate`` (Hadamard) or ``diag`` (per-channel scaling only).
@@ -49,7 +53,9 @@ class RecoveryConfig:
 
     name: str = "ghost"
     method: str = "ghost"
-    fit: Literal["first", "plain", "weighted", "first_weighted"] = "first_weighted"
+    fit: Literal["first", "plain", "weighted", "first_weighted", "first_normed"] = "first_weighted"
+    bias: bool = False
+    scale: Literal["none", "norm"] = "none"
     solver: SolverName = "ridge"
     ridge: float = 1e-4
     variant: Literal["rotate", "diag"] = "rotate"

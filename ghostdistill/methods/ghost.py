@@ -12,11 +12,23 @@ apart:
 | fit              | W fitted on                                   | first-position tokens at inference |
 |------------------|-----------------------------------------------|------------------------------------|
 | `first_weighted` | other tokens, residual weighted 1/max(‖x_pre‖, ‖x_post‖) (default) | x + b, b = mean(X_post − X_pre) |
+| `first_normed`   | other tokens, residual weighted 1/‖x_post‖ (the error relative to what the next block's norm reads) | x + b |
 | `first`          | other tokens, unweighted                      | x + b                              |
 | `plain`          | every token (the paper)                       | x·W                                |
-| `weighted`       | every token, weighted as above                | x·W                                |
+| `weighted`       | every token, weighted 1/max(‖x_pre‖, ‖x_post‖) | x·W                               |
 
-One pass accumulates all four variants' sums, split by token group.
+Two options change the objective of any fit (the issue-12 experiments, README "Training-free fit
+variants"):
+
+- `bias: true` fits an affine map x + x·M + c. With per-token weights w, c = μ_D − μ_X·M (weighted
+  means) and M solves the centred normal equations A − n·μ_Xᵀμ_X, B − n·μ_Xᵀμ_D (the ridge acts on M only).
+- `scale: norm` multiplies W by s = (Σ w²‖x_post‖² / Σ w²‖x_pre·W‖²)^½: least squares shrinks the
+  prediction towards the mean in every direction it cannot explain, so ‖x·W‖ falls short of ‖x_post‖;
+  s restores the energy the next blocks expect (LinearPatch and Prune&Comp match magnitudes the same way).
+
+The symmetric-constrained fit (`methods/ghost_symmetric.py`) reads the same statistics. One pass
+accumulates every variant's sums, split by token group and weighting, plus the weighted first
+moments and Σ w²‖d‖² that the bias, the scale and the alignment error (`objective`) need.
 """
 
 from __future__ import annotations
@@ -27,8 +39,9 @@ import torch
 
 from ..core.operator import GhostOperator
 from ..core.plan import Gap
-from ..core.solver import solve
+from ..core.solver import solve, solve_symmetric
 from .base import GapFit, GapTaps, NoFold, RecoveryConfig, register, residual_identity
+
 
 @dataclass
 class TokenCounts:
@@ -41,11 +54,13 @@ class TokenCounts:
 class GhostStatistics:
     """Float64 accumulators for one gap, split by token group so every fit variant comes from one pass.
 
-    `plain_*` are unweighted, `weighted_*` weigh each token's residual by 1/max(‖x_pre‖, ‖x_post‖);
-    `rest` excludes first-position tokens, `first` holds only them.
+    Per weighting (`plain`: 1, `weighted`: 1/max(‖x_pre‖, ‖x_post‖), `normed`: 1/‖x_post‖) and group
+    (`rest`: every token but the first position, `first`: only them), with w the token's weight:
+    `xtx` = Σ w² x xᵀ, `xtd` = Σ w² x dᵀ, `xsum` = Σ w² x, `dsum` = Σ w² d, `scalars` = (Σ w², Σ w²‖d‖²).
     """
 
-    GROUPS = ("plain_rest", "plain_first", "weighted_rest", "weighted_first")
+    WEIGHTINGS = ("plain", "weighted", "normed")
+    GROUPS = tuple(f"{w}_{g}" for w in WEIGHTINGS for g in ("rest", "first"))
     # A token whose x_post norm exceeds this multiple of the median is counted as a massive activation
     # (reported only: it tells the user whether sinks other than the first token exist).
     MASSIVE_RATIO = 20.0
@@ -55,6 +70,9 @@ class GhostStatistics:
         z = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=device)  # noqa: E731
         self.xtx = {g: z(c, c) for g in self.GROUPS}
         self.xtd = {g: z(c, c) for g in self.GROUPS}
+        self.xsum = {g: z(c) for g in self.GROUPS}
+        self.dsum = {g: z(c) for g in self.GROUPS}
+        self.scalars = {g: z(2) for g in self.GROUPS}
         self.first_delta_sum = z(c)
         self.counts = TokenCounts()
 
@@ -66,16 +84,27 @@ class GhostStatistics:
         d = x_post[keep].to(torch.float64) - x
         is_first = first[keep]
         post_norm = (x + d).norm(dim=-1)
-        weight = 1.0 / torch.maximum(x.norm(dim=-1), post_norm).clamp_min(1e-12)
+        weights = {
+            "plain": None,
+            "weighted": 1.0 / torch.maximum(x.norm(dim=-1), post_norm).clamp_min(1e-12),
+            "normed": 1.0 / post_norm.clamp_min(1e-12),
+        }
         for group, rows in (("rest", ~is_first), ("first", is_first)):
             if not rows.any():
                 continue
-            xs, ds, ws = x[rows], d[rows], weight[rows].unsqueeze(1)
-            self.xtx[f"plain_{group}"] += xs.T @ xs
-            self.xtd[f"plain_{group}"] += xs.T @ ds
-            xw, dw = xs * ws, ds * ws
-            self.xtx[f"weighted_{group}"] += xw.T @ xw
-            self.xtd[f"weighted_{group}"] += xw.T @ dw
+            for kind, weight in weights.items():
+                xs, ds = x[rows], d[rows]
+                if weight is not None:
+                    w = weight[rows].unsqueeze(1)
+                    xs, ds = xs * w, ds * w
+                key = f"{kind}_{group}"
+                self.xtx[key] += xs.T @ xs
+                self.xtd[key] += xs.T @ ds
+                # Weighted first moments: Σ w²·x = Σ (w·x)·w.
+                w1 = torch.ones(len(xs), 1, dtype=xs.dtype, device=xs.device) if weight is None else w
+                self.xsum[key] += (xs * w1).sum(0)
+                self.dsum[key] += (ds * w1).sum(0)
+                self.scalars[key] += torch.stack([(w1 * w1).sum(), (ds * ds).sum()])
         self.first_delta_sum += d[is_first].sum(0)
         massive = post_norm > self.MASSIVE_RATIO * post_norm.median()
         self.counts.regular += int((~is_first).sum())
@@ -83,13 +112,23 @@ class GhostStatistics:
         self.counts.massive_first += int((massive & is_first).sum())
         self.counts.massive_other += int((massive & ~is_first).sum())
 
-    def normal_equations(self, weighted: bool, include_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        kind = "weighted" if weighted else "plain"
-        xtx, xtd = self.xtx[f"{kind}_rest"].clone(), self.xtd[f"{kind}_rest"].clone()
-        if include_first:
-            xtx += self.xtx[f"{kind}_first"]
-            xtd += self.xtd[f"{kind}_first"]
-        return xtx, xtd
+    def group_keys(self, weighting: str, include_first: bool) -> list[str]:
+        if weighting not in self.WEIGHTINGS:
+            raise ValueError(f"weighting {weighting!r} is not known; choose one of {self.WEIGHTINGS}")
+        return [f"{weighting}_rest"] + ([f"{weighting}_first"] if include_first else [])
+
+    def normal_equations(self, weighted: bool | str, include_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Σ w² x xᵀ, Σ w² x dᵀ) over the chosen groups; `weighted` is a weighting name, or a bool for
+        `weighted` / `plain`."""
+        kind = weighted if isinstance(weighted, str) else ("weighted" if weighted else "plain")
+        keys = self.group_keys(kind, include_first)
+        return sum(self.xtx[k] for k in keys).clone(), sum(self.xtd[k] for k in keys).clone()
+
+    def moments(self, weighting: str, include_first: bool) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+        """(Σ w² x, Σ w² d, Σ w², Σ w²‖d‖²) over the chosen groups."""
+        keys = self.group_keys(weighting, include_first)
+        scal = sum(self.scalars[k] for k in keys)
+        return sum(self.xsum[k] for k in keys), sum(self.dsum[k] for k in keys), float(scal[0]), float(scal[1])
 
     def first_shift(self) -> torch.Tensor:
         return self.first_delta_sum / max(self.counts.first, 1)
@@ -98,15 +137,37 @@ class GhostStatistics:
         return {
             "xtx": self.xtx,
             "xtd": self.xtd,
+            "xsum": self.xsum,
+            "dsum": self.dsum,
+            "scalars": self.scalars,
             "first_delta_sum": self.first_delta_sum,
             "counts": vars(self.counts).copy(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.xtx = {k: v.to(torch.float64) for k, v in state["xtx"].items()}
-        self.xtd = {k: v.to(torch.float64) for k, v in state["xtd"].items()}
+        missing = [k for k in ("xtx", "xtd", "xsum", "dsum", "scalars") if set(state.get(k, {})) != set(self.GROUPS)]
+        if missing:
+            raise ValueError(
+                f"ghost statistics {missing} lack groups of this version ({list(self.GROUPS)}): the state comes from "
+                "an older version and cannot be resumed"
+            )
+        for key in ("xtx", "xtd", "xsum", "dsum", "scalars"):
+            setattr(self, key, {k: v.to(torch.float64) for k, v in state[key].items()})
         self.first_delta_sum = state["first_delta_sum"].to(torch.float64)
         self.counts = TokenCounts(**state["counts"])
+
+
+def objective(stats: GhostStatistics, delta: torch.Tensor, bias: torch.Tensor | None, weighting: str,
+              include_first: bool) -> tuple[float, float]:
+    """(Σ w²‖x·M + c − d‖², Σ w²‖d‖²) over the chosen groups, from the sums alone: what the closed form
+    minimises, and the same error for M = 0 (the pruned model). Their ratio squared-rooted is the
+    alignment error ‖X_pre W − X_post‖ / ‖X_post − X_pre‖."""
+    xtx, xtd = stats.normal_equations(weighting, include_first)
+    xsum, dsum, n, dd = stats.moments(weighting, include_first)
+    err = float(torch.sum(delta * (xtx @ delta)) - 2 * torch.sum(delta * xtd)) + dd
+    if bias is not None:
+        err += float(2 * (xsum @ delta) @ bias - 2 * dsum @ bias) + n * float(bias @ bias)
+    return max(err, 0.0), dd
 
 
 class Ghost(NoFold):
@@ -125,18 +186,54 @@ class Ghost(NoFold):
         return residual_identity(cfg, hidden_size)
 
 
-def fit_ghost(cfg: RecoveryConfig, gap: Gap, stats: GhostStatistics) -> GhostOperator:
-    """Solve one gap's operator for the fit variant `cfg.fit` (float64 solve, stored in float32)."""
-    separate_first = cfg.fit in ("first", "first_weighted")
-    weighted = cfg.fit in ("weighted", "first_weighted")
-    xtx, xtd = stats.normal_equations(weighted=weighted, include_first=not separate_first)
+FIT_WEIGHTING = {"first_weighted": "weighted", "first_normed": "normed", "first": "plain", "plain": "plain",
+                 "weighted": "weighted"}
+
+
+def fit_ghost(cfg: RecoveryConfig, gap: Gap, stats: GhostStatistics, *, symmetric: bool = False) -> GhostOperator:
+    """Solve one gap's operator for the fit variant `cfg.fit` with `cfg.bias` and `cfg.scale` (float64
+    solve, stored in float32); `symmetric` constrains M = Mᵀ (`solve_symmetric`)."""
+    separate_first = cfg.fit.startswith("first")
+    weighting = FIT_WEIGHTING[cfg.fit]
+    include_first = not separate_first
     tokens = stats.counts.regular + (0 if separate_first else stats.counts.first)
     if tokens == 0:
         raise ValueError(f"gap {gap.key}: no calibration tokens to fit on")
-    delta = solve(xtx, xtd, cfg.solver, cfg.ridge, tokens=tokens, what=f"{cfg.name} (ghost, fit {cfg.fit}) gap {gap.key}")
-    op = GhostOperator(xtx.shape[0], separate_first=separate_first)
-    op.load_solution(delta, stats.first_shift() if separate_first else None)
+    xtx, xtd = stats.normal_equations(weighting, include_first)
+    xsum, dsum, n, _ = stats.moments(weighting, include_first)
+    if cfg.bias:
+        # Centre: the optimal c given M is μ_D − μ_X·M, which leaves the centred normal equations for M.
+        mx, md = xsum / n, dsum / n
+        xtx = xtx - n * torch.outer(mx, mx)
+        xtd = xtd - n * torch.outer(mx, md)
+    if symmetric:
+        delta = solve_symmetric(xtx, xtd, cfg.ridge)
+    else:
+        what = f"{cfg.name} (ghost, fit {cfg.fit}) gap {gap.key}"
+        delta = solve(xtx, xtd, cfg.solver, cfg.ridge, tokens=tokens, what=what)
+    bias = (dsum - xsum @ delta) / n if cfg.bias else None
+    if cfg.scale == "norm":
+        delta, bias = _match_norm(stats, delta, bias, weighting, include_first)
+    op = GhostOperator(xtx.shape[0], separate_first=separate_first, affine=cfg.bias)
+    op.load_solution(delta, stats.first_shift() if separate_first else None, bias)
     return op
+
+
+def _match_norm(
+    stats: GhostStatistics, delta: torch.Tensor, bias: torch.Tensor | None, weighting: str, include_first: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """W → s·W (and c → s·c) with s² = Σ w²‖x_post‖² / Σ w²‖x·W + c‖², from the sums."""
+    xtx, xtd = stats.normal_equations(weighting, include_first)
+    xsum, _, n, dd = stats.moments(weighting, include_first)
+    c = xtx.shape[0]
+    w = delta + torch.eye(c, dtype=delta.dtype, device=delta.device)
+    target = float(torch.trace(xtx) + 2 * torch.trace(xtd)) + dd  # Σ w²‖x + d‖²
+    pred = float(torch.sum(w * (xtx @ w)))
+    if bias is not None:
+        pred += float(2 * (xsum @ w) @ bias) + n * float(bias @ bias)
+    s = (target / pred) ** 0.5 if pred > 0 else 1.0
+    eye = torch.eye(c, dtype=delta.dtype, device=delta.device)
+    return s * w - eye, (s * bias if bias is not None else None)
 
 
 register(Ghost())

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text
+from .analysis import analysis_section, plot_analysis
 
 
 def markdown_table(report: dict) -> str:
@@ -107,6 +108,9 @@ def render_markdown(report: dict) -> str:
     zs = zeroshot_table(report)
     if zs:
         parts += [zs, ""]
+    an = analysis_section(report)
+    if an:
+        parts += [an]
     groups = cal.get("token_groups", {})
     if groups:
         parts.append("First-position tokens given their own map / massive activations seen (per gap):")
@@ -175,6 +179,9 @@ def write_report(run_dir: Path, report: dict) -> list[Path]:
     if report.get("views"):
         paths.append(run_dir / "results.png")
         plot(report, paths[-1])
+    if report.get("analysis", {}).get("gaps"):
+        paths.append(run_dir / "analysis.png")
+        plot_analysis(report, paths[-1])
     if report.get("distill", {}).get("history"):
         paths.append(run_dir / "training.png")
         plot_training(report, paths[-1])

@@ -8,6 +8,7 @@ from ghostdistill.core.solver import (
     solve,
     solve_lstsq,
     solve_ridge,
+    solve_symmetric,
 )
 
 
@@ -53,6 +54,48 @@ def test_half_precision_and_bad_shapes_rejected():
         solve(torch.eye(3, dtype=torch.float64), torch.zeros(4, 3, dtype=torch.float64))
     with pytest.raises(ValueError, match="'qr'"):
         solve(x.T @ x, x.T @ d, solver="qr")
+
+
+def _symmetric_brute_force(x: torch.Tensor, d: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
+    """min ||X M − D||² + eps||M||² over symmetric M, as ordinary least squares on the C(C+1)/2 free entries."""
+    c = x.shape[1]
+    idx = [(i, j) for i in range(c) for j in range(i, c)]
+    cols, reg = [], []
+    for i, j in idx:
+        e = torch.zeros(c, c, dtype=torch.float64)
+        e[i, j] = e[j, i] = 1.0
+        cols.append((x @ e).reshape(-1))
+        reg.append(e.reshape(-1) * eps**0.5)
+    g = torch.cat([torch.stack(cols, 1), torch.stack(reg, 1)])
+    target = torch.cat([d.reshape(-1), torch.zeros(c * c, dtype=torch.float64)])
+    coef = torch.linalg.lstsq(g, target).solution
+    m = torch.zeros(c, c, dtype=torch.float64)
+    for k, (i, j) in enumerate(idx):
+        m[i, j] = m[j, i] = coef[k]
+    return m
+
+
+@pytest.mark.parametrize("ridge", [0.0, 1e-2])
+def test_symmetric_solver_matches_brute_force(ridge):
+    x, d, _ = _problem(n=120, c=7)
+    xtx = x.T @ x
+    got = solve_symmetric(xtx, x.T @ d, ridge=ridge)
+    torch.testing.assert_close(got, got.T, rtol=0, atol=0)
+    expected = _symmetric_brute_force(x, d, eps=float(ridge * torch.trace(xtx) / 7))
+    torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-9)
+
+
+def test_symmetric_solver_recovers_a_symmetric_truth_and_loses_to_the_free_fit_otherwise():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 10, generator=g, dtype=torch.float64)
+    s = torch.randn(10, 10, generator=g, dtype=torch.float64)
+    sym, anti = s + s.T, s - s.T
+    torch.testing.assert_close(solve_symmetric(x.T @ x, x.T @ (x @ sym), ridge=0.0), sym)
+    d = x @ anti  # a purely antisymmetric truth: the best symmetric map explains little of it
+    m_sym = solve_symmetric(x.T @ x, x.T @ d, ridge=0.0)
+    m_free = solve_lstsq(x.T @ x, x.T @ d)
+    assert (x @ m_free - d).norm() < 1e-8 * d.norm()
+    assert (x @ m_sym - d).norm() > 0.5 * d.norm()
 
 
 # ---------------------------------------------------------------- properties (hypothesis)

@@ -280,3 +280,14 @@ def test_a_view_with_its_own_blocks_exports_them(tmp_path):
     got = load_exported(folder)(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
     assert (got - training_free).abs().max() > 1e-3
+
+
+def test_affine_operators_are_refused_not_exported_without_their_bias(tmp_path):
+    pm, _ = fit_all(
+        tiny_model("llama"),
+        PruningPlan.from_layers([2, 3], 6),
+        [RecoveryConfig(name="ghost_bias", bias=True)],
+    )
+    with pytest.raises(ValueError, match="affine operator"):
+        export_view(pm, "ghost_bias", tmp_path / "out", method="ghost")
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,155 @@
+"""Alignment error on held-out tokens, per gap, method and token group, and the per-run analysis.
+
+The closed form minimises ‖X_pre W − X_post‖² on the calibration tokens; this is the same quantity on
+tokens it never saw, normalised by what doing nothing leaves:
+
+    e = ‖X_pre W − X_post‖ / ‖X_post − X_pre‖        (e = 1: no better than the pruned model)
+
+separately for first-position tokens (the massive activations, which `ghost` maps by x + b) and all
+others. X_pre and X_post are the dense model's residual streams at the gap on held-out windows (the
+evaluation windows, disjoint from calibration); with several gaps every gap is measured on the dense
+model's X_pre, which is what a sequential fit's first gap sees and later gaps only approximately.
+
+What each method puts at a gap is applied as it acts in its view: an operator on the residual stream
+(ghost, ghost_symmetric, LinearPatch, and magnitude's scalar, which the view applies as x·sI), or, for
+ReplaceMe, its map T on the MLP output u of the block before the gap: X_pre + u·T − u.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core.capture import gap_points, residual_streams
+from ..core.model import model_inputs
+from ..core.operator import GhostOperator
+from ..core.views import DENSE, PRUNED, PrunedModel
+from .anatomy import operator_anatomy
+
+GROUPS = ("other", "first")
+
+
+@dataclass
+class AlignmentErrors:
+    """Float64 sums over tokens of one gap and view: Σ‖x̂ − x_post‖² (`err`), Σ‖x_post − x_pre‖² (`base`)
+    and the token count, per group (`other`, `first`)."""
+
+    err: dict[str, float] = field(default_factory=lambda: dict.fromkeys(GROUPS, 0.0))
+    base: dict[str, float] = field(default_factory=lambda: dict.fromkeys(GROUPS, 0.0))
+    tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GROUPS, 0))
+
+    @torch.no_grad()
+    def update(
+        self,
+        x_hat: torch.Tensor,
+        x_pre: torch.Tensor,
+        x_post: torch.Tensor,
+        mask: torch.Tensor,
+        first: torch.Tensor,
+    ) -> None:
+        keep = mask.bool()
+        post = x_post[keep].to(torch.float64)
+        err = (x_hat[keep].to(torch.float64) - post).square().sum(-1)
+        base = (post - x_pre[keep].to(torch.float64)).square().sum(-1)
+        is_first = first[keep]
+        for group, rows in (("other", ~is_first), ("first", is_first)):
+            self.err[group] += float(err[rows].sum())
+            self.base[group] += float(base[rows].sum())
+            self.tokens[group] += int(rows.sum())
+
+    def ratio(self, group: str) -> float | None:
+        """e for one group; None without tokens of that group."""
+        if self.tokens[group] == 0 or self.base[group] == 0:
+            return None
+        return (self.err[group] / self.base[group]) ** 0.5
+
+    def summary(self) -> dict:
+        return {
+            "held_out_other": self.ratio("other"),
+            "held_out_first": self.ratio("first"),
+            "held_out_tokens": dict(self.tokens),
+        }
+
+
+def _maps(
+    pruned: PrunedModel, view: str, key: str
+) -> tuple[GhostOperator | None, GhostOperator | None]:
+    # nn.ModuleDict has no `get`.
+    ops = pruned.operators[view] if view in pruned.operators else {}  # noqa: SIM401
+    mlps = pruned.mlp_maps[view] if view in pruned.mlp_maps else {}  # noqa: SIM401
+    return (ops[key] if key in ops else None), (mlps[key] if key in mlps else None)  # noqa: SIM401
+
+
+@torch.no_grad()
+def held_out_alignment(
+    pruned: PrunedModel, views: list[str], batches: Iterable[dict[str, torch.Tensor]]
+) -> dict[str, dict[str, AlignmentErrors]]:
+    """{gap key: {view: AlignmentErrors}} over `batches`, one dense pass per batch that stops at the last
+    gap's end. `pruned` is the identity (e = 1 by definition); views with nothing at a gap are left out."""
+    gaps = pruned.plan.gaps
+    model, stack = pruned.model, pruned.stack
+    out = {g.key: {} for g in gaps}
+    mlp_blocks = sorted(
+        {
+            g.start - 1
+            for g in gaps
+            for v in views
+            if g.start > 0 and _maps(pruned, v, g.key)[1] is not None
+        }
+    )
+    for batch in batches:
+        ids, mask = model_inputs(model, batch)
+        mlp: dict[int, torch.Tensor] = {}
+        with pruned.use(DENSE):
+            streams, first = residual_streams(
+                model, stack, ids, mask, gap_points(gaps), mlp_blocks, mlp
+            )
+        for gap in gaps:
+            x_pre, x_post = streams[gap.start], streams[gap.stop]
+            for view in views:
+                if view in (DENSE, PRUNED):
+                    continue
+                op, mlp_map = _maps(pruned, view, gap.key)
+                if op is None and mlp_map is None:
+                    continue
+                x_hat = x_pre
+                if mlp_map is not None:
+                    u = mlp[gap.start - 1]
+                    x_hat = x_hat + mlp_map(u) - u
+                if op is not None:
+                    x_hat = op(x_hat, first)
+                out[gap.key].setdefault(view, AlignmentErrors()).update(
+                    x_hat, x_pre, x_post, mask, first
+                )
+    return out
+
+
+def analyse(
+    pruned: PrunedModel, views: list[str], batches: list[dict[str, torch.Tensor]]
+) -> dict:
+    """Per gap and method: the anatomy of the residual-stream operator (where the method has one that is
+    not a folded scalar or MLP map) and the held-out alignment errors; JSON-ready."""
+    errors = held_out_alignment(pruned, views, batches)
+    gaps = {}
+    for gap in pruned.plan.gaps:
+        entry = {}
+        for view in views:
+            if view in (DENSE, PRUNED):
+                continue
+            op, mlp_map = _maps(pruned, view, gap.key)
+            row: dict = {}
+            if op is not None and not op.fused:
+                row["anatomy"] = operator_anatomy(op.delta)
+            elif op is not None or mlp_map is not None:
+                row["anatomy"] = (
+                    "n/a: folded into existing weights (a scalar or a map on the MLP output)"
+                )
+            if view in errors[gap.key]:
+                row.update(errors[gap.key][view].summary())
+            if row:
+                entry[view] = row
+        gaps[gap.key] = entry
+    windows = sum(int(b["input_ids"].shape[0]) for b in batches)
+    return {"held_out_windows": windows, "gaps": gaps}

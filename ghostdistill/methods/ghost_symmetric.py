@@ -1,0 +1,41 @@
+"""The best symmetric operator: W = I + M with M = Mᵀ, in closed form (the paper's control).
+
+LinearPatch's W = H·diag(s)·Hᵀ and every other construction of the form Q·diag(s)·Qᵀ is symmetric. The
+Ghosted Layers claim is that the least-squares optimum has a substantial antisymmetric part that such
+constructions cannot reach. This method fits the best symmetric W on exactly the statistics, token
+groups, weighting, ridge and first-position map of `ghost` (`fit`, `bias`, `scale` mean the same), so
+the two views differ only by the constraint and their gap in alignment error and perplexity is what
+symmetry costs. The solve is the Lyapunov equation of `core.solver.solve_symmetric`; `solver` is not
+read (the ridge applies, 0 gives the minimum-norm symmetric solution).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.plan import Gap
+from .base import GapFit, NoFold, RecoveryConfig, register, residual_identity
+from .ghost import GhostStatistics, fit_ghost
+
+
+class GhostSymmetric(NoFold):
+    name = "ghost_symmetric"
+
+    def collector(
+        self, hidden_size: int, device: torch.device | str
+    ) -> GhostStatistics:
+        return GhostStatistics(hidden_size, device=device)
+
+    def validate(self, cfg: RecoveryConfig) -> None:
+        pass  # the shared fields are checked with every recovery entry (`validate_recovery`)
+
+    def fit(
+        self, cfg: RecoveryConfig, gap: Gap, stats: GhostStatistics, hidden_size: int
+    ) -> GapFit:
+        return GapFit(operator=fit_ghost(cfg, gap, stats, symmetric=True))
+
+    def identity(self, cfg: RecoveryConfig, hidden_size: int) -> GapFit:
+        return residual_identity(cfg, hidden_size)
+
+
+register(GhostSymmetric())
