@@ -176,6 +176,18 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _ppl_table(result: dict, sizes: list[int], key: str) -> list[str]:
+    """Markdown rows: one per source, the perplexity `key` at each calibration token count ("–" if not run)."""
+    lines = [
+        "| source \\ calibration tokens | " + " | ".join(f"{s:,}" for s in sizes) + " |",
+        "|---|" + "---|" * len(sizes),
+    ]
+    for source, rows in result["curves"].items():
+        by = {tokens(result, r): r[key] for r in rows if key in r}
+        lines.append(f"| {source} | " + " | ".join(f"{by[s]:.2f}" if s in by else "–" for s in sizes) + " |")
+    return lines
+
+
 def markdown(result: dict) -> str:
     sizes = sorted(
         {tokens(result, r) for rows in result["curves"].values() for r in rows}
@@ -185,39 +197,13 @@ def markdown(result: dict) -> str:
         f"of calibration windows of {result['seq_len']} tokens; removed layers {result['removed']}; dense "
         f"{result[DENSE]:.2f}, pruned {result[PRUNED]:.2f}."
     )
-    lines = [
-        intro,
-        "",
-        "| source \\ calibration tokens | "
-        + " | ".join(f"{s:,}" for s in sizes)
-        + " |",
-        "|---|" + "---|" * len(sizes),
-    ]
-    for source, rows in result["curves"].items():
-        by = {tokens(result, r): r["ppl"] for r in rows}
-        lines.append(
-            f"| {source} | "
-            + " | ".join(f"{by[s]:.2f}" if s in by else "–" for s in sizes)
-            + " |"
-        )
+    lines = [intro, "", *_ppl_table(result, sizes, "ppl")]
     if "eval_c4" in result:
         head = (
             f"The same fits on {result['eval_c4']} (dense {result['dense_c4']:.2f}, pruned "
             f"{result['pruned_c4']:.2f}):"
         )
-        lines += [
-            "",
-            head,
-            "",
-            "| source \\ calibration tokens | "
-            + " | ".join(f"{s:,}" for s in sizes)
-            + " |",
-            "|---|" + "---|" * len(sizes),
-        ]
-        for source, rows in result["curves"].items():
-            by = {tokens(result, r): r["ppl_c4"] for r in rows if "ppl_c4" in r}
-            cells = " | ".join(f"{by[s]:.2f}" if s in by else "–" for s in sizes)
-            lines.append(f"| {source} | {cells} |")
+        lines += ["", head, "", *_ppl_table(result, sizes, "ppl_c4")]
     lines += [
         "",
         "Seconds per source (one statistics pass, then a solve and an evaluation per size): "

@@ -1,5 +1,8 @@
 """Calibration-size prefixes from one pass equal separate passes over the first n windows."""
 
+import os
+import subprocess
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -64,7 +67,6 @@ def test_sensitivity_script_writes_every_source_and_size(
     tiny_dir, text_files, tmp_path
 ):
     import json
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -98,14 +100,7 @@ def test_sensitivity_script_writes_every_source_and_size(
         "--out",
         str(out),
     ]
-    run = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        cwd=root,
-        check=False,
-        env={**__import__("os").environ, "PYTHONPATH": str(root)},
-    )
+    run = _run(cmd, root)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((out / "sensitivity.json").read_text())
     assert list(result["curves"]) == ["c4", "wikitext", "mix", "generate"]
@@ -134,14 +129,7 @@ def test_sensitivity_script_writes_every_source_and_size(
         "0",
     ]
     cmd[cmd.index("--sizes") + 1] = "4"
-    run = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        cwd=root,
-        check=False,
-        env={**__import__("os").environ, "PYTHONPATH": str(root)},
-    )
+    run = _run(cmd, root)
     assert run.returncode == 0, run.stderr[-2000:]
     again = json.loads((out / "sensitivity.json").read_text())
     assert (
@@ -154,3 +142,8 @@ def test_sensitivity_script_writes_every_source_and_size(
     assert (
         again["curves"]["generate"][0]["ppl"] != result["curves"]["generate"][1]["ppl"]
     )
+
+
+def _run(cmd: list[str], root) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=root, check=False, env=env)
