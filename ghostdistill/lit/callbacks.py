@@ -145,17 +145,13 @@ class Calibration(Callback):
         stats = {g.key: make_collectors(methods, c, device) for g in plan.gaps}
         done, tokens = 0, 0
         if state is not None:
-            try:
-                for key, collectors in state["stats"].items():
-                    for name, s in collectors.items():
-                        stats[key][name].load_state_dict(_to(s, device))
-                done, tokens = state["batches_done"], state["tokens"]
-                rank_zero_info(f"resuming calibration after {done}/{len(batches)} batches from {state_path}")
-            except ValueError as err:
-                # Statistics saved by an older version (a collector gained sums): the same settings, but the
-                # sums must be collected again.
-                rank_zero_info(f"{state_path}: {err}; calibrating from scratch")
-                stats = {g.key: make_collectors(methods, c, device) for g in plan.gaps}
+            # `load_state` checked every collector's entries and shapes against fresh ones (statistics of an
+            # older version, whose collectors had other sums, were discarded there).
+            for key, collectors in state["stats"].items():
+                for name, s in collectors.items():
+                    stats[key][name].load_state_dict(_to(s, device))
+            done, tokens = state["batches_done"], state["tokens"]
+            rank_zero_info(f"resuming calibration after {done}/{len(batches)} batches from {state_path}")
         start = time.perf_counter()
         reduce = (lambda t: trainer.strategy.reduce(t, reduce_op="sum")) if world > 1 else None
         if world > 1 and done < len(batches):

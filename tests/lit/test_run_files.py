@@ -122,6 +122,9 @@ def _state(hidden: int = 8, **change) -> dict:
             r"gap 2-3 ghost.xtx.plain_rest: shape torch.Size\(\[16, 16\]\), expected \(8, 8\)",
         ),
         ([1, 2, 3], "holds a list, not a calibration state"),
+        # Saved before a collector gained a sum: the same settings, discarded by its layout.
+        (_state(stats={"2-3": {"ghost": {k: v for k, v in _state()["stats"]["2-3"]["ghost"].items() if k != "xtx"}}}),
+         r"gap 2-3 ghost: entries"),
     ],
 )
 def test_unusable_calibration_states_are_named_and_not_loaded(state, why, tmp_path):
