@@ -21,11 +21,10 @@ import torch
 from _measure import peak_since, start_peak, sync
 
 from ghostdistill.calibration.stream import accumulate
-from ghostdistill.data import TextSource, calibration_windows
 from ghostdistill.core.model import ModelConfig, decoder_stack, hidden_size, load_model, load_tokenizer
 from ghostdistill.core.plan import PruningPlan
+from ghostdistill.data import TextSource, calibration_windows
 from ghostdistill.methods import make_collectors
-
 
 # Every method's statistics, as a compare run collects them in its one pass.
 METHODS = {"ghost", "linearpatch", "magnitude", "replaceme"}
@@ -116,8 +115,10 @@ def main() -> None:
         return
 
     t = timing(args)
-    print(f"calibration over {t['tokens']} tokens (removing {t['plan']}): {t['calibration_s']:.2f} s; "
-          f"bare forward: {t['forward_s']:.2f} s; ratio {t['ratio_calibration_over_forward']:.2f}")
+    print(
+        f"calibration over {t['tokens']} tokens (removing {t['plan']}): {t['calibration_s']:.2f} s; "
+        f"bare forward: {t['forward_s']:.2f} s; ratio {t['ratio_calibration_over_forward']:.2f}"
+    )
     mem = {}
     for n in (args.small, args.large):
         cmd = [sys.executable, __file__, "--samples", str(n)] + [a for a in sys.argv[1:]]

@@ -55,7 +55,9 @@ def setup(args, share_prefix: bool = True):
     batches = [{"input_ids": ids[i : i + args.batch_size].to(device)} for i in range(0, len(ids), args.batch_size)]
     pruned = PrunedModel(model, plan)
     recovery = [RecoveryConfig(name="ghost"), RecoveryConfig(name="linearpatch", method="linearpatch")][: args.students]
-    stats = {g.key: make_collectors({r.method for r in recovery}, hidden_size(model), device) for g in plan.gaps}
+    stats = {
+        g.key: make_collectors({r.method for r in recovery}, hidden_size(model), device, recovery) for g in plan.gaps
+    }
     accumulate(model, pruned.stack, plan.gaps, batches, stats)
     fit_methods(recovery, pruned, stats, batches, hidden_size(model), device)
     students = Students(pruned, DistillConfig(methods=[r.name for r in recovery], share_prefix=share_prefix))
@@ -124,7 +126,8 @@ def timing(args) -> dict:
         "tokens_per_batch": int(batches[0]["input_ids"].numel()),
         "median_s": med,
         "ratios": {
-            "step / (teacher + students x student)": med["step"] / (med["teacher"] + len(students.views) * med["student"]),
+            "step / (teacher + students x student)": med["step"]
+            / (med["teacher"] + len(students.views) * med["student"]),
             "student from prefix / full student": med["student_prefix"] / med["student"],
             "step with prefix / step without": med["step_prefix"] / med["step"],
         },
@@ -159,8 +162,10 @@ def main() -> None:
     t = timing(args)
     m = t["median_s"]
     print(f"removing {t['plan']}, students {t['students']}, {t['tokens_per_batch']} tokens per batch (median s):")
-    print(f"  teacher forward {m['teacher']:.3f}; student fwd+bwd {m['student']:.3f} (from the prefix "
-          f"{m['student_prefix']:.3f}); whole step {m['step']:.3f} (shared prefix {m['step_prefix']:.3f})")
+    print(
+        f"  teacher forward {m['teacher']:.3f}; student fwd+bwd {m['student']:.3f} (from the prefix "
+        f"{m['student_prefix']:.3f}); whole step {m['step']:.3f} (shared prefix {m['step_prefix']:.3f})"
+    )
     for name, value in t["ratios"].items():
         print(f"  {name}: {value:.2f}")
     mem = {}

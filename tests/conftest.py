@@ -32,6 +32,7 @@ def need_shared(*paths: Path) -> None:
         pytest.fail(message + " (CI lays ../shared beside the clone; see ../shared/data/README.md)")
     pytest.skip(message)
 
+
 TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -82,12 +83,15 @@ def fit_all(model, plan, methods, hidden: int = 64):
     from ghostdistill.methods import fit_gap, make_collectors
 
     pm = PrunedModel(model, plan)
-    stats = {g.key: make_collectors({c.method for c in methods}, hidden, "cpu") for g in plan.gaps}
+    stats = {g.key: make_collectors({c.method for c in methods}, hidden, "cpu", methods) for g in plan.gaps}
     accumulate(model, pm.stack, plan.gaps, random_batches(), stats)
     for cfg in methods:
         fits = {g.key: fit_gap(cfg, g, stats[g.key].get(cfg.method), hidden) for g in plan.gaps}
-        pm.add_method(cfg.name, {k: f.operator for k, f in fits.items() if f.operator is not None},
-                      {k: f.mlp_map for k, f in fits.items() if f.mlp_map is not None})
+        pm.add_method(
+            cfg.name,
+            {k: f.operator for k, f in fits.items() if f.operator is not None},
+            {k: f.mlp_map for k, f in fits.items() if f.mlp_map is not None},
+        )
     return pm, stats
 
 
@@ -116,7 +120,12 @@ def corpus() -> list[str]:
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """../shared/data with the offline zero-shot files (skip without it; fail under CI)."""
-    need_shared(*(DATA / task for task in ("arc_easy", "arc_challenge", "piqa", "winogrande", "hellaswag", "boolq", "openbookqa")))
+    need_shared(
+        *(
+            DATA / task
+            for task in ("arc_easy", "arc_challenge", "piqa", "winogrande", "hellaswag", "boolq", "openbookqa")
+        )
+    )
     return DATA
 
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from tiny_run import tiny_run_args
 
-from ghostdistill.lit.callbacks import Calibration
 from ghostdistill.cli import main
+from ghostdistill.lit.callbacks import Calibration
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -32,7 +33,10 @@ def test_every_compare_config_parses(config, monkeypatch):
 def test_every_shipped_config_parses(config):
     out = subprocess.run(
         [sys.executable, "-m", "ghostdistill", "fit", "--config", str(config), "--print_config"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     parsed = yaml.safe_load(out.stdout)
@@ -43,22 +47,21 @@ def test_every_shipped_config_parses(config):
 
 
 def _args(tiny_dir, text_files, run_dir, *extra, config="smollm2_demo.yaml"):
-    return [
-        "fit",
-        "--config", str(ROOT / "configs" / config),
-        "--model.model.source", str(tiny_dir),
-        "--model.plan.num_layers", "2",
-        "--data.calibration.source.source", str(text_files["jsonl_gz"]),
-        "--data.calibration.num_samples", "16",
-        "--data.calibration.seq_len", "64",
-        "--data.evaluation.seq_len", "64",
-        "--data.evaluation.max_windows", "4",
-        "--data.evaluation.sources", json.dumps([{"name": "held_out", "source": str(text_files["txt"])}]),
-        "--trainer.default_root_dir", str(run_dir),
-        "--trainer.enable_progress_bar", "false",
-        "--calibration.progress", "false",
+    # The config's criterion chooses 2 layers; calibration and evaluation windows of 64 tokens.
+    return tiny_run_args(
+        tiny_dir,
+        text_files,
+        run_dir,
         *extra,
-    ]
+        config=config,
+        layers=None,
+        num_layers=2,
+        recovery=None,
+        seq_len=64,
+        eval_seq_len=64,
+        eval_windows=4,
+        batch_size=None,
+    )
 
 
 def test_fit_writes_results(tiny_dir, text_files, tmp_path):
@@ -82,30 +85,69 @@ def test_fit_writes_results(tiny_dir, text_files, tmp_path):
 
 def test_explicit_layers_and_view_selection(tiny_dir, text_files, tmp_path):
     run = tmp_path / "run"
-    main(_args(tiny_dir, text_files, run, "--model.plan.layers", "[1, 4]", "--model.plan.num_layers", "null", "--model.evaluation.views", "[pruned, ghost]"))
+    main(
+        _args(
+            tiny_dir,
+            text_files,
+            run,
+            "--model.plan.layers",
+            "[1, 4]",
+            "--model.plan.num_layers",
+            "null",
+            "--model.evaluation.views",
+            "[pruned, ghost]",
+        )
+    )
     results = json.loads((run / "results.json").read_text())
     assert results["plan"]["removed"] == [1, 4] and results["plan"]["gaps"] == ["1-1", "4-4"]
     assert list(results["views"]) == ["pruned", "ghost"]
 
 
-def test_bad_values_are_named(tiny_dir, text_files, tmp_path):
+def test_bad_values_are_named(tiny_dir, text_files, tmp_path, capsys):
     with pytest.raises(ValueError, match="recovery names must be unique"):
         main(_args(tiny_dir, text_files, tmp_path / "r", "--model.recovery", "[{name: a}, {name: a}]"))
     with pytest.raises(ValueError, match="out of range"):
-        main(_args(tiny_dir, text_files, tmp_path / "r", "--model.plan.layers", "[3, 9]", "--model.plan.num_layers", "null"))
+        main(
+            _args(
+                tiny_dir, text_files, tmp_path / "r", "--model.plan.layers", "[3, 9]", "--model.plan.num_layers", "null"
+            )
+        )
     with pytest.raises(ValueError, match="calibration.num_samples"):
         main(_args(tiny_dir, text_files, tmp_path / "r", "--data.calibration.num_samples", "0"))
-    with pytest.raises(SystemExit):  # jsonargparse rejects values outside a Literal and names them
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:  # jsonargparse rejects values outside a Literal and names them
         main(_args(tiny_dir, text_files, tmp_path / "r", "--model.recovery", "[{name: a, fit: best}]"))
+    err = capsys.readouterr().err
+    assert info.value.code != 0
+    # The message names the key, the bad value and the valid ones.
+    assert '"fit"' in err and "best" in err, err
+    import typing
+
+    from ghostdistill.methods import RecoveryConfig
+
+    fit_type = typing.get_type_hints(RecoveryConfig)["fit"]  # Literal[...], or Literal[...] | None
+    literal = next(t for t in (fit_type, *typing.get_args(fit_type)) if typing.get_origin(t) is typing.Literal)
+    assert all(f"'{valid}'" in err for valid in typing.get_args(literal)), err
 
 
 def test_interrupted_calibration_resumes(tiny_dir, text_files, tmp_path, monkeypatch):
     """Kill the statistics pass half-way; the rerun picks up the checkpoint and ends with the same operators."""
-    import ghostdistill.lit.callbacks as callbacks
+    import ghostdistill.pipeline.calibrate as callbacks
 
     full = tmp_path / "full"
-    main(_args(tiny_dir, text_files, full, "--calibration.checkpoint_every", "1", "--model.plan.layers", "[2, 3]",
-         "--model.plan.num_layers", "null"))
+    main(
+        _args(
+            tiny_dir,
+            text_files,
+            full,
+            "--calibration.checkpoint_every",
+            "1",
+            "--model.plan.layers",
+            "[2, 3]",
+            "--model.plan.num_layers",
+            "null",
+        )
+    )
     reference = torch.load(full / Calibration.STATE_FILE, weights_only=False)
 
     real = callbacks.accumulate
@@ -118,18 +160,27 @@ def test_interrupted_calibration_resumes(tiny_dir, text_files, tmp_path, monkeyp
         return real(*args, **kwargs)
 
     run = tmp_path / "run"
+    args = _args(
+        tiny_dir,
+        text_files,
+        run,
+        "--calibration.checkpoint_every",
+        "1",
+        "--model.plan.layers",
+        "[2, 3]",
+        "--model.plan.num_layers",
+        "null",
+    )
     monkeypatch.setattr(callbacks, "accumulate", dying)
     with pytest.raises((KeyboardInterrupt, SystemExit)):  # Lightning turns Ctrl-C into exit(1)
-        main(_args(tiny_dir, text_files, run, "--calibration.checkpoint_every", "1", "--model.plan.layers", "[2, 3]",
-         "--model.plan.num_layers", "null"))
+        main(args)
     partial = torch.load(run / Calibration.STATE_FILE, weights_only=False)
     assert partial["batches_done"] == 2
     assert not (run / "results.json").exists()
 
     seen = []
     monkeypatch.setattr(callbacks, "accumulate", lambda *a, **k: seen.append(1) or real(*a, **k))
-    main(_args(tiny_dir, text_files, run, "--calibration.checkpoint_every", "1", "--model.plan.layers", "[2, 3]",
-         "--model.plan.num_layers", "null"))
+    main(args)
     assert len(seen) == 2  # 4 batches in all, 2 of them done before the interruption
     resumed = torch.load(run / Calibration.STATE_FILE, weights_only=False)
     for group, ref in reference["stats"]["2-3"]["ghost"]["xtx"].items():
@@ -140,8 +191,17 @@ def test_interrupted_calibration_resumes(tiny_dir, text_files, tmp_path, monkeyp
 def test_statistics_of_an_older_version_are_collected_again(tiny_dir, text_files, tmp_path):
     """A complete state whose ghost sums lack this version's groups is not resumed: the pass runs again."""
     run = tmp_path / "run"
-    args = _args(tiny_dir, text_files, run, "--model.plan.layers", "[2, 3]", "--model.plan.num_layers", "null",
-                 "--model.evaluation.views", "[ghost]")
+    args = _args(
+        tiny_dir,
+        text_files,
+        run,
+        "--model.plan.layers",
+        "[2, 3]",
+        "--model.plan.num_layers",
+        "null",
+        "--model.evaluation.views",
+        "[ghost]",
+    )
     main(args)
     state = torch.load(run / Calibration.STATE_FILE, weights_only=False)
     fresh = state["stats"]["2-3"]["ghost"]["xtx"]["plain_rest"].clone()
@@ -158,8 +218,18 @@ def test_statistics_of_an_older_version_are_collected_again(tiny_dir, text_files
 
 def test_all_methods_and_sequential_fit_through_the_cli(tiny_dir, text_files, tmp_path):
     run = tmp_path / "run"
-    main(_args(tiny_dir, text_files, run, "--model.plan.layers", "[1, 4]", "--model.plan.num_layers", "null",
-               config="smollm2_methods.yaml"))
+    main(
+        _args(
+            tiny_dir,
+            text_files,
+            run,
+            "--model.plan.layers",
+            "[1, 4]",
+            "--model.plan.num_layers",
+            "null",
+            config="smollm2_methods.yaml",
+        )
+    )
     results = json.loads((run / "results.json").read_text())
     names = ["magnitude", "linearpatch_diag", "linearpatch", "replaceme", "ghost_paper", "ghost"]
     assert list(results["views"]) == ["dense", "pruned", *names]
@@ -191,12 +261,19 @@ def test_compare_gathers_every_plan_and_method(tiny_dir, text_files, tmp_path, m
 
     monkeypatch.chdir(ROOT)
     spec = tmp_path / "compare.yaml"
-    spec.write_text(yaml.safe_dump({
-        "base": "configs/smollm2_methods.yaml",
-        "root": str(tmp_path / "cmp"),
-        "plans": [{"criterion": "streamline", "num_layers": 1}, {"criterion": "streamline", "num_layers": 2},
-                  {"layers": [1, 4]}],
-    }))
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "base": "configs/smollm2_methods.yaml",
+                "root": str(tmp_path / "cmp"),
+                "plans": [
+                    {"criterion": "streamline", "num_layers": 1},
+                    {"criterion": "streamline", "num_layers": 2},
+                    {"layers": [1, 4]},
+                ],
+            }
+        )
+    )
     # Model and data overrides, and a plan override (--model.plan.num_layers 2) that each plan's own
     # keys must win over.
     overrides = _args(tiny_dir, text_files, tmp_path / "unused")[3:-6]
@@ -227,8 +304,9 @@ def test_compare_gathers_every_plan_and_method(tiny_dir, text_files, tmp_path, m
 def test_installed_script_has_compare(tmp_path):
     script = Path(sys.executable).parent / "ghostdistill"
     assert script.is_file(), "pip install -e . installs the ghostdistill script"
-    out = subprocess.run([str(script), "compare", str(tmp_path / "missing.yaml")], capture_output=True, text=True,
-                         cwd=ROOT, timeout=300)
+    out = subprocess.run(
+        [str(script), "compare", str(tmp_path / "missing.yaml")], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert out.returncode != 0 and "missing.yaml" in out.stderr and "does not exist" in out.stderr
 
 
@@ -236,8 +314,19 @@ def test_zeroshot_accuracy_lands_in_results(tiny_dir, text_files, tmp_path, shar
     DATA = shared_data
     run = tmp_path / "run"
     zs = {"enabled": True, "tasks": ["arc_easy", "piqa"], "data_dir": str(DATA), "limit": {"piqa": 3}, "batch_size": 4}
-    args = _args(tiny_dir, text_files, run, "--model.plan.layers", "[2, 3]", "--model.plan.num_layers", "null", "--model.evaluation.views",
-                 "[dense, ghost]", "--model.evaluation.zeroshot", json.dumps(zs))
+    args = _args(
+        tiny_dir,
+        text_files,
+        run,
+        "--model.plan.layers",
+        "[2, 3]",
+        "--model.plan.num_layers",
+        "null",
+        "--model.evaluation.views",
+        "[dense, ghost]",
+        "--model.evaluation.zeroshot",
+        json.dumps(zs),
+    )
     main(args)
     results = json.loads((run / "results.json").read_text())
     for view in ("dense", "ghost"):
@@ -294,8 +383,11 @@ def test_zeroshot_accuracy_lands_in_results(tiny_dir, text_files, tmp_path, shar
 
 
 def test_bad_zeroshot_limit_is_named(tiny_dir, text_files, tmp_path):
-    for limit, match in (({"hellaswag": 10}, "'hellaswag'.*arc_easy"), (0, "positive integer.*0"),
-                         ({"arc_easy": -3}, "'arc_easy'.*-3")):
+    for limit, match in (
+        ({"hellaswag": 10}, "'hellaswag'.*arc_easy"),
+        (0, "positive integer.*0"),
+        ({"arc_easy": -3}, "'arc_easy'.*-3"),
+    ):
         zs = json.dumps({"enabled": True, "tasks": ["arc_easy"], "limit": limit})
         with pytest.raises(ValueError, match=match):
             main(_args(tiny_dir, text_files, tmp_path / "run", "--model.evaluation.zeroshot", zs))

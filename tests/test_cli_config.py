@@ -46,7 +46,7 @@ BASE = [
         ("--model.plan.criterion=best", ["model.plan.criterion", "best"]),
         (
             "--model.recovery=[{name: a, ridge: abc}]",
-            ["model.recovery", "Expected a <class 'float'>. Got value: abc"],
+            ["model.recovery", "Expected a <class 'float'>", "abc"],
         ),
         ("--model.recovery=[{name: a, fit: best}]", ["model.recovery", "best"]),
         (

@@ -73,9 +73,7 @@ class AlignmentErrors:
         }
 
 
-def _maps(
-    pruned: PrunedModel, view: str, key: str
-) -> tuple[GhostOperator | None, GhostOperator | None]:
+def _maps(pruned: PrunedModel, view: str, key: str) -> tuple[GhostOperator | None, GhostOperator | None]:
     # nn.ModuleDict has no `get`.
     ops = pruned.operators[view] if view in pruned.operators else {}  # noqa: SIM401
     mlps = pruned.mlp_maps[view] if view in pruned.mlp_maps else {}  # noqa: SIM401
@@ -92,20 +90,13 @@ def held_out_alignment(
     model, stack = pruned.model, pruned.stack
     out = {g.key: {} for g in gaps}
     mlp_blocks = sorted(
-        {
-            g.start - 1
-            for g in gaps
-            for v in views
-            if g.start > 0 and _maps(pruned, v, g.key)[1] is not None
-        }
+        {g.start - 1 for g in gaps for v in views if g.start > 0 and _maps(pruned, v, g.key)[1] is not None}
     )
     for batch in batches:
         ids, mask = model_inputs(model, batch)
         mlp: dict[int, torch.Tensor] = {}
         with pruned.use(DENSE):
-            streams, first = residual_streams(
-                model, stack, ids, mask, gap_points(gaps), mlp_blocks, mlp
-            )
+            streams, first = residual_streams(model, stack, ids, mask, gap_points(gaps), mlp_blocks, mlp)
         for gap in gaps:
             x_pre, x_post = streams[gap.start], streams[gap.stop]
             for view in views:
@@ -120,15 +111,11 @@ def held_out_alignment(
                     x_hat = x_hat + mlp_map(u) - u
                 if op is not None:
                     x_hat = op(x_hat, first)
-                out[gap.key].setdefault(view, AlignmentErrors()).update(
-                    x_hat, x_pre, x_post, mask, first
-                )
+                out[gap.key].setdefault(view, AlignmentErrors()).update(x_hat, x_pre, x_post, mask, first)
     return out
 
 
-def analyse(
-    pruned: PrunedModel, views: list[str], batches: list[dict[str, torch.Tensor]]
-) -> dict:
+def analyse(pruned: PrunedModel, views: list[str], batches: list[dict[str, torch.Tensor]]) -> dict:
     """Per gap and method: the anatomy of the residual-stream operator (where the method has one that is
     not a folded scalar or MLP map) and the held-out alignment errors; JSON-ready."""
     errors = held_out_alignment(pruned, views, batches)
@@ -143,9 +130,7 @@ def analyse(
             if op is not None and not op.fused:
                 row["anatomy"] = operator_anatomy(op.delta)
             elif op is not None or mlp_map is not None:
-                row["anatomy"] = (
-                    "n/a: folded into existing weights (a scalar or a map on the MLP output)"
-                )
+                row["anatomy"] = "n/a: folded into existing weights (a scalar or a map on the MLP output)"
             if view in errors[gap.key]:
                 row.update(errors[gap.key][view].summary())
             if row:

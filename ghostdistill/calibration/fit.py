@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict
 
 import torch
 
@@ -54,13 +53,12 @@ def fit_methods(
         register_view(pruned, cfg.name, fits[cfg.name])
     for k, gap in enumerate(gaps):
         collectors = {cfg.name: stats[gap.key].get(cfg.method) for cfg in cfgs}
-        sequential = [
-            cfg for cfg in cfgs if k > 0 and cfg.order == "sequential" and collectors[cfg.name] is not None
-        ]
+        sequential = [cfg for cfg in cfgs if k > 0 and cfg.order == "sequential" and collectors[cfg.name] is not None]
         if sequential:
             for cfg in sequential:
                 register_view(pruned, cfg.name, fits[cfg.name])
-                collectors[cfg.name] = make_collectors({cfg.method}, hidden, device)[cfg.method]
+                # Sized to this entry: a student pass of its own feeds only its fit.
+                collectors[cfg.name] = make_collectors({cfg.method}, hidden, device, [cfg])[cfg.method]
             names = ", ".join(cfg.name for cfg in sequential)
             spent = accumulate_students(
                 pruned,
@@ -78,4 +76,4 @@ def fit_methods(
             seconds[cfg.name] += time.perf_counter() - start
     for cfg in cfgs:
         register_view(pruned, cfg.name, fits[cfg.name])
-    return {cfg.name: {**asdict(cfg), "fit_s": round(seconds[cfg.name], 2)} for cfg in cfgs}
+    return {cfg.name: {**cfg.settings(), "fit_s": round(seconds[cfg.name], 2)} for cfg in cfgs}

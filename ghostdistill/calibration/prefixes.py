@@ -17,23 +17,19 @@ from torch import nn
 
 from ..core.model import DecoderStack
 from ..core.plan import Gap
-from ..methods import Collector, make_collectors
+from ..methods import Collector, RecoveryConfig, make_collectors
 from .stream import accumulate
 
 Stats = dict[str, dict[str, Collector]]
 
 
-def prefix_batches(
-    num_windows: int, sizes: Sequence[int], batch_size: int
-) -> list[tuple[int, int]]:
+def prefix_batches(num_windows: int, sizes: Sequence[int], batch_size: int) -> list[tuple[int, int]]:
     """(start, stop) window ranges of at most `batch_size` windows, cut at every size in `sizes`."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     bad = [s for s in sizes if not 0 < s <= num_windows]
     if bad:
-        raise ValueError(
-            f"calibration sizes {bad} are not in 1..{num_windows} (the windows available)"
-        )
+        raise ValueError(f"calibration sizes {bad} are not in 1..{num_windows} (the windows available)")
     cuts = sorted(set(sizes) | {num_windows})
     out, start = [], 0
     for cut in cuts:
@@ -45,15 +41,13 @@ def prefix_batches(
 
 
 def _copy(
-    stats: Stats, methods: set[str], hidden: int, device: torch.device | str
+    stats: Stats, methods: set[str], hidden: int, device: torch.device | str, recovery: list[RecoveryConfig] | None
 ) -> Stats:
     out = {}
     for key, collectors in stats.items():
-        fresh = make_collectors(methods, hidden, device)
+        fresh = make_collectors(methods, hidden, device, recovery)
         for name, c in collectors.items():
-            fresh[name].load_state_dict(
-                {k: _clone(v) for k, v in c.state_dict().items()}
-            )
+            fresh[name].load_state_dict({k: _clone(v) for k, v in c.state_dict().items()})
         out[key] = fresh
     return out
 
@@ -77,12 +71,14 @@ def accumulate_prefixes(
     hidden: int,
     device: torch.device | str,
     batch_size: int = 4,
+    recovery: list[RecoveryConfig] | None = None,
 ) -> Iterator[tuple[int, Stats]]:
     """One pass over `windows` (dense model, every gap); yields (n, statistics of the first n windows)
-    for each n in `sizes`, ascending. Each yielded set is a copy: later windows do not change it."""
-    stats = {g.key: make_collectors(methods, hidden, device) for g in gaps}
+    for each n in `sizes`, ascending. Each yielded set is a copy: later windows do not change it.
+    `recovery`: the entries to be fitted, to hold only what they read (`make_collectors`)."""
+    stats = {g.key: make_collectors(methods, hidden, device, recovery) for g in gaps}
     wanted = set(sizes)
     for start, stop in prefix_batches(len(windows), sizes, batch_size):
         accumulate(model, stack, gaps, [{"input_ids": windows[start:stop]}], stats)
         if stop in wanted:
-            yield stop, _copy(stats, methods, hidden, device)
+            yield stop, _copy(stats, methods, hidden, device, recovery)

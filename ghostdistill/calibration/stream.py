@@ -45,7 +45,9 @@ def accumulate(
         mlp: dict[int, torch.Tensor] = {}
         streams, first = residual_streams(model, stack, ids, mask, points, mlp_blocks, mlp)
         for point, stream in streams.items():
-            check_finite(stream, mask, f"calibration batch {index}", f"the residual stream entering block {point}", model)
+            check_finite(
+                stream, mask, f"calibration batch {index}", f"the residual stream entering block {point}", model
+            )
         for block, out in mlp.items():
             check_finite(out, mask, f"calibration batch {index}", f"the MLP output of block {block}", model)
         for gap in gaps:
@@ -90,7 +92,9 @@ def accumulate_students(
                     pruned.model, pruned.stack, ids, mask, [student_point], mlp_blocks[view], mlp
                 )
             where = f"student statistics of view {view!r}, gap {gap.key}, batch {index}"
-            check_finite(student[student_point], mask, where, f"the residual stream entering block {gap.stop}", pruned.model)
+            check_finite(
+                student[student_point], mask, where, f"the residual stream entering block {gap.stop}", pruned.model
+            )
             taps = GapTaps(student[student_point], dense[gap.stop], mask, first, next(iter(mlp.values()), None))
             for collector in view_collectors.values():
                 collector.update(taps)

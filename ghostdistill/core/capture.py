@@ -51,6 +51,7 @@ def residual_streams(
             positions.setdefault("ids", kwargs.get("position_ids"))
             if i == last:
                 raise _StopForward
+
         return hook
 
     def post(module, args, kwargs, output):
@@ -61,6 +62,7 @@ def residual_streams(
     def mlp_hook(i: int):
         def hook(module, args, output):
             mlp_out[i] = output[0] if isinstance(output, tuple) else output
+
         return hook
 
     try:

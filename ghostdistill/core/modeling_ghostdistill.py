@@ -39,9 +39,7 @@ from transformers import (
 from transformers.configuration_utils import SubConfigSpec
 
 
-def first_position_mask(
-    position_ids: torch.Tensor | None, hidden: torch.Tensor
-) -> torch.Tensor:
+def first_position_mask(position_ids: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor:
     """Tokens at position 0 of their sequence, shaped like hidden[..., 0].
 
     Blocks called without position ids (older families) get the plain arange, which is right for
@@ -61,16 +59,17 @@ class GapOperator(nn.Module):
         self.first_shift = nn.Parameter(torch.zeros(hidden_size))
         self.separate_first = separate_first
 
-    def forward(
-        self, x: torch.Tensor, first_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        # addmm: the product and the residual add in one kernel; `.to` is free when dtypes agree.
+    def forward(self, x: torch.Tensor, first_mask: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        y = torch.addmm(flat, flat, self.delta.to(x.dtype)).view_as(x)
+        if torch.is_autocast_enabled(x.device.type):
+            # Under autocast addmm would round the whole residual stream to the autocast dtype: only the
+            # product runs there, the residual add stays in the stream's own dtype (as the teacher's does).
+            y = (flat + flat @ self.delta).to(x.dtype).view_as(x)
+        else:
+            # addmm: the product and the residual add in one kernel; `.to` is free when dtypes agree.
+            y = torch.addmm(flat, flat, self.delta.to(x.dtype)).view_as(x)
         if self.separate_first and first_mask is not None:
-            y = torch.where(
-                first_mask.unsqueeze(-1), x + self.first_shift.to(x.dtype), y
-            )
+            y = torch.where(first_mask.unsqueeze(-1), x + self.first_shift.to(x.dtype), y)
         return y
 
 
@@ -84,9 +83,7 @@ def input_hook(get_op: OperatorGetter):
         op = get_op()
         if op is None:
             return None
-        hidden, rest = (
-            (args[0], args[1:]) if args else (kwargs.pop("hidden_states"), ())
-        )
+        hidden, rest = (args[0], args[1:]) if args else (kwargs.pop("hidden_states"), ())
         first = first_position_mask(kwargs.get("position_ids"), hidden)
         return (op(hidden, first), *rest), kwargs
 
@@ -113,9 +110,7 @@ def attach(block: nn.Module, where: str, get_op: OperatorGetter):
         return block.register_forward_pre_hook(input_hook(get_op), with_kwargs=True)
     if where == "output":
         return block.register_forward_hook(output_hook(get_op), with_kwargs=True)
-    raise ValueError(
-        f"where={where!r}: an operator acts on a block's 'input' or 'output'"
-    )
+    raise ValueError(f"where={where!r}: an operator acts on a block's 'input' or 'output'")
 
 
 class GhostPrunedConfig(PreTrainedConfig):
@@ -145,9 +140,7 @@ class GhostPrunedConfig(PreTrainedConfig):
             if gap.get("where") not in ("input", "output"):
                 raise ValueError(f"gap {gap}: where must be 'input' or 'output'")
         if self.text_config is not None:
-            self.tie_word_embeddings = bool(
-                getattr(self.text_config, "tie_word_embeddings", False)
-            )
+            self.tie_word_embeddings = bool(getattr(self.text_config, "tie_word_embeddings", False))
 
 
 class GhostPrunedForCausalLM(PreTrainedModel, GenerationMixin):
@@ -168,19 +161,14 @@ class GhostPrunedForCausalLM(PreTrainedModel, GenerationMixin):
         self.config.text_config = self.pruned.config
         layers = self.pruned.get_submodule(config.layers_path)
         if not isinstance(layers, nn.ModuleList):
-            raise TypeError(
-                f"{config.layers_path} of {type(self.pruned).__name__} is not the ModuleList of blocks"
-            )
+            raise TypeError(f"{config.layers_path} of {type(self.pruned).__name__} is not the ModuleList of blocks")
         hidden = int(config.text_config.hidden_size)
         self.gap_operators = nn.ModuleList(
-            GapOperator(hidden, separate_first=bool(g.get("separate_first", False)))
-            for g in config.gaps
+            GapOperator(hidden, separate_first=bool(g.get("separate_first", False))) for g in config.gaps
         )
         for gap, op in zip(config.gaps, self.gap_operators):
             if not 0 <= int(gap["layer"]) < len(layers):
-                raise ValueError(
-                    f"gap {gap} names block {gap['layer']}; the model has {len(layers)}"
-                )
+                raise ValueError(f"gap {gap} names block {gap['layer']}; the model has {len(layers)}")
             attach(layers[int(gap["layer"])], gap["where"], lambda op=op: op)
         self.post_init()
 
@@ -230,6 +218,4 @@ class GhostPrunedForCausalLM(PreTrainedModel, GenerationMixin):
 def register_auto_classes() -> None:
     """Register the classes with the Auto factories, so a folder loads without remote code."""
     AutoConfig.register(GhostPrunedConfig.model_type, GhostPrunedConfig, exist_ok=True)
-    AutoModelForCausalLM.register(
-        GhostPrunedConfig, GhostPrunedForCausalLM, exist_ok=True
-    )
+    AutoModelForCausalLM.register(GhostPrunedConfig, GhostPrunedForCausalLM, exist_ok=True)

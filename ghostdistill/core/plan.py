@@ -65,11 +65,17 @@ class PlanConfig:
             if twice:
                 raise ValueError(f"plan.layers {self.layers} lists layer(s) {twice} twice; each layer can go once")
         if self.num_layers is not None and self.num_layers < 1:
-            raise ValueError(f"plan.num_layers must be >= 1 (how many layers the criterion removes), got {self.num_layers}")
+            raise ValueError(
+                f"plan.num_layers must be >= 1 (how many layers the criterion removes), got {self.num_layers}"
+            )
         if self.keep_first < 0 or self.keep_last < 0:
-            raise ValueError(f"plan.keep_first and plan.keep_last must be >= 0, got {self.keep_first} and {self.keep_last}")
+            raise ValueError(
+                f"plan.keep_first and plan.keep_last must be >= 0, got {self.keep_first} and {self.keep_last}"
+            )
         if self.criterion_samples is not None and self.criterion_samples < 1:
-            raise ValueError(f"plan.criterion_samples must be >= 1 (or null for all windows), got {self.criterion_samples}")
+            raise ValueError(
+                f"plan.criterion_samples must be >= 1 (or null for all windows), got {self.criterion_samples}"
+            )
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,8 @@ activations of norm ~100 overflows float16 at once.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import warnings
+from typing import Literal
 
 import torch
 

@@ -116,7 +116,9 @@ class PrunedModel:
         keys = {g.key for g in self.plan.gaps}
         unknown = (set(operators) | set(mlp_maps)) - keys
         if unknown:
-            raise ValueError(f"method {name!r} names gaps {sorted(unknown)} that the plan does not have ({sorted(keys)})")
+            raise ValueError(
+                f"method {name!r} names gaps {sorted(unknown)} that the plan does not have ({sorted(keys)})"
+            )
         if operators and set(operators) != keys:
             raise ValueError(f"method {name!r} has no operator for gaps {sorted(keys - set(operators))}")
         device = next(self.model.parameters()).device
@@ -127,7 +129,9 @@ class PrunedModel:
                 self._handles.append(self._host_mlp(gap, self.dense_layers))
                 for own in self.blocks.values():
                     if str(gap.start - 1) in own:
-                        self._handles.append(self._host_mlp(gap, [own.get(str(i), b) for i, b in enumerate(self.dense_layers)]))
+                        self._handles.append(
+                            self._host_mlp(gap, [own.get(str(i), b) for i, b in enumerate(self.dense_layers)])
+                        )
                 self._mlp_hooked.add(gap.key)
 
     def substitute_blocks(self, view: str, blocks: dict[int, nn.Module]) -> None:
@@ -186,7 +190,9 @@ _ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "l
 
 def count_parameters(module: nn.Module) -> int:
     return sum(
-        p.numel() for name, p in module.named_parameters() if not any(f".{part}." in f".{name}." for part in _ADAPTER_PARTS)
+        p.numel()
+        for name, p in module.named_parameters()
+        if not any(f".{part}." in f".{name}." for part in _ADAPTER_PARTS)
     )
 
 
@@ -197,8 +203,13 @@ def copy_block(block: nn.Module) -> nn.Module:
 
     clone = copy.deepcopy(block)
     for module in clone.modules():
-        for hooks in ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
-                      "_forward_hooks_always_called"):
+        for hooks in (
+            "_forward_pre_hooks",
+            "_forward_hooks",
+            "_forward_pre_hooks_with_kwargs",
+            "_forward_hooks_with_kwargs",
+            "_forward_hooks_always_called",
+        ):
             getattr(module, hooks).clear()
     return clone
 

@@ -23,9 +23,7 @@ def _protection(keep_first: int, keep_last: int) -> str:
 def protected_edges(cfg: PlanConfig) -> tuple[int, int]:
     """(keep_first, keep_last) that a criterion must respect: `allow_edges` means (0, 0)."""
     if cfg.keep_first < 0 or cfg.keep_last < 0:
-        raise ValueError(
-            f"plan.keep_first and plan.keep_last must be >= 0, got {cfg.keep_first} and {cfg.keep_last}"
-        )
+        raise ValueError(f"plan.keep_first and plan.keep_last must be >= 0, got {cfg.keep_first} and {cfg.keep_last}")
     if cfg.allow_edges:
         # The defaults (1, 1) cannot be told from an explicit 1/1, so only a clear contradiction fails.
         if (cfg.keep_first, cfg.keep_last) not in ((1, 1), (0, 0)):

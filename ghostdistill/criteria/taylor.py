@@ -54,9 +54,7 @@ def taylor_importance(
         with torch.no_grad():
             scores = {
                 i: sum(
-                    float((p.float() * p.grad.float()).abs().sum(dtype=torch.float64))
-                    for p in ps
-                    if p.grad is not None
+                    float((p.float() * p.grad.float()).abs().sum(dtype=torch.float64)) for p in ps if p.grad is not None
                 )
                 / tokens
                 for i, ps in block_params.items()

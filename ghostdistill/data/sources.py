@@ -3,6 +3,11 @@
 A source is a hub data set (wikitext2, c4, ptb: real `datasets` loading code, users have internet), a
 local file (.txt/.raw, .jsonl, .json, either optionally .gz, or .parquet), or `generate`: the dense
 model writes its own calibration text (data-free, seeded sampling).
+
+The hub sources load with every `datasets` from 3.0 on, none of them through a loading script (which
+`datasets` 4 no longer runs): WikiText-2 (`Salesforce/wikitext`) is stored as parquet, C4 is read from
+one named json.gz shard of `allenai/c4`, and PTB (`ptb-text-only/ptb_text_only`, a script data set)
+from the hub's parquet conversion of it, the `refs/convert/parquet` revision (the rows its script made).
 """
 
 from __future__ import annotations
@@ -13,6 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HUB_SOURCES = ("wikitext2", "c4", "ptb")
+PTB_REPO = "ptb-text-only/ptb_text_only"
+#: The hub's parquet conversion of a data set: a branch beside `main`, which `load_dataset` reads as plain
+#: parquet files (`datasets` >= 4 does not run the loading script on `main`).
+PARQUET_REVISION = "refs/convert/parquet"
 GENERATE = "generate"
 LOCAL_SUFFIXES = (".txt", ".raw", ".jsonl", ".json", ".parquet")
 
@@ -109,7 +118,7 @@ def _file_documents(src: TextSource) -> list[str]:
             if array:
                 records = json.loads(text)
             else:
-                for number, line in enumerate(text.splitlines(), start=1):
+                for number, line in enumerate(text.splitlines(), start=1):  # noqa: B007 (the error names it)
                     if line.strip():
                         records.append(json.loads(line))
         except json.JSONDecodeError as err:
@@ -119,7 +128,9 @@ def _file_documents(src: TextSource) -> list[str]:
             raise ValueError(f"{path} is empty: no JSON records")
         if records and not any(isinstance(r, dict) and src.text_field in r for r in records):
             keys = sorted(records[0]) if isinstance(records[0], dict) else type(records[0]).__name__
-            raise ValueError(f"{path}: records have no text field {src.text_field!r} (they have {keys}); set text_field")
+            raise ValueError(
+                f"{path}: records have no text field {src.text_field!r} (they have {keys}); set text_field"
+            )
         docs = [r[src.text_field] for r in records if isinstance(r, dict) and r.get(src.text_field)]
         if not docs:
             raise ValueError(f"{path}: every record's {src.text_field!r} field is empty")
@@ -142,10 +153,18 @@ def _hub_documents(src: TextSource, for_eval: bool) -> list[str]:
         return ["\n\n".join(rows)] if for_eval else [r for r in rows if r.strip()]
     if src.source == "c4":
         split = src.split or ("validation" if for_eval else "train")
-        shard = "en/c4-validation.00000-of-00008.json.gz" if split == "validation" else "en/c4-train.00000-of-01024.json.gz"
+        shard = (
+            "en/c4-validation.00000-of-00008.json.gz" if split == "validation" else "en/c4-train.00000-of-01024.json.gz"
+        )
         return load_dataset("allenai/c4", data_files={split: shard}, split=split)["text"]
     if src.source == "ptb":
         split = src.split or ("test" if for_eval else "train")
-        rows = load_dataset("ptb-text-only/ptb_text_only", split=split)["sentence"]
+        try:
+            rows = load_dataset(PTB_REPO, revision=PARQUET_REVISION, split=split)["sentence"]
+        except FileNotFoundError as err:  # datasets' DatasetNotFoundError: no such revision or split
+            raise FileNotFoundError(
+                f"ptb: the hub's parquet conversion of {PTB_REPO} ({PARQUET_REVISION}, split {split!r}) "
+                f"cannot be loaded ({err}); give the PTB text as a local file source instead"
+            ) from err
         return [" ".join(rows)] if for_eval else rows
     raise ValueError(f"unknown hub source {src.source!r}; choose one of {HUB_SOURCES}")

@@ -76,12 +76,23 @@ class DistillConfig:
     def validate(self, recovery_names: list[str]) -> None:
         unknown = [m for m in self.methods if m not in recovery_names]
         if unknown:
-            raise ValueError(f"distill.methods {unknown} are not recovery names of this run; available: {recovery_names}")
+            raise ValueError(
+                f"distill.methods {unknown} are not recovery names of this run; available: {recovery_names}"
+            )
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"distill.methods lists a method twice: {self.methods}")
+        # `validate_recovery` already rejects recovery names ending in `_ft`; this guards the views themselves.
+        clash = [ft_view(m) for m in self.methods if ft_view(m) in recovery_names]
+        if clash:
+            raise ValueError(
+                f"distill.methods would make views {clash}, which are recovery names of this run; names ending "
+                "in '_ft' are reserved for the fine-tuned views: rename those recovery entries"
+            )
         bad = [t for t in self.train if t not in ("operators", "lora", "blocks")]
         if bad or not self.train:
-            raise ValueError(f"distill.train {self.train} must be a non-empty subset of ['operators', 'lora', 'blocks']")
+            raise ValueError(
+                f"distill.train {self.train} must be a non-empty subset of ['operators', 'lora', 'blocks']"
+            )
         if "lora" in self.train and "blocks" in self.train:
             raise ValueError("distill.train: 'lora' and 'blocks' adapt the same blocks; choose one of them")
         for name, value in (("lr", self.lr), ("block_lr", self.block_lr), ("lora.lr", self.lora.lr)):
@@ -96,7 +107,12 @@ class DistillConfig:
             raise ValueError(f"distill.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.keep not in ("best", "last"):
             raise ValueError(f"distill.keep {self.keep!r} is not known; choose best or last")
-        if self.lora.rank < 1 or not self.lora.alpha > 0 or not 0 <= self.lora.dropout < 1 or not self.lora.target_modules:
+        if (
+            self.lora.rank < 1
+            or not self.lora.alpha > 0
+            or not 0 <= self.lora.dropout < 1
+            or not self.lora.target_modules
+        ):
             raise ValueError(
                 f"distill.lora: rank >= 1, alpha > 0, 0 <= dropout < 1 and some target_modules needed; got {self.lora}"
             )

@@ -62,3 +62,29 @@ def average_replicated_grads(params: list[nn.Parameter], group=None) -> int:
     for g, part in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(part.view_as(g))
     return len(grads)
+
+
+def shard_for_fsdp2(students, device_mesh) -> tuple[list[nn.Parameter], object, int]:
+    """Shard `students` (a `distill.students.Students`) over the data-parallel dimension of `device_mesh`
+    (the whole mesh when it has none); returns the replicated LoRA parameters and their process group
+    (for `average_replicated_grads`) and the number of units sharded. The students' parameter lists are
+    refreshed: sharding replaced the parameter objects."""
+    names = device_mesh.mesh_dim_names or ()
+    mesh = device_mesh["data_parallel"] if "data_parallel" in names else device_mesh
+    lora = [p for view in students.views for p in students.params[view].lora]
+    units = shard_students(students.pruned, students.views, mesh, replicated=lora)
+    students.refresh_params()
+    return lora, mesh.get_group(), units
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded (DTensor) parameter; a plain tensor as it is."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if callable(full) else tensor
+
+
+def ranks_agree(params: list[torch.Tensor], reduce) -> bool:
+    """Whether every rank holds the same values of `params` (DDP averages gradients, so a difference is a bug,
+    not noise); `reduce(tensor, reduce_op=...)` is the strategy's reduction."""
+    check = torch.stack([full_tensor(p).detach().double().sum() for p in params])
+    return bool(((reduce(check.clone(), reduce_op="max") - reduce(check.clone(), reduce_op="min")) == 0).all())

@@ -54,6 +54,7 @@ class Students:
         self.cfg = cfg
         self.views = [ft_view(m) for m in cfg.methods]
         self.params: dict[str, StudentParams] = {}
+        self.named: dict[str, dict[str, nn.Parameter]] = {}
         self._lora_layers: list[nn.Module] = []
         self.share_prefix = False
         # The first block whose input differs between teacher and students: the first gap, or the
@@ -86,9 +87,7 @@ class Students:
             self._add_lora()
         self.refresh_params()
         self.share_prefix = (
-            self.cfg.share_prefix
-            and self.prefix_block > 0
-            and not ("lora" in train and self._lora_before_first_gap())
+            self.cfg.share_prefix and self.prefix_block > 0 and not ("lora" in train and self._lora_before_first_gap())
         )
         pruned.listeners.append(self._on_view)
         self._on_view(pruned.view)
@@ -131,23 +130,43 @@ class Students:
             raise ValueError(f"distill.lora.target_modules {settings.target_modules} matched no layer of the blocks")
 
     def refresh_params(self) -> None:
-        """Collect each student's trainable parameters from its modules and mark them trainable. Run again
-        after anything replaces parameter objects (FSDP2 sharding does)."""
+        """Collect each student's trainable parameters from its modules, by name, and mark them trainable.
+        Run again after anything replaces parameter objects (FSDP2 sharding does)."""
         pruned, train = self.pruned, set(self.cfg.train)
+        # Adapters are named by the dense index of their block, whatever view is active.
+        lora_names = {
+            id(m): f"lora.{i}.{name}"
+            for i, block in enumerate(pruned.dense_layers)
+            for name, m in block.named_modules()
+        }
         for view in self.views:
             # The gap operators (with the first-position shift where the fit uses one) and MLP maps.
-            operators = [
-                p
-                for group in (pruned.operators[view], pruned.mlp_maps[view])
-                for op in group.values()
-                for name, p in op.named_parameters()
-                if name != "first_shift" or op.separate_first
-            ] if "operators" in train else []
-            lora = [
-                p for layer in self._lora_layers for name, p in layer.named_parameters() if f".{view}." in f".{name}."
-            ]
-            blocks = [p for m in pruned.blocks[view].values() for p in m.parameters()] if view in pruned.blocks else []
-            self.params[view] = StudentParams(operators=operators, lora=lora, blocks=blocks)
+            operators = (
+                {
+                    f"{kind}.{view}.{key}.{name}": p
+                    for kind, group in (("operators", pruned.operators[view]), ("mlp_maps", pruned.mlp_maps[view]))
+                    for key, op in group.items()
+                    for name, p in op.named_parameters()
+                    if name != "first_shift" or op.separate_first
+                }
+                if "operators" in train
+                else {}
+            )
+            lora = {
+                f"{lora_names.get(id(layer), '?')}.{name}": p
+                for layer in self._lora_layers
+                for name, p in layer.named_parameters()
+                if f".{view}." in f".{name}."
+            }
+            blocks = {
+                f"blocks.{view}.{index}.{name}": p
+                for index, m in (pruned.blocks[view].items() if view in pruned.blocks else ())
+                for name, p in m.named_parameters()
+            }
+            self.named[view] = {**operators, **lora, **blocks}
+            self.params[view] = StudentParams(
+                operators=list(operators.values()), lora=list(lora.values()), blocks=list(blocks.values())
+            )
             for p in self.params[view].all():
                 p.requires_grad_(True)
 
@@ -176,6 +195,7 @@ class Students:
         captured: dict[str, torch.Tensor] = {}
         handle = None
         if self.share_prefix:
+
             def grab(module, args, kwargs):
                 captured["prefix"] = args[0] if args else kwargs["hidden_states"]
 
@@ -222,17 +242,24 @@ class Students:
 
     # ---------------------------------------------------------------- state
     def trainable_state(self, view: str) -> dict[str, torch.Tensor]:
-        """A copy of a student's trainable values (to keep its best step); sharded parameters keep their
-        shard, so each rank copies only its part."""
-        return {str(i): p.detach().clone() for i, p in enumerate(self.params[view].all())}
+        """A copy of a student's trainable values by parameter name (to keep its best step); sharded
+        parameters keep their shard, so each rank copies only its part."""
+        return {name: p.detach().clone() for name, p in self.named[view].items()}
 
     @torch.no_grad()
     def load_trainable_state(self, view: str, state: dict[str, torch.Tensor]) -> None:
-        params = self.params[view].all()
-        if len(state) != len(params):
-            raise ValueError(f"{view}: saved state has {len(state)} tensors, the student {len(params)}")
-        for i, p in enumerate(params):
-            value = state[str(i)]
+        """Put saved values (`trainable_state`'s names) back into a student; the names must match exactly."""
+        params = self.named[view]
+        if set(state) != set(params):
+            missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+            raise ValueError(
+                f"{view}: the saved state does not hold this student's tensors (missing {missing[:3]}, "
+                f"unexpected {extra[:3]}); it was saved with other distill settings"
+            )
+        for name, p in params.items():
+            value = state[name]
+            if tuple(value.shape) != tuple(p.shape):
+                raise ValueError(f"{view}: {name} has shape {tuple(value.shape)} saved, {tuple(p.shape)} here")
             if hasattr(p, "full_tensor") and not hasattr(value, "full_tensor"):
                 # A whole tensor from a checkpoint into a sharded parameter: take this rank's part.
                 from torch.distributed.tensor import distribute_tensor

@@ -19,9 +19,8 @@ Both give the same numbers up to float round-off (tested).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F

@@ -13,21 +13,28 @@ Two sources of task data:
   a local folder holding the datasets' published files (layout of
   ``shared/data/README.md``) by the task definitions in
   :mod:`ghostdistill.tasks`, which copy lm-eval's prompts and metrics.
+
+lm-eval is an optional dependency (``pip install 'ghostdistill[zeroshot]'``): this module imports it
+only when it scores or builds tasks, and :func:`require_lm_eval` says what to install when it is missing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import logging
 import os
 import random
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .tasks import TASKS_DIR
 from .tasks import loaders as _loaders
+from .zeroshot_scores import ZeroShotResults, average_scores, task_limits
+from .zeroshot_scores import as_list as _as_list
+from .zeroshot_scores import summarize as _summarize
 
 if TYPE_CHECKING:
     import transformers
@@ -41,8 +48,12 @@ __all__ = [
     "check_offline_tasks",
     "evaluate_zeroshot",
     "offline_task_name",
+    "require_lm_eval",
     "task_limits",
 ]
+
+#: What to install for zero-shot evaluation (the ``zeroshot`` extra of pyproject.toml).
+LM_EVAL_INSTALL = "pip install 'ghostdistill[zeroshot]'"
 
 #: The zero-shot suite of the layer-pruning papers we compare with.
 PAPER_TASKS: tuple[str, ...] = (
@@ -61,7 +72,6 @@ PAPER_TASKS: tuple[str, ...] = (
 OFFLINE_TASKS: tuple[str, ...] = tuple(_loaders.TASK_FILES)
 
 #: Metrics copied from lm-eval's results into the summary (when the task has them).
-_METRICS: tuple[str, ...] = ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")
 
 #: lm-eval warnings that are expected here and say nothing about the run.
 _NOISE: tuple[str, ...] = (
@@ -74,47 +84,29 @@ _NOISE: tuple[str, ...] = (
     "Overwriting default num_fewshot",
 )
 
-log = logging.getLogger(__name__)
 
+def require_lm_eval() -> None:
+    """Fail with the install command when lm-evaluation-harness is missing (zero-shot evaluation needs it;
+    nothing else does). Cheap: it finds the package without importing it.
 
-class ZeroShotResults(dict[str, dict[str, float]]):
-    """The summary returned by :func:`evaluate_zeroshot`: a plain dict, plus ``raw``.
-
-    ``raw`` is lm-eval's full ``simple_evaluate`` output, with lm-eval's task
-    names (task configs, versions, sample counts and, with ``log_samples=True``,
-    its ``"samples"``), for anyone who needs more than the summary.  It is not
-    part of the dict's items and is dropped when the summary is pickled or
-    copied: it holds task callables that need not pickle.
+    Raises:
+        ImportError: lm-eval is not installed; the message names the ``zeroshot`` extra.
     """
-
-    def __init__(self, *args: Any, raw: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.raw: dict[str, Any] = raw if raw is not None else {}
-
-    def __reduce__(self) -> tuple[type[ZeroShotResults], tuple[dict[str, dict[str, float]]]]:
-        return (type(self), (dict(self),))
-
-    @property
-    def samples(self) -> dict[str, list[dict[str, Any]]] | None:
-        """lm-eval's per-document records by lm-eval task name (``log_samples=True`` only)."""
-        return self.raw.get("samples")
+    try:
+        found = importlib.util.find_spec("lm_eval") is not None
+    except (ImportError, ValueError):  # a broken or spec-less lm_eval entry in sys.modules
+        found = False
+    if not found:
+        raise ImportError(
+            f"zero-shot evaluation (evaluation.zeroshot) needs lm-evaluation-harness, which is not installed: "
+            f"{LM_EVAL_INSTALL}",
+            name="lm_eval",
+        )
 
 
 def offline_task_name(task: str) -> str:
     """The lm-eval name of the offline definition of ``task`` (e.g. ``ghostdistill_piqa``)."""
     return _loaders.TASK_PREFIX + task
-
-
-def _plain_name(lm_eval_name: str) -> str:
-    return lm_eval_name.removeprefix(_loaders.TASK_PREFIX)
-
-
-def _as_list(tasks: Sequence[str] | str) -> list[str]:
-    # A bare string is a Sequence[str] too; treat it as one task, not letters.
-    names = [tasks] if isinstance(tasks, str) else list(tasks)
-    if not names:
-        raise ValueError("no tasks given")
-    return list(dict.fromkeys(names))  # drop repeats, keep order
 
 
 def check_offline_tasks(tasks: Sequence[str], data_dir: str | os.PathLike[str]) -> None:
@@ -138,6 +130,7 @@ def _check_offline(tasks: list[str], data_dir: str | os.PathLike[str]) -> None:
 @functools.cache
 def _registry() -> TaskManager:
     # Indexing lm-eval's ~15k task YAMLs takes tens of seconds; do it once per process.
+    require_lm_eval()
     from lm_eval.tasks import TaskManager
 
     return TaskManager()
@@ -156,6 +149,7 @@ def _check_online(tasks: list[str], manager: TaskManager) -> None:
 def _task_manager(data_dir: str | os.PathLike[str] | None) -> TaskManager:
     if data_dir is None:
         return _registry()
+    require_lm_eval()
     from lm_eval.tasks import TaskManager
 
     # Only our folder: the offline run must not fall back on a hub task, and
@@ -200,7 +194,9 @@ def _preserve_state(model: transformers.PreTrainedModel) -> Iterator[None]:
     modes = [(m, m.training) for m in model.modules()]
     py_state, np_state = random.getstate(), np.random.get_state()
     device = model.device
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    devices = (
+        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    )
     try:
         with torch.random.fork_rng(devices=devices):
             yield
@@ -209,66 +205,6 @@ def _preserve_state(model: transformers.PreTrainedModel) -> Iterator[None]:
         np.random.set_state(np_state)
         for module, training in modes:
             module.training = training
-
-
-def _summarize(raw: dict[str, Any], order: Sequence[str]) -> ZeroShotResults:
-    groups = set(raw.get("group_subtasks", {}))
-    per_task: dict[str, dict[str, float]] = {}
-    for name, metrics in raw["results"].items():
-        if name in groups:
-            continue  # group rows repeat their subtasks' numbers
-        row: dict[str, float] = {}
-        for metric in _METRICS:
-            value = metrics.get(f"{metric},none")
-            # lm-eval reports "N/A" for a stderr it could not compute.
-            if isinstance(value, (int, float)):
-                row[metric] = float(value)
-        if "acc" not in row:
-            log.warning("task %s reports no acc; left out of the summary", name)
-            continue
-        row["n"] = int(raw["n-samples"][name]["effective"])
-        per_task[_plain_name(name)] = row
-
-    rank = {name: i for i, name in enumerate(order)}
-    summary = ZeroShotResults(sorted(per_task.items(), key=lambda kv: rank.get(kv[0], len(rank))), raw=raw)
-    if per_task:
-        summary["average"] = average_scores(per_task)
-    return summary
-
-
-def average_scores(per_task: dict[str, dict[str, float]]) -> dict[str, float]:
-    """The papers' average: mean ``acc`` over tasks; ``acc_norm`` over the tasks that report it."""
-    rows = [r for name, r in per_task.items() if name != "average"]
-    if not rows:
-        raise ValueError("no task scores to average")
-    average = {"acc": sum(r["acc"] for r in rows) / len(rows)}
-    with_norm = [r["acc_norm"] for r in rows if "acc_norm" in r]
-    if with_norm:
-        average["acc_norm"] = sum(with_norm) / len(with_norm)
-    return average
-
-
-def task_limits(tasks: Sequence[str], limit: int | dict[str, int | None] | None) -> dict[str, int | None]:
-    """Items to score per task: one ``limit`` for all, or a ``{task: limit}`` map (absent tasks: all items).
-
-    Raises:
-        ValueError: a limit that is not a positive integer, or a map naming a task not in ``tasks``.
-    """
-
-    def check(value: int | None, where: str) -> int | None:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"zero-shot limit{where} must be a positive integer or null (all items), got {value!r}")
-        return value
-
-    names = _as_list(tasks)
-    if not isinstance(limit, dict):
-        return {t: check(limit, "") for t in names}
-    unknown = [t for t in limit if t not in names]
-    if unknown:
-        raise ValueError(
-            f"zero-shot limit names task(s) {', '.join(map(repr, unknown))} that are not in tasks: {', '.join(names)}"
-        )
-    return {t: check(limit.get(t), f" for {t!r}") for t in names}
 
 
 def evaluate_zeroshot(
@@ -308,11 +244,13 @@ def evaluate_zeroshot(
     Raises:
         ValueError: an unknown task name (the message lists the valid ones).
         FileNotFoundError: offline, a task's data file is missing (names task and path).
+        ImportError: lm-eval is not installed (the message names the ``zeroshot`` extra).
     """
     names = _as_list(tasks)
     # Validate before importing lm-eval's model code or touching the model.
     if data_dir is not None:
         _check_offline(names, data_dir)
+    require_lm_eval()
     manager = _task_manager(data_dir)
     if data_dir is None:
         _check_online(names, manager)

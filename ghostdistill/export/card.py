@@ -47,9 +47,7 @@ def model_card(info: dict, kind: str) -> str:
             first = source.get("first_document") or 0
             count = source.get("max_documents")
             docs = (
-                f", documents {first}–{first + count - 1}"
-                if count
-                else (f", documents from {first}" if first else "")
+                f", documents {first}–{first + count - 1}" if count else (f", documents from {first}" if first else "")
             )
             source = f"{source.get('source')}{docs}"
         lines.append(
@@ -70,9 +68,7 @@ def model_card(info: dict, kind: str) -> str:
         for source, m in metrics.items():
             kl = f"{m['kl']:.4f}" if "kl" in m else "–"
             top1 = f"{m['top1']:.4f}" if "top1" in m else "–"
-            lines.append(
-                f"| {source} | {m['ppl']:.4f} | {kl} | {top1} | {m.get('tokens', '–')} |"
-            )
+            lines.append(f"| {source} | {m['ppl']:.4f} | {kl} | {top1} | {m.get('tokens', '–')} |")
         reference = info.get("reference_metrics") or {}
         for name, per_source in reference.items():
             cells = ", ".join(f"{s} {m['ppl']:.2f}" for s, m in per_source.items())
@@ -80,12 +76,9 @@ def model_card(info: dict, kind: str) -> str:
         ev = info.get("evaluation") or {}
         if ev.get("sources"):
             described = "; ".join(
-                f"{name}: {s.get('windows')} windows of {s.get('source')}"
-                for name, s in ev["sources"].items()
+                f"{name}: {s.get('windows')} windows of {s.get('source')}" for name, s in ev["sources"].items()
             )
-            lines.append(
-                f"\nEvaluation: windows of {ev.get('seq_len')} tokens; {described}."
-            )
+            lines.append(f"\nEvaluation: windows of {ev.get('seq_len')} tokens; {described}.")
     lines += ["", "## Loading", ""]
     if kind == "operators":
         lines += [

@@ -13,7 +13,8 @@ are dropped. Blocks that change (merged or folded) are copies, so the in-memory 
 every other tensor is written from the live model without a copy. `config.json` records the plan and
 what produced the view (`ghostdistill` key); the tokenizer, the generation config and a model card
 (README.md) come along. The folder is written beside the target and renamed into place; an existing
-folder is replaced only with `overwrite`.
+folder is replaced only with `overwrite`. It gets the permissions `save_pretrained` would give under the
+user's umask (the temporary folder it is written in would leave it readable by its owner only).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ..core import modeling_ghostdistill
 from ..core.modeling_ghostdistill import GhostPrunedConfig
 from ..core.views import _ADAPTER_PARTS, DENSE, PRUNED, PrunedModel, copy_block
 from ..methods import GapFit, get_method
+from . import fold as residual_fold
 from .card import model_card
 
 WRAPPER_AUTO_MAP = {
@@ -88,12 +90,11 @@ def export_view(
             if generation is not None:
                 generation.save_pretrained(tmp)
         if kind == "operators":
-            shutil.copyfile(
-                modeling_ghostdistill.__file__, tmp / "modeling_ghostdistill.py"
-            )
+            shutil.copyfile(modeling_ghostdistill.__file__, tmp / "modeling_ghostdistill.py")
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / "README.md").write_text(model_card(info, kind))
+        _publish_permissions(tmp)
         _replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -106,15 +107,11 @@ def _view_state(pruned: PrunedModel, view: str, method: str | None, info: dict):
     model, plan = pruned.model, pruned.plan
     operators = dict(pruned.operators[view]) if view not in (DENSE, PRUNED) else {}
     mlp_maps = dict(pruned.mlp_maps[view]) if view not in (DENSE, PRUNED) else {}
-    folds = (
-        bool(operators or mlp_maps) and method is not None and get_method(method).folds
-    )
+    folds = bool(operators or mlp_maps) and method is not None and get_method(method).folds
     if (operators or mlp_maps) and method is None:
         raise ValueError(f"view {view!r} has operators: name its method to export it")
     if mlp_maps and not folds:
-        raise ValueError(
-            f"view {view!r} has MLP maps but method {method!r} cannot fold them into weights"
-        )
+        raise ValueError(f"view {view!r} has MLP maps but method {method!r} cannot fold them into weights")
     layers = list(pruned.stack.layers)
     adapted = any(view in getattr(m, "lora_A", {}) for b in layers for m in b.modules())
     changed = adapted or folds
@@ -135,15 +132,15 @@ def _view_state(pruned: PrunedModel, view: str, method: str | None, info: dict):
             fit = GapFit(operator=operators.get(gap.key), mlp_map=mlp_maps.get(gap.key))
             get_method(method).fold(by_dense, gap, fit)
     if changed:
-        pruned.stack.set_layers(
-            layers
-        )  # undone when the caller's `use` restores the view
+        pruned.stack.set_layers(layers)  # undone when the caller's `use` restores the view
     state = _clean(model.state_dict())
     text = copy.deepcopy(pruned.config)
     for attr in ("quantization_config",):
         if hasattr(text, attr):
             delattr(text, attr)
     text.architectures = [type(model).__name__]
+    if folds and getattr(get_method(method), "folds_embedding", False):
+        residual_fold.fold_embedding(model, plan, operators, state, text)  # E·Q₁⋯Qₙ; a tied head is untied
     if operators and not folds:
         prefix = "pruned."
         state = {prefix + k: v for k, v in state.items()}
@@ -196,14 +193,10 @@ def _path_of(model: nn.Module, target: nn.Module) -> str:
     for name, module in model.named_modules():
         if module is target:
             return name
-    raise ValueError(
-        f"the decoder blocks are not a submodule of {type(model).__name__}"
-    )
+    raise ValueError(f"the decoder blocks are not a submodule of {type(model).__name__}")
 
 
-def _save_weights(
-    model: nn.Module, state: dict[str, torch.Tensor], folder: Path
-) -> None:
+def _save_weights(model: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
     """safetensors shards; a tied output head is left to the loader, which ties it again."""
     from huggingface_hub import save_torch_state_dict
 
@@ -215,6 +208,25 @@ def _save_weights(
             del state[t]
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     save_torch_state_dict(tensors, folder, max_shard_size="5GB")
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
+    os.umask(mask)
+    return mask
+
+
+def _publish_permissions(folder: Path) -> None:
+    """What a folder written in place by `save_pretrained` gets: directories 0o777 and files 0o666 less the
+    umask. `tempfile.mkdtemp` creates 0o700 and safetensors' temporary files are 0o600, which a serving
+    process running as another user cannot read."""
+    mask = _umask()
+    for root, _dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)
 
 
 def _replace(tmp: Path, target: Path) -> None:

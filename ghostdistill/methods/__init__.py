@@ -8,22 +8,43 @@
 | `linearpatch` | W = H·diag(s)·Hᵀ per gap (LinearPatch); `variant: diag` uses H = I           | `linearpatch.py`|
 | `replaceme`   | T on the MLP output of the block before the gap, folded into its down_proj  | `replaceme.py`  |
 | `magnitude`   | one scalar per gap (Prune&Comp), folded into the later blocks' output projections | `magnitude.py` |
+| `rotation`    | W = c·Q per gap (weighted Procrustes), first-position tokens shifted apart    | `rotation.py`   |
+| `rotation_through` | W = c·Q for every token; folded into the weights at export (plain architecture) | `rotation.py` |
+
+Each method reads its own keys of `RecoveryConfig` (its `keys`, with their defaults, registered with
+it); a recovery entry setting a key its method does not read is rejected (`validate_recovery`):
+
+| method            | keys (defaults)                                                                      |
+|-------------------|--------------------------------------------------------------------------------------|
+| `none`            | none                                                                                 |
+| `ghost`           | fit (first_weighted), bias (false), scale (none), solver (ridge), ridge (1e-4), order (sequential) |
+| `ghost_symmetric` | as `ghost` but no `solver`                                                           |
+| `linearpatch`     | variant (rotate), order (sequential)                                                 |
+| `rotation`, `rotation_through` | order (sequential)                                                    |
+| `replaceme`       | solver (ridge), ridge (1e-4), order (sequential)                                     |
+| `magnitude`       | order (sequential)                                                                   |
 
 Adding a method: a new module that calls `register(...)` on an object implementing `base.Method`,
-and its name in the import line below.
+and its name in the import line below. The object's `keys` names the `RecoveryConfig` fields its fit
+reads, each with its default (e.g. ``keys = {"variant": "rotate", **ORDER_KEYS}``; without `keys` it
+reads `order` only); a setting no field holds yet is a new `RecoveryConfig` field defaulting to None
+(unset), documented there with the methods that read it.
 """
 
-from . import ghost, ghost_symmetric, linearpatch, magnitude, none, replaceme  # noqa: F401  (the registry)
+from . import ghost, ghost_symmetric, linearpatch, magnitude, none, replaceme, rotation  # noqa: F401  (the registry)
 from .base import (
     Collector,
     GapFit,
     GapTaps,
     Method,
     RecoveryConfig,
+    drop_flat_defaults,
     fit_gap,
+    flat_settings,
     get_method,
     identity_fit,
     make_collectors,
+    method_keys,
     needs_mlp,
     register,
     registered,
@@ -37,10 +58,13 @@ __all__ = [
     "GapTaps",
     "Method",
     "RecoveryConfig",
+    "drop_flat_defaults",
     "fit_gap",
+    "flat_settings",
     "get_method",
     "identity_fit",
     "make_collectors",
+    "method_keys",
     "needs_mlp",
     "register",
     "registered",

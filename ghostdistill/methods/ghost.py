@@ -17,8 +17,7 @@ apart:
 | `plain`          | every token (the paper)                       | x·W                                |
 | `weighted`       | every token, weighted 1/max(‖x_pre‖, ‖x_post‖) | x·W                               |
 
-Two options change the objective of any fit (the issue-12 experiments, README "Training-free fit
-variants"):
+Two options change the objective of any fit (measured in docs/results/fit-variants.md):
 
 - `bias: true` fits an affine map x + x·M + c. With per-token weights w, c = μ_D − μ_X·M (weighted
   means) and M solves the centred normal equations A − n·μ_Xᵀμ_X, B − n·μ_Xᵀμ_D (the ridge acts on M only).
@@ -27,12 +26,14 @@ variants"):
   s restores the energy the next blocks expect (LinearPatch and Prune&Comp match magnitudes the same way).
 
 The symmetric-constrained fit (`methods/ghost_symmetric.py`) reads the same statistics. One pass
-accumulates every variant's sums, split by token group and weighting, plus the weighted first
-moments and Σ w²‖d‖² that the bias, the scale and the alignment error (`objective`) need.
+accumulates the sums of every variant the run fits, split by token group and weighting (`fit_groups`:
+a collector holds only the groups its recovery entries read; by default every group), plus the
+weighted first moments and Σ w²‖d‖² that the bias, the scale and the alignment error (`objective`) need.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,7 @@ import torch
 from ..core.operator import GhostOperator
 from ..core.plan import Gap
 from ..core.solver import solve, solve_symmetric
-from .base import GapFit, GapTaps, NoFold, RecoveryConfig, register, residual_identity
+from .base import ORDER_KEYS, SOLVE_KEYS, GapFit, GapTaps, NoFold, RecoveryConfig, register, residual_identity
 
 
 @dataclass
@@ -57,6 +58,10 @@ class GhostStatistics:
     Per weighting (`plain`: 1, `weighted`: 1/max(‖x_pre‖, ‖x_post‖), `normed`: 1/‖x_post‖) and group
     (`rest`: every token but the first position, `first`: only them), with w the token's weight:
     `xtx` = Σ w² x xᵀ, `xtd` = Σ w² x dᵀ, `xsum` = Σ w² x, `dsum` = Σ w² d, `scalars` = (Σ w², Σ w²‖d‖²).
+
+    `groups` (default: all of `GROUPS`) are the ones accumulated (`fit_groups` of the run's entries): each
+    group's sums are computed as they would be with every group kept, so a fit reading only kept groups
+    gets bit-identical sums. The first-position mean shift and the token counts are always kept.
     """
 
     WEIGHTINGS = ("plain", "weighted", "normed")
@@ -65,14 +70,21 @@ class GhostStatistics:
     # (reported only: it tells the user whether sinks other than the first token exist).
     MASSIVE_RATIO = 20.0
 
-    def __init__(self, hidden_size: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, hidden_size: int, device: torch.device | str = "cpu", groups: Iterable[str] | None = None
+    ) -> None:
         c = hidden_size
+        wanted = set(self.GROUPS if groups is None else groups)
+        unknown = sorted(wanted - set(self.GROUPS))
+        if unknown or not wanted:
+            raise ValueError(f"ghost statistics groups {unknown or '(none)'}: choose from {list(self.GROUPS)}")
+        self.groups = tuple(g for g in self.GROUPS if g in wanted)
         z = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=device)  # noqa: E731
-        self.xtx = {g: z(c, c) for g in self.GROUPS}
-        self.xtd = {g: z(c, c) for g in self.GROUPS}
-        self.xsum = {g: z(c) for g in self.GROUPS}
-        self.dsum = {g: z(c) for g in self.GROUPS}
-        self.scalars = {g: z(2) for g in self.GROUPS}
+        self.xtx = {g: z(c, c) for g in self.groups}
+        self.xtd = {g: z(c, c) for g in self.groups}
+        self.xsum = {g: z(c) for g in self.groups}
+        self.dsum = {g: z(c) for g in self.groups}
+        self.scalars = {g: z(2) for g in self.groups}
         self.first_delta_sum = z(c)
         self.counts = TokenCounts()
 
@@ -84,20 +96,24 @@ class GhostStatistics:
         d = x_post[keep].to(torch.float64) - x
         is_first = first[keep]
         post_norm = (x + d).norm(dim=-1)
+        kinds = {k.rsplit("_", 1)[0] for k in self.groups}
         weights = {
-            "plain": None,
-            "weighted": 1.0 / torch.maximum(x.norm(dim=-1), post_norm).clamp_min(1e-12),
-            "normed": 1.0 / post_norm.clamp_min(1e-12),
+            "plain": lambda: None,
+            "weighted": lambda: 1.0 / torch.maximum(x.norm(dim=-1), post_norm).clamp_min(1e-12),
+            "normed": lambda: 1.0 / post_norm.clamp_min(1e-12),
         }
+        weights = {kind: make() for kind, make in weights.items() if kind in kinds}
         for group, rows in (("rest", ~is_first), ("first", is_first)):
             if not rows.any():
                 continue
             for kind, weight in weights.items():
+                key = f"{kind}_{group}"
+                if key not in self.xtx:
+                    continue
                 xs, ds = x[rows], d[rows]
                 if weight is not None:
                     w = weight[rows].unsqueeze(1)
                     xs, ds = xs * w, ds * w
-                key = f"{kind}_{group}"
                 self.xtx[key] += xs.T @ xs
                 self.xtd[key] += xs.T @ ds
                 # Weighted first moments: Σ w²·x = Σ (w·x)·w.
@@ -115,7 +131,14 @@ class GhostStatistics:
     def group_keys(self, weighting: str, include_first: bool) -> list[str]:
         if weighting not in self.WEIGHTINGS:
             raise ValueError(f"weighting {weighting!r} is not known; choose one of {self.WEIGHTINGS}")
-        return [f"{weighting}_rest"] + ([f"{weighting}_first"] if include_first else [])
+        keys = _keys(weighting, include_first)
+        missing = [k for k in keys if k not in self.xtx]
+        if missing:
+            raise ValueError(
+                f"ghost statistics hold groups {list(self.groups)}, not {missing}: the collector was sized for "
+                "other recovery entries (make it with make_collectors(..., recovery=<every entry fitted>))"
+            )
+        return keys
 
     def normal_equations(self, weighted: bool | str, include_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(Σ w² x xᵀ, Σ w² x dᵀ) over the chosen groups; `weighted` is a weighting name, or a bool for
@@ -145,11 +168,12 @@ class GhostStatistics:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        missing = [k for k in ("xtx", "xtd", "xsum", "dsum", "scalars") if set(state.get(k, {})) != set(self.GROUPS)]
+        missing = [k for k in ("xtx", "xtd", "xsum", "dsum", "scalars") if set(state.get(k, {})) != set(self.groups)]
         if missing:
             raise ValueError(
-                f"ghost statistics {missing} lack groups of this version ({list(self.GROUPS)}): the state comes from "
-                "an older version and cannot be resumed"
+                f"ghost statistics {missing} do not hold the groups of this collector ({list(self.groups)}): the "
+                "state comes from an older version or from a collector sized for other recovery entries, and "
+                "cannot be resumed"
             )
         for key in ("xtx", "xtd", "xsum", "dsum", "scalars"):
             setattr(self, key, {k: v.to(torch.float64) for k, v in state[key].items()})
@@ -157,8 +181,9 @@ class GhostStatistics:
         self.counts = TokenCounts(**state["counts"])
 
 
-def objective(stats: GhostStatistics, delta: torch.Tensor, bias: torch.Tensor | None, weighting: str,
-              include_first: bool) -> tuple[float, float]:
+def objective(
+    stats: GhostStatistics, delta: torch.Tensor, bias: torch.Tensor | None, weighting: str, include_first: bool
+) -> tuple[float, float]:
     """(Σ w²‖x·M + c − d‖², Σ w²‖d‖²) over the chosen groups, from the sums alone: what the closed form
     minimises, and the same error for M = 0 (the pruned model). Their ratio squared-rooted is the
     alignment error ‖X_pre W − X_post‖ / ‖X_post − X_pre‖."""
@@ -170,14 +195,62 @@ def objective(stats: GhostStatistics, delta: torch.Tensor, bias: torch.Tensor | 
     return max(err, 0.0), dd
 
 
-class Ghost(NoFold):
-    name = "ghost"
+# What every ghost fit reads (`ghost_symmetric` all but `solver`), with the defaults.
+GHOST_KEYS = {"fit": "first_weighted", "bias": False, "scale": "none", **SOLVE_KEYS, **ORDER_KEYS}
 
-    def collector(self, hidden_size: int, device: torch.device | str) -> GhostStatistics:
-        return GhostStatistics(hidden_size, device=device)
+
+FIT_WEIGHTING = {
+    "first_weighted": "weighted",
+    "first_normed": "normed",
+    "first": "plain",
+    "plain": "plain",
+    "weighted": "weighted",
+}
+
+
+def fit_groups(cfgs: Iterable[RecoveryConfig]) -> tuple[str, ...]:
+    """The `GhostStatistics` groups that fitting `cfgs` (ghost or ghost_symmetric entries) reads, in
+    `GROUPS` order: the fit's weighting over the ordinary tokens, and over the first position too for the
+    fits that do not map it apart (`plain`, `weighted`). `bias` and `scale` read the same groups' moments."""
+    wanted = set()
+    for cfg in cfgs:
+        cfg = cfg.resolved()
+        wanted.update(_keys(FIT_WEIGHTING[cfg.fit], include_first=not cfg.fit.startswith("first")))
+    return tuple(g for g in GhostStatistics.GROUPS if g in wanted)
+
+
+def _keys(weighting: str, include_first: bool) -> list[str]:
+    return [f"{weighting}_rest"] + ([f"{weighting}_first"] if include_first else [])
+
+
+# The groups some fit reads (all but `normed_first`: `first_normed` maps the first position apart).
+READ_GROUPS = fit_groups(RecoveryConfig(fit=f) for f in FIT_WEIGHTING)
+
+
+class GhostCollectorMixin:
+    """The statistics of `ghost` and `ghost_symmetric`: every group (`parts=None`), or the given ones."""
+
+    all_parts = GhostStatistics.GROUPS
+
+    def collector(
+        self, hidden_size: int, device: torch.device | str, parts: Iterable[str] | None = None
+    ) -> GhostStatistics:
+        return GhostStatistics(hidden_size, device=device, groups=parts)
+
+    def parts(self, cfgs: Iterable[RecoveryConfig]) -> tuple[str, ...]:
+        """What fitting `cfgs` reads (`make_collectors(..., recovery=...)` sizes the collector to it); every
+        group when `cfgs` read every group some fit reads (`normed_first` is read by none), so a run of every
+        variant keeps the layout (and the saved states) of the all-variants collector."""
+        groups = fit_groups(cfgs)
+        return GhostStatistics.GROUPS if groups == READ_GROUPS else groups
+
+
+class Ghost(GhostCollectorMixin, NoFold):
+    name = "ghost"
+    keys = GHOST_KEYS
 
     def validate(self, cfg: RecoveryConfig) -> None:
-        pass  # `fit`, `solver` and `ridge` are checked with every recovery entry (`validate_recovery`)
+        pass  # its `keys` are checked with every recovery entry (`validate_recovery`)
 
     def fit(self, cfg: RecoveryConfig, gap: Gap, stats: GhostStatistics, hidden_size: int) -> GapFit:
         return GapFit(operator=fit_ghost(cfg, gap, stats))
@@ -186,13 +259,10 @@ class Ghost(NoFold):
         return residual_identity(cfg, hidden_size)
 
 
-FIT_WEIGHTING = {"first_weighted": "weighted", "first_normed": "normed", "first": "plain", "plain": "plain",
-                 "weighted": "weighted"}
-
-
 def fit_ghost(cfg: RecoveryConfig, gap: Gap, stats: GhostStatistics, *, symmetric: bool = False) -> GhostOperator:
     """Solve one gap's operator for the fit variant `cfg.fit` with `cfg.bias` and `cfg.scale` (float64
-    solve, stored in float32); `symmetric` constrains M = Mᵀ (`solve_symmetric`)."""
+    solve, stored in float32); `symmetric` constrains M = Mᵀ (`solve_symmetric`, which reads no `solver`)."""
+    cfg = cfg.resolved()
     separate_first = cfg.fit.startswith("first")
     weighting = FIT_WEIGHTING[cfg.fit]
     include_first = not separate_first

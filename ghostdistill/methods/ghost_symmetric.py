@@ -6,32 +6,24 @@ constructions cannot reach. This method fits the best symmetric W on exactly the
 groups, weighting, ridge and first-position map of `ghost` (`fit`, `bias`, `scale` mean the same), so
 the two views differ only by the constraint and their gap in alignment error and perplexity is what
 symmetry costs. The solve is the Lyapunov equation of `core.solver.solve_symmetric`; `solver` is not
-read (the ridge applies, 0 gives the minimum-norm symmetric solution).
+read, and so rejected (the ridge applies, 0 gives the minimum-norm symmetric solution).
 """
 
 from __future__ import annotations
 
-import torch
-
 from ..core.plan import Gap
 from .base import GapFit, NoFold, RecoveryConfig, register, residual_identity
-from .ghost import GhostStatistics, fit_ghost
+from .ghost import GHOST_KEYS, GhostCollectorMixin, GhostStatistics, fit_ghost
 
 
-class GhostSymmetric(NoFold):
+class GhostSymmetric(GhostCollectorMixin, NoFold):
     name = "ghost_symmetric"
-
-    def collector(
-        self, hidden_size: int, device: torch.device | str
-    ) -> GhostStatistics:
-        return GhostStatistics(hidden_size, device=device)
+    keys = {k: v for k, v in GHOST_KEYS.items() if k != "solver"}
 
     def validate(self, cfg: RecoveryConfig) -> None:
-        pass  # the shared fields are checked with every recovery entry (`validate_recovery`)
+        pass  # its `keys` are checked with every recovery entry (`validate_recovery`)
 
-    def fit(
-        self, cfg: RecoveryConfig, gap: Gap, stats: GhostStatistics, hidden_size: int
-    ) -> GapFit:
+    def fit(self, cfg: RecoveryConfig, gap: Gap, stats: GhostStatistics, hidden_size: int) -> GapFit:
         return GapFit(operator=fit_ghost(cfg, gap, stats, symmetric=True))
 
     def identity(self, cfg: RecoveryConfig, hidden_size: int) -> GapFit:

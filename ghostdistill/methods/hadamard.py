@@ -51,9 +51,7 @@ def _as_order(n: object) -> int:
     try:
         return operator.index(n)  # type: ignore[arg-type]
     except TypeError:
-        raise TypeError(
-            f"Hadamard order must be an integer, got {type(n).__name__} {n!r}"
-        ) from None
+        raise TypeError(f"Hadamard order must be an integer, got {type(n).__name__} {n!r}") from None
 
 
 def _is_pow2(n: int) -> bool:
@@ -114,9 +112,7 @@ def _quadratic_character_of_differences(q: int) -> torch.Tensor:
         raise RuntimeError(f"no primitive polynomial found for GF({q})")
 
     chi = torch.tensor([0] + [1 - 2 * (log[c] % 2) for c in range(1, q)], dtype=torch.int64)
-    digits = torch.tensor(
-        [[(c // w) % p for w in weights] for c in range(q)], dtype=torch.int64
-    )
+    digits = torch.tensor([[(c // w) % p for w in weights] for c in range(q)], dtype=torch.int64)
     w = torch.tensor(weights, dtype=torch.int64)
     diff = ((digits[:, None, :] - digits[None, :, :]) % p) @ w
     return chi[diff]
@@ -247,7 +243,7 @@ def _unsupported_message(n: int) -> str:
         f"no Hadamard matrix of order {n} is known to ghostdistill; supported "
         f"orders are 1, 2, 4, ... (powers of two) and m·2^k for m in "
         f"{{{', '.join(map(str, listed))}, ... ({more} more up to "
-        f"{MAX_BASE_ORDER}, see ghostdistill.hadamard.supported_base_orders())}}; "
+        f"{MAX_BASE_ORDER}, see ghostdistill.methods.hadamard.supported_base_orders())}}; "
         f"the next supported order is {nxt}: pad the hidden size or use "
         f"linearpatch variant 'diag'"
     )

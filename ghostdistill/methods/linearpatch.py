@@ -12,8 +12,9 @@ import torch
 
 from ..core.operator import GhostOperator
 from ..core.plan import Gap
-from .base import GapFit, GapTaps, NoFold, RecoveryConfig, register, residual_identity
+from .base import ORDER_KEYS, GapFit, GapTaps, NoFold, RecoveryConfig, register, residual_identity
 from .hadamard import hadamard_matrix, has_hadamard
+
 
 class LinearPatchStatistics:
     """Per-channel mean magnitudes of X_pre and X_post, in the Hadamard-rotated basis and in the plain one.
@@ -58,6 +59,7 @@ class LinearPatchStatistics:
 
 class LinearPatch(NoFold):
     name = "linearpatch"
+    keys = {"variant": "rotate", **ORDER_KEYS}
 
     def collector(self, hidden_size: int, device: torch.device | str) -> LinearPatchStatistics:
         return LinearPatchStatistics(hidden_size, device=device)
@@ -74,6 +76,7 @@ class LinearPatch(NoFold):
 
 def channel_scales(cfg: RecoveryConfig, stats: LinearPatchStatistics) -> torch.Tensor:
     """s_j = mean|X_post|_j / mean|X_pre|_j, in the rotated basis for ``rotate``, the plain one for ``diag``."""
+    cfg = cfg.resolved()
     if cfg.variant == "rotate":
         stats.hadamard()  # raises for a hidden size with no known Hadamard matrix, naming it
         return stats.sums["post_rot"] / stats.sums["pre_rot"].clamp_min(1e-12)
@@ -82,6 +85,7 @@ def channel_scales(cfg: RecoveryConfig, stats: LinearPatchStatistics) -> torch.T
 
 def fit_linearpatch(cfg: RecoveryConfig, stats: LinearPatchStatistics, hidden_size: int) -> GhostOperator:
     """W = H·diag(s)·Hᵀ (H = I for `diag`), stored as M = W − I."""
+    cfg = cfg.resolved()
     scale = channel_scales(cfg, stats)
     if cfg.variant == "rotate":
         h = stats.hadamard()

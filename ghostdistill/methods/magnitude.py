@@ -14,7 +14,8 @@ from torch import nn
 from ..core.model import ATTN_OUT, MLP_OUT, last_linear, mlp_module
 from ..core.operator import GhostOperator
 from ..core.plan import Gap
-from .base import GapFit, GapTaps, RecoveryConfig, register, residual_identity
+from .base import ORDER_KEYS, GapFit, GapTaps, RecoveryConfig, register, residual_identity
+
 
 class MagnitudeStatistics:
     """Mean token norms of X_pre and X_post: Prune&Comp's single magnitude-compensation scalar."""
@@ -42,6 +43,7 @@ class MagnitudeStatistics:
 class Magnitude:
     name = "magnitude"
     folds = True
+    keys = dict(ORDER_KEYS)
 
     def collector(self, hidden_size: int, device: torch.device | str) -> MagnitudeStatistics:
         return MagnitudeStatistics(hidden_size, device=device)

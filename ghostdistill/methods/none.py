@@ -10,6 +10,7 @@ from .base import GapFit, NoFold, RecoveryConfig, register
 
 class NoRecovery(NoFold):
     name = "none"
+    keys: dict = {}  # nothing to fit, so not even `order`
 
     def collector(self, hidden_size: int, device: torch.device | str) -> None:
         return None

@@ -15,7 +15,7 @@ from ..core.model import MLP_OUT, last_linear, mlp_module
 from ..core.operator import GhostOperator
 from ..core.plan import Gap
 from ..core.solver import solve
-from .base import GapFit, GapTaps, RecoveryConfig, register
+from .base import ORDER_KEYS, SOLVE_KEYS, GapFit, GapTaps, RecoveryConfig, register
 
 
 class ReplaceMeStatistics:
@@ -53,6 +53,7 @@ class ReplaceMeStatistics:
 class ReplaceMe:
     name = "replaceme"
     folds = True
+    keys = {**SOLVE_KEYS, **ORDER_KEYS}
 
     def collector(self, hidden_size: int, device: torch.device | str) -> ReplaceMeStatistics:
         return ReplaceMeStatistics(hidden_size, device=device)
@@ -63,7 +64,15 @@ class ReplaceMe:
     def fit(self, cfg: RecoveryConfig, gap: Gap, stats: ReplaceMeStatistics, hidden_size: int) -> GapFit:
         if gap.start == 0:
             raise ValueError(f"replaceme: gap {gap.key} starts at block 0, there is no MLP before it")
-        t = solve(stats.mtm, stats.mtr, cfg.solver, cfg.ridge, tokens=stats.tokens, what=f"{cfg.name} (replaceme) gap {gap.key}")
+        cfg = cfg.resolved()
+        t = solve(
+            stats.mtm,
+            stats.mtr,
+            cfg.solver,
+            cfg.ridge,
+            tokens=stats.tokens,
+            what=f"{cfg.name} (replaceme) gap {gap.key}",
+        )
         op = GhostOperator(t.shape[0], fused=True)
         op.load_solution(t - torch.eye(t.shape[0], dtype=t.dtype, device=t.device))
         return GapFit(mlp_map=op)

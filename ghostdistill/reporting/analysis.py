@@ -16,11 +16,7 @@ def analysis_section(report: dict) -> str:
     a = report.get("analysis")
     if not a:
         return ""
-    less = (
-        f", less {a['overlapping_windows']} that overlap calibration"
-        if a.get("overlapping_windows")
-        else ""
-    )
+    less = f", less {a['overlapping_windows']} that overlap calibration" if a.get("overlapping_windows") else ""
     intro = (
         f"Operator anatomy and alignment error on {a['held_out_windows']} held-out windows (the first evaluation "
         f"windows{less}; e = ‖X_pre W − X_post‖ / ‖X_post − X_pre‖ on the dense model's streams, 1 = no better "
@@ -65,18 +61,12 @@ def plot_analysis(report: dict, path: Path) -> None:
     for j, view in enumerate(views):
         xs = [i + j * width for i in range(len(gaps))]
         shares = [
-            r["anatomy"]["antisym_share_M"]
-            if isinstance((r := rows.get(view, {})).get("anatomy"), dict)
-            else 0.0
+            r["anatomy"]["antisym_share_M"] if isinstance((r := rows.get(view, {})).get("anatomy"), dict) else 0.0
             for rows in gaps.values()
         ]
         axes[0].bar(xs, shares, width, label=view)
-        other = [
-            rows.get(view, {}).get("held_out_other") or 0.0 for rows in gaps.values()
-        ]
-        first = [
-            rows.get(view, {}).get("held_out_first") or 0.0 for rows in gaps.values()
-        ]
+        other = [rows.get(view, {}).get("held_out_other") or 0.0 for rows in gaps.values()]
+        first = [rows.get(view, {}).get("held_out_first") or 0.0 for rows in gaps.values()]
         bars = axes[2].bar(xs, other, width / 2, label=f"{view} (other)")
         axes[2].bar(
             [x + width / 2 for x in xs],
@@ -89,9 +79,7 @@ def plot_analysis(report: dict, path: Path) -> None:
         for g, rows in gaps.items():
             an = rows.get(view, {}).get("anatomy")
             if isinstance(an, dict):
-                axes[1].semilogy(
-                    an["singular_values"], label=f"{view} {g}", linewidth=1
-                )
+                axes[1].semilogy(an["singular_values"], label=f"{view} {g}", linewidth=1)
     for ax, title in zip(
         axes[::2],
         (
@@ -107,9 +95,7 @@ def plot_analysis(report: dict, path: Path) -> None:
     axes[0].set_ylim(0, 1)
     axes[0].legend(fontsize=7)
     axes[2].axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    axes[2].set_yscale(
-        "log"
-    )  # a method that mangles the massive first token is off the scale otherwise
+    axes[2].set_yscale("log")  # a method that mangles the massive first token is off the scale otherwise
     axes[1].set_title("singular values of M (descending)", fontsize=9)
     axes[1].set_xlabel("index")
     axes[1].legend(fontsize=6)

@@ -46,7 +46,9 @@ def load_spec(path: str) -> dict:
     for plan in spec["plans"]:
         bad = set(plan) - PLAN_KEYS if isinstance(plan, dict) else {"(not a mapping)"}
         if bad:
-            raise ValueError(f"compare file {path}: plan {plan!r} has unknown keys {sorted(bad)}; valid: {sorted(PLAN_KEYS)}")
+            raise ValueError(
+                f"compare file {path}: plan {plan!r} has unknown keys {sorted(bad)}; valid: {sorted(PLAN_KEYS)}"
+            )
     spec.setdefault("root", "runs/compare")
     return spec
 
@@ -100,12 +102,34 @@ def gather(runs: list[tuple[dict, dict]], spec: dict) -> dict:
                 "statistics_s": res["timings"].get("statistics_s"),
             }
             for source, m in entry["metrics"].items():
-                rows.append({**common, "source": source, "ppl": m["ppl"], "kl": m.get("kl"), "top1": m.get("top1"),
-                             "acc": None, "acc_norm": None, "items": None, **cost})
+                rows.append(
+                    {
+                        **common,
+                        "source": source,
+                        "ppl": m["ppl"],
+                        "kl": m.get("kl"),
+                        "top1": m.get("top1"),
+                        "acc": None,
+                        "acc_norm": None,
+                        "items": None,
+                        **cost,
+                    }
+                )
             for task, m in entry.get("zeroshot", {}).items():
                 # items: how many were scored (the average row has none of its own).
-                rows.append({**common, "source": f"zeroshot/{task}", "ppl": None, "kl": None, "top1": None,
-                             "acc": m["acc"], "acc_norm": m.get("acc_norm"), "items": m.get("n"), **cost})
+                rows.append(
+                    {
+                        **common,
+                        "source": f"zeroshot/{task}",
+                        "ppl": None,
+                        "kl": None,
+                        "top1": None,
+                        "acc": m["acc"],
+                        "acc_norm": m.get("acc_norm"),
+                        "items": m.get("n"),
+                        **cost,
+                    }
+                )
     first = runs[0][1]
     return {
         "base": spec["base"],
@@ -141,12 +165,13 @@ def to_markdown(report: dict) -> str:
         f"{cal['windows']} × {cal['seq_len']} tokens, seed {cal['seed']}",
         f"- evaluation: windows of {ev['seq_len']} tokens; "
         + ", ".join(f"{k}: {v['windows']} windows of {v['source']}" for k, v in ev["sources"].items()),
-        "- removed layers: " + "; ".join(
-            f"{p}: {next(r['removed'] for r in rows if r['plan'] == p)}" for p in plans),
+        "- removed layers: " + "; ".join(f"{p}: {next(r['removed'] for r in rows if r['plan'] == p)}" for p in plans),
         "",
     ]
     for source in sources:
-        lines.append(f"Perplexity on {source} (KL to dense in parentheses; fit time in seconds, after the shared statistics pass):")
+        lines.append(
+            f"Perplexity on {source} (KL to dense in parentheses; fit time in seconds, after the shared statistics pass):"
+        )
         lines.append("")
         lines.append("| method | " + " | ".join(plans) + " | fit time (s) |")
         lines.append("|---|" + "---|" * (len(plans) + 1))
@@ -170,7 +195,10 @@ def to_markdown(report: dict) -> str:
         for view in views:
             cells = []
             for p in plans:
-                r = next((r for r in rows if r["plan"] == p and r["view"] == view and r["source"] == "zeroshot/average"), None)
+                r = next(
+                    (r for r in rows if r["plan"] == p and r["view"] == view and r["source"] == "zeroshot/average"),
+                    None,
+                )
                 cells.append("–" if r is None else f"{r['acc']:.3f}")
             lines.append(f"| {view} | " + " | ".join(cells) + " |")
         lines.append("")
@@ -209,4 +237,3 @@ def write(root: Path, report: dict) -> None:
     atomic_write_text(root / "compare.csv", to_csv(report["rows"]))
     atomic_write_text(root / "compare.md", to_markdown(report))
     plot(report, root / "compare.png")
-

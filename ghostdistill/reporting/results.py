@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text
 from .analysis import analysis_section, plot_analysis
+from .report import RunReport
 
 
 def markdown_table(report: dict) -> str:
@@ -20,7 +21,11 @@ def markdown_table(report: dict) -> str:
         row = [view, f"{entry['params'] / 1e6:.1f}"]
         for s in sources:
             m = entry["metrics"][s]
-            row += [f"{m['ppl']:.2f}", f"{m['kl']:.3f}" if "kl" in m else "–", f"{m['top1']:.3f}" if "top1" in m else "–"]
+            row += [
+                f"{m['ppl']:.2f}",
+                f"{m['kl']:.3f}" if "kl" in m else "–",
+                f"{m['top1']:.3f}" if "top1" in m else "–",
+            ]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -51,8 +56,10 @@ def zeroshot_table(report: dict) -> str:
     else:
         scope = f"the first {limit} items of each task"
     source = f"local files in {zs['data_dir']}" if zs.get("data_dir") else "lm-eval's hub datasets"
-    return (f"Zero-shot accuracy (lm-evaluation-harness, acc with acc_norm in parentheses; n = items scored: "
-            f"{scope}; {source}):\n\n" + "\n".join(lines))
+    return (
+        f"Zero-shot accuracy (lm-evaluation-harness, acc with acc_norm in parentheses; n = items scored: "
+        f"{scope}; {source}):\n\n" + "\n".join(lines)
+    )
 
 
 def distill_section(report: dict) -> str:
@@ -162,7 +169,9 @@ def plot_training(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for metric, ax in zip(("kl", "ppl"), axes):
         for view in views:
-            ax.plot([h["step"] for h in history], [h[view][metric] for h in history], marker="o", markersize=3, label=view)
+            ax.plot(
+                [h["step"] for h in history], [h[view][metric] for h in history], marker="o", markersize=3, label=view
+            )
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("validation " + ("KL(teacher ‖ student)" if metric == "kl" else "perplexity"))
         ax.legend(fontsize=8)
@@ -171,7 +180,10 @@ def plot_training(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(run_dir: Path, report: dict) -> list[Path]:
+def write_report(run_dir: Path, report: RunReport | dict) -> list[Path]:
+    """results.json, results.md, results.png and, where the run has them, analysis.png and training.png."""
+    if isinstance(report, RunReport):
+        report = report.to_dict()
     run_dir.mkdir(parents=True, exist_ok=True)
     paths = [run_dir / "results.json", run_dir / "results.md"]
     atomic_write_json(paths[0], report)

@@ -19,20 +19,14 @@ def test_alignment_on_calibration_tokens_equals_the_fit_objective():
         RecoveryConfig(name="gp", fit="plain"),
     ]
     pm, stats = fit_all(model, plan, methods)
-    errors = held_out_alignment(
-        pm, ["dense", "pruned", "g", "gp"], random_batches()
-    )  # fit_all's batches
+    errors = held_out_alignment(pm, ["dense", "pruned", "g", "gp"], random_batches())  # fit_all's batches
     gap = plan.gaps[0].key
     st = stats[gap]["ghost"]
     for view, include_first in (("g", False), ("gp", True)):
         op = pm.operators[view][gap]
-        err, base = objective(
-            st, op.delta.detach().double(), None, "plain", include_first
-        )
+        err, base = objective(st, op.delta.detach().double(), None, "plain", include_first)
         e = errors[gap][view]
-        if (
-            include_first
-        ):  # the plain fit maps every token by W: its objective covers both groups
+        if include_first:  # the plain fit maps every token by W: its objective covers both groups
             got_err, got_base = (
                 e.err["other"] + e.err["first"],
                 e.base["other"] + e.base["first"],
@@ -67,15 +61,8 @@ def test_analyse_reports_every_method_and_symmetric_constructions_have_no_antisy
     for rows in out["gaps"].values():
         assert set(rows) == {"ghost", "sym", "lp", "rm", "mag"}
         assert rows["ghost"]["anatomy"]["antisym_share_M"] > 0.01
-        assert rows["sym"]["anatomy"]["antisym_share_M"] == pytest.approx(
-            0.0, abs=1e-12
-        )
+        assert rows["sym"]["anatomy"]["antisym_share_M"] == pytest.approx(0.0, abs=1e-12)
         assert rows["lp"]["anatomy"]["antisym_share_M"] == pytest.approx(0.0, abs=1e-10)
-        assert rows["rm"]["anatomy"].startswith("n/a") and rows["mag"][
-            "anatomy"
-        ].startswith("n/a")
+        assert rows["rm"]["anatomy"].startswith("n/a") and rows["mag"]["anatomy"].startswith("n/a")
         for view in rows:
-            assert (
-                rows[view]["held_out_other"] is not None
-                and rows[view]["held_out_first"] is not None
-            )
+            assert rows[view]["held_out_other"] is not None and rows[view]["held_out_first"] is not None

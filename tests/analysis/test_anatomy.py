@@ -7,9 +7,7 @@ from ghostdistill.analysis import operator_anatomy
 
 
 def _random(c=12, seed=0):
-    return torch.randn(
-        c, c, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
-    )
+    return torch.randn(c, c, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
 def test_antisymmetric_and_symmetric_operators_have_share_one_and_zero():
@@ -39,9 +37,7 @@ def test_mixed_operator_share_and_spectrum():
     # A rank-one M has effective rank 1; a multiple of the identity has effective rank C.
     u = torch.randn(12, 1, dtype=torch.float64)
     assert operator_anatomy(u @ u.T)["effective_rank_M"] == pytest.approx(1.0, rel=1e-9)
-    assert operator_anatomy(0.3 * torch.eye(12))["effective_rank_M"] == pytest.approx(
-        12.0, rel=1e-9
-    )
+    assert operator_anatomy(0.3 * torch.eye(12))["effective_rank_M"] == pytest.approx(12.0, rel=1e-9)
 
 
 def test_non_square_is_refused():

@@ -1,14 +1,12 @@
 """Sequential fits: student statistics after earlier gaps are repaired, one dense pass for every method."""
 
-
 import torch
-
 from conftest import random_batches, tiny_model
+
 from ghostdistill.calibration.stream import accumulate, accumulate_students
 from ghostdistill.core.plan import PruningPlan
 from ghostdistill.core.views import PrunedModel
-from ghostdistill.methods import RecoveryConfig, fit_gap, identity_fit
-from ghostdistill.methods import make_collectors
+from ghostdistill.methods import RecoveryConfig, fit_gap, identity_fit, make_collectors
 
 C = 64
 
@@ -61,8 +59,11 @@ def test_one_dense_pass_serves_every_student():
         accumulate(model, pm.stack, [first], random_batches(2), {first.key: stats})
         fit = fit_gap(cfg, first, stats[cfg.method], C)
         later = identity_fit(cfg, C)  # the second gap is what the students' statistics are for
-        pm.add_method(cfg.name, {first.key: fit.operator, second.key: later.operator} if fit.operator is not None else {},
-                      {first.key: fit.mlp_map} if fit.mlp_map is not None else {})
+        pm.add_method(
+            cfg.name,
+            {first.key: fit.operator, second.key: later.operator} if fit.operator is not None else {},
+            {first.key: fit.mlp_map} if fit.mlp_map is not None else {},
+        )
 
     def collectors() -> dict:
         return {"ghost": make_collectors({"ghost"}, C, "cpu"), "rm": make_collectors({"ghost", "replaceme"}, C, "cpu")}

@@ -26,9 +26,7 @@ def test_prefixes_equal_separate_passes():
     model = tiny_model("llama", num_layers=6)
     plan = PruningPlan.from_layers([1, 2, 4], 6)
     stack = decoder_stack(model)
-    windows = torch.randint(
-        0, 512, (10, 24), generator=torch.Generator().manual_seed(5)
-    )
+    windows = torch.randint(0, 512, (10, 24), generator=torch.Generator().manual_seed(5))
     methods = {"ghost", "linearpatch", "replaceme"}
     got = dict(
         accumulate_prefixes(
@@ -63,9 +61,7 @@ def _assert_same(a, b):
         assert a == b
 
 
-def test_sensitivity_script_writes_every_source_and_size(
-    tiny_dir, text_files, tmp_path
-):
+def test_sensitivity_script_writes_every_source_and_size(tiny_dir, text_files, tmp_path):
     import json
     import sys
     from pathlib import Path
@@ -104,9 +100,7 @@ def test_sensitivity_script_writes_every_source_and_size(
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((out / "sensitivity.json").read_text())
     assert list(result["curves"]) == ["c4", "wikitext", "mix", "generate"]
-    assert result["dense_c4"] > 1 and all(
-        "ppl_c4" in r for rows in result["curves"].values() for r in rows
-    )
+    assert result["dense_c4"] > 1 and all("ppl_c4" in r for rows in result["curves"].values() for r in rows)
     for rows in result["curves"].values():
         assert [r["windows"] for r in rows] == [2, 4]
         assert all(r["ppl"] > 1 for r in rows)
@@ -132,16 +126,9 @@ def test_sensitivity_script_writes_every_source_and_size(
     run = _run(cmd, root)
     assert run.returncode == 0, run.stderr[-2000:]
     again = json.loads((out / "sensitivity.json").read_text())
-    assert (
-        again["curves"]["c4"] == result["curves"]["c4"]
-        and again["dense"] == result["dense"]
-    )
-    assert again["curves"]["generate"] == [
-        {"windows": 4, "tokens": 64, "ppl": again["curves"]["generate"][0]["ppl"]}
-    ]
-    assert (
-        again["curves"]["generate"][0]["ppl"] != result["curves"]["generate"][1]["ppl"]
-    )
+    assert again["curves"]["c4"] == result["curves"]["c4"] and again["dense"] == result["dense"]
+    assert again["curves"]["generate"] == [{"windows": 4, "tokens": 64, "ppl": again["curves"]["generate"][0]["ppl"]}]
+    assert again["curves"]["generate"][0]["ppl"] != result["curves"]["generate"][1]["ppl"]
 
 
 def _run(cmd: list[str], root) -> subprocess.CompletedProcess:

@@ -1,16 +1,14 @@
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from ghostdistill.calibration.stream import accumulate
 from ghostdistill.core.capture import residual_streams
-from ghostdistill.methods import GapTaps
-from ghostdistill.methods.ghost import GhostStatistics
 from ghostdistill.core.model import decoder_stack
 from ghostdistill.core.plan import PruningPlan
 from ghostdistill.core.views import PrunedModel
-from ghostdistill.methods import RecoveryConfig
-from ghostdistill.methods.ghost import fit_ghost
+from ghostdistill.methods import GapTaps, RecoveryConfig
+from ghostdistill.methods.ghost import GhostStatistics, fit_ghost
 
 
 def _batches(n=4, batch=2, seq=16, seed=0):
@@ -78,8 +76,13 @@ def test_memory_of_statistics_stays_flat_when_tokens_grow(method):
         collector = make_collectors({method}, 16, "cpu")[method]
         for _ in range(batches):
             x = torch.randn(4, 64, 16)
-            taps = GapTaps(x, x + torch.randn(4, 64, 16), torch.ones(4, 64), torch.zeros(4, 64, dtype=torch.bool),
-                           torch.randn(4, 64, 16))
+            taps = GapTaps(
+                x,
+                x + torch.randn(4, 64, 16),
+                torch.ones(4, 64),
+                torch.zeros(4, 64, dtype=torch.bool),
+                torch.randn(4, 64, 16),
+            )
             collector.update(taps)
         buf = io.BytesIO()
         torch.save(collector, buf)  # every attribute, not only what state_dict chooses to show
@@ -147,8 +150,10 @@ def _ppl_kl(pm, ids):
             with pm.use(view) as m:
                 hidden[view] = final_hidden(m, ids, mask)[:, :-1]
     scores = score_hidden(hidden, output_head(pm.model), targets, valid, reference="dense", chunk=64)
-    return {v: (float(s.nll.double().mean().exp()), None if s.kl is None else float(s.kl.double().mean()))
-            for v, s in scores.items()}
+    return {
+        v: (float(s.nll.double().mean().exp()), None if s.kl is None else float(s.kl.double().mean()))
+        for v, s in scores.items()
+    }
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -196,8 +201,11 @@ def test_non_finite_activations_stop_calibration_naming_block_and_batch():
 
     handle = stack.layers[3].register_forward_hook(overflow)
     try:
-        with pytest.raises(FloatingPointError, match=r"calibration batch 5: the residual stream entering block 4 "
-                                                     r"is not finite at 1 token\(s\) \(first: sequence 0, position 4"):
+        with pytest.raises(
+            FloatingPointError,
+            match=r"calibration batch 5: the residual stream entering block 4 "
+            r"is not finite at 1 token\(s\) \(first: sequence 0, position 4",
+        ):
             accumulate(model, stack, plan.gaps, batches, stats, first_batch=3)
     finally:
         handle.remove()
@@ -224,8 +232,11 @@ def test_too_few_tokens_give_the_minimum_norm_fit_and_say_how_many_are_enough():
     stats = {"2-3": {"ghost": GhostStatistics(64)}}
     accumulate(model, stack, plan.gaps, _batches(n=1, batch=2, seq=16), stats)  # 30 regular tokens < 64
     ghost = stats["2-3"]["ghost"]
-    with pytest.warns(RankDeficientWarning, match=r"ghost \(ghost, fit first\) gap 2-3: 30 calibration tokens for "
-                                                  r"hidden size 64.*At least 64 tokens"):
+    with pytest.warns(
+        RankDeficientWarning,
+        match=r"ghost \(ghost, fit first\) gap 2-3: 30 calibration tokens for "
+        r"hidden size 64.*At least 64 tokens",
+    ):
         op = fit_ghost(RecoveryConfig(name="ghost", fit="first"), plan.gaps[0], ghost)
     assert torch.isfinite(op.delta).all()
     # The minimum-norm solution of the same normal equations.

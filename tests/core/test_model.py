@@ -1,9 +1,17 @@
 import pytest
 import torch
+from conftest import TINY_FAMILIES, tiny_model
 from torch import nn
 
-from conftest import TINY_FAMILIES, tiny_model
-from ghostdistill.core.model import ModelConfig, decoder_stack, load_model, load_tokenizer, packaged_gguf, resolve_source, resolve_torch_dtype
+from ghostdistill.core.model import (
+    ModelConfig,
+    decoder_stack,
+    load_model,
+    load_tokenizer,
+    packaged_gguf,
+    resolve_source,
+    resolve_torch_dtype,
+)
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)

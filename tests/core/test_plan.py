@@ -14,8 +14,14 @@ def test_gaps_and_kept():
 
 @pytest.mark.parametrize(
     "layers, match",
-    [([0, 1], "first or last"), ([14, 15], "first or last"), ([3, 3], "twice"), ([16], "out of range"),
-     ([-1], "out of range"), ([], "empty")],
+    [
+        ([0, 1], "first or last"),
+        ([14, 15], "first or last"),
+        ([3, 3], "twice"),
+        ([16], "out of range"),
+        ([-1], "out of range"),
+        ([], "empty"),
+    ],
 )
 def test_invalid_plans_name_the_problem(layers, match):
     with pytest.raises(ValueError, match=match):
@@ -32,7 +38,10 @@ def test_edges_allowed_when_insisted():
 @pytest.mark.parametrize(
     "cfg, match",
     [
-        ({"layers": [2, 3], "num_layers": 7}, r"plan.layers \[2, 3\] and plan.num_layers 7 are both set.*num_layers null"),
+        (
+            {"layers": [2, 3], "num_layers": 7},
+            r"plan.layers \[2, 3\] and plan.num_layers 7 are both set.*num_layers null",
+        ),
         ({"layers": None, "num_layers": None}, "either layers"),
         ({"layers": [], "num_layers": None}, "empty"),
         ({"layers": [4, -2], "num_layers": None}, r"\[-2\] out of range: layers are 0-based"),
@@ -66,8 +75,13 @@ def test_bad_plan_fails_before_the_model_or_tokenizer_is_loaded():
         ({"layers": [0, 1]}, "first or last layer.*allow_edges"),
         ({"layers": [5]}, "first or last layer"),
         ({"layers": list(range(6)), "allow_edges": True}, "removes all 6 layers"),
-        ({"num_layers": 5}, (r"num_layers 5 with plan.criterion 'streamline': cannot remove 5 contiguous layers "
-                             r"from 6 \(keeping the first 1 and last 1; at most 4 can go\)")),
+        (
+            {"num_layers": 5},
+            (
+                r"num_layers 5 with plan.criterion 'streamline': cannot remove 5 contiguous layers "
+                r"from 6 \(keeping the first 1 and last 1; at most 4 can go\)"
+            ),
+        ),
         ({"num_layers": 4, "criterion": "taylor", "keep_first": 2, "keep_last": 1}, "3 are removable"),
         ({"num_layers": 6, "criterion": "block_influence", "allow_edges": True}, "at most 5 can go"),
     ],

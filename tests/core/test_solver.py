@@ -105,12 +105,19 @@ _settings = settings(max_examples=40, deadline=None, suppress_health_check=[Heal
 
 def _random(seed: int, n: int, c: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, c, generator=g, dtype=torch.float64) * scale, torch.randn(c, c, generator=g, dtype=torch.float64)
+    return torch.randn(n, c, generator=g, dtype=torch.float64) * scale, torch.randn(
+        c, c, generator=g, dtype=torch.float64
+    )
 
 
 @_settings
-@given(seed=st.integers(0, 2**31 - 1), c=st.integers(1, 24), extra=st.integers(0, 40),
-       scale=st.floats(1e-3, 1e3), solver=st.sampled_from(["ridge", "lstsq"]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    c=st.integers(1, 24),
+    extra=st.integers(0, 40),
+    scale=st.floats(1e-3, 1e3),
+    solver=st.sampled_from(["ridge", "lstsq"]),
+)
 def test_full_rank_fit_recovers_the_true_operator(seed, c, extra, scale, solver):
     """D = X M exactly and X full rank (n ≥ C random rows): both solvers give back M."""
     x, m = _random(seed, c + extra, c, scale)
@@ -123,8 +130,13 @@ def test_full_rank_fit_recovers_the_true_operator(seed, c, extra, scale, solver)
 
 
 @_settings
-@given(seed=st.integers(0, 2**31 - 1), c=st.integers(2, 24), n=st.integers(1, 23),
-       scale=st.floats(1e-3, 1e3), solver=st.sampled_from(["ridge", "lstsq"]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    c=st.integers(2, 24),
+    n=st.integers(1, 23),
+    scale=st.floats(1e-3, 1e3),
+    solver=st.sampled_from(["ridge", "lstsq"]),
+)
 def test_rank_deficient_fit_is_finite_and_minimum_norm(seed, c, n, scale, solver):
     """Fewer tokens than channels: finite, the minimum-norm solution pinv(X)·D, and a warning that says how
     many tokens would be enough."""
@@ -142,8 +154,13 @@ def test_rank_deficient_fit_is_finite_and_minimum_norm(seed, c, n, scale, solver
 
 
 @_settings
-@given(seed=st.integers(0, 2**31 - 1), c=st.integers(1, 16), n=st.integers(1, 64),
-       factor=st.floats(1e-4, 1e4), ridge=st.floats(1e-6, 1.0))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    c=st.integers(1, 16),
+    n=st.integers(1, 64),
+    factor=st.floats(1e-4, 1e4),
+    ridge=st.floats(1e-6, 1.0),
+)
 def test_scaling_x_and_target_together_leaves_the_ridge_solution_unchanged(seed, c, n, factor, ridge):
     """ε = ridge·tr(XᵀX)/C scales with the data: (sX, sD) gives the same M as (X, D), whatever the rank."""
     g = torch.Generator().manual_seed(seed)

@@ -1,7 +1,7 @@
 import pytest
 import torch
-
 from conftest import TINY_FAMILIES, tiny_model
+
 from ghostdistill.core.operator import GhostOperator
 from ghostdistill.core.plan import PruningPlan
 from ghostdistill.core.views import PrunedModel
@@ -79,15 +79,30 @@ def test_operator_is_applied_at_the_gap_and_to_first_tokens_separately():
 
 @torch.no_grad()
 def test_gap_at_the_end_acts_before_the_final_norm():
+    """With the gap at the end of the stack, the operator maps the last kept block's output and the final
+    norm then normalises x·W. A W that is not a multiple of I (RMSNorm undoes a scale) tells that apart
+    from W applied after the norm, and from no operator at all."""
     model = tiny_model("llama", num_layers=6)
     pm = PrunedModel(model, PruningPlan.from_layers([4, 5], 6, allow_edges=True))
+    delta = 0.5 * torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
     op = GhostOperator(64)
-    op.load_solution(-torch.eye(64))  # W = 0: the final norm sees zeros
-    pm.add_method("zero", {"4-5": op})
+    op.load_solution(delta)  # W = I + delta
+    pm.add_method("ghost", {"4-5": op})
     ids = _ids()
-    with pm.use("zero") as m:
+    norm = model.model.norm
+    seen = {}
+    handle = norm.register_forward_pre_hook(lambda mod, args: seen.__setitem__("x", args[0].clone()))
+    with pm.use("pruned") as m:
+        pruned = m.model(ids).last_hidden_state
+    stream = seen["x"]  # what the final norm receives without the operator: block 3's output
+    with pm.use("ghost") as m:
         hidden = m.model(ids).last_hidden_state
-    assert torch.count_nonzero(hidden) == 0
+    handle.remove()
+    torch.testing.assert_close(seen["x"], stream + stream @ delta)  # the norm now sees x·W
+    before = norm(stream + stream @ delta)
+    after = norm(stream) + norm(stream) @ delta
+    torch.testing.assert_close(hidden, before)
+    assert (before - after).abs().max() > 0.1 and (before - pruned).abs().max() > 0.1
 
 
 def test_bf16_model_with_float32_operator():
@@ -109,3 +124,22 @@ def test_methods_must_cover_every_gap():
         pm.add_method("ghost", {"1-1": GhostOperator(64)})
     with pytest.raises(ValueError, match="reserved"):
         pm.add_method("dense", {"1-1": GhostOperator(64), "3-3": GhostOperator(64)})
+
+
+def test_under_autocast_the_operator_keeps_the_residual_stream_in_its_dtype():
+    """bf16-mixed training: only the product x·M runs in bfloat16; the residual add stays float32 like the
+    teacher's stream (addmm under autocast would round the whole stream to bfloat16)."""
+    from ghostdistill.core.modeling_ghostdistill import GapOperator
+
+    torch.manual_seed(0)
+    op = GapOperator(16)
+    torch.nn.init.normal_(op.delta, std=0.1)
+    x = torch.randn(2, 5, 16) * 30.0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = op(x)
+        product = x.reshape(-1, 16) @ op.delta
+    assert y.dtype == torch.float32 and product.dtype == torch.bfloat16
+    torch.testing.assert_close(y, x + product.float().view_as(x), rtol=0, atol=0)
+    # The stream keeps float32's bits: rounded to bfloat16 (as addmm under autocast does) it would change.
+    assert not torch.equal(y, y.bfloat16().float())
+    torch.testing.assert_close(op(x), x + x @ op.delta.detach(), rtol=1e-5, atol=1e-4)

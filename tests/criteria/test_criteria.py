@@ -1,7 +1,9 @@
 import pytest
 import torch
-
 from conftest import tiny_model
+
+from ghostdistill.core.model import decoder_stack
+from ghostdistill.core.plan import PlanConfig
 from ghostdistill.criteria import (
     block_influence,
     block_similarity,
@@ -11,8 +13,6 @@ from ghostdistill.criteria import (
     protected_edges,
     removal_perplexity,
 )
-from ghostdistill.core.model import decoder_stack
-from ghostdistill.core.plan import PlanConfig
 
 
 def _identity_blocks(model, layers):

@@ -54,6 +54,78 @@ def test_bad_sources_are_named(tmp_path):
         validate_source(TextSource(str(tmp_path / "e.txt"), first_document=-1))
 
 
+@pytest.mark.parametrize(
+    "source, for_eval, split, call, column",
+    [
+        ("wikitext2", True, None, (("Salesforce/wikitext", "wikitext-2-raw-v1"), {"split": "test"}), "text"),
+        ("wikitext2", False, None, (("Salesforce/wikitext", "wikitext-2-raw-v1"), {"split": "train"}), "text"),
+        (
+            "c4",
+            True,
+            None,
+            (
+                ("allenai/c4",),
+                {"data_files": {"validation": "en/c4-validation.00000-of-00008.json.gz"}, "split": "validation"},
+            ),
+            "text",
+        ),
+        (
+            "c4",
+            False,
+            None,
+            (("allenai/c4",), {"data_files": {"train": "en/c4-train.00000-of-01024.json.gz"}, "split": "train"}),
+            "text",
+        ),
+        # A script data set: `datasets` >= 4 refuses its script, so it is read from the hub's parquet conversion.
+        (
+            "ptb",
+            True,
+            None,
+            (("ptb-text-only/ptb_text_only",), {"revision": "refs/convert/parquet", "split": "test"}),
+            "sentence",
+        ),
+        (
+            "ptb",
+            False,
+            "validation",
+            (("ptb-text-only/ptb_text_only",), {"revision": "refs/convert/parquet", "split": "validation"}),
+            "sentence",
+        ),
+    ],
+    ids=["wikitext2_eval", "wikitext2_cal", "c4_eval", "c4_cal", "ptb_eval", "ptb_validation"],
+)
+def test_hub_sources_load_without_a_script(monkeypatch, source, for_eval, split, call, column):
+    """What each hub source asks `datasets.load_dataset` for (offline: the call is recorded, not made). None
+    needs a loading script, which `datasets` >= 4 no longer runs."""
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(*args, **kwargs):
+        calls.append((args, kwargs))
+        return {column: ["first row", "", "second row"]}
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    docs = load_documents(TextSource(source, split=split), for_eval=for_eval)
+    assert calls == [call]
+    assert "trust_remote_code" not in calls[0][1]
+    if source == "ptb":
+        assert docs == (["first row  second row"] if for_eval else ["first row", "", "second row"])
+    elif source == "wikitext2":
+        assert docs == (["first row\n\n\n\nsecond row"] if for_eval else ["first row", "second row"])
+
+
+def test_a_missing_ptb_conversion_says_what_to_do(monkeypatch):
+    import datasets
+
+    def missing(*args, **kwargs):
+        raise datasets.exceptions.DatasetNotFoundError("Revision 'refs/convert/parquet' doesn't exist")
+
+    monkeypatch.setattr(datasets, "load_dataset", missing)
+    with pytest.raises(FileNotFoundError, match=r"refs/convert/parquet.*local file source"):
+        load_documents(TextSource("ptb"), for_eval=True)
+
+
 def test_windows_are_deterministic_for_a_seed(tiny_tokenizer, text_files):
     src = TextSource(str(text_files["jsonl_gz"]))
     a = calibration_windows(tiny_tokenizer, src, 64, 10, seed=0)
@@ -112,7 +184,12 @@ def test_shared_ngrams_finds_overlaps_across_window_boundaries():
         ("empty.txt", "  \n", "text", r"empty.txt is empty \(no text\)"),
         ("empty.jsonl", "", "text", r"empty.jsonl is empty: no JSON records"),
         ("broken.jsonl", '{"text": "a"}\n{"text": \n', "text", r"broken.jsonl: line 2 is not valid JSON"),
-        ("field.jsonl", '{"body": "a"}\n', "text", r"records have no text field 'text' \(they have \['body'\]\); set text_field"),
+        (
+            "field.jsonl",
+            '{"body": "a"}\n',
+            "text",
+            r"records have no text field 'text' \(they have \['body'\]\); set text_field",
+        ),
         ("blank.jsonl", '{"text": ""}\n', "text", r"every record's 'text' field is empty"),
         ("notes.md", "x", "text", r"neither a hub name .* nor a file ending in"),
     ],

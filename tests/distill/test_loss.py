@@ -23,14 +23,18 @@ def _case(seed=0):
     return head, s_hidden, t_hidden, targets, valid
 
 
-@pytest.mark.parametrize("cfg", [
-    LossConfig(),
-    LossConfig(kind="reverse"),
-    LossConfig(kind="symmetric", temperature=2.0),
-    LossConfig(top_k=5),
-    LossConfig(kind="symmetric", top_k=5),
-    LossConfig(ce_weight=0.5, temperature=0.5),
-], ids=["forward", "reverse", "symmetric_t2", "top5", "symmetric_top5", "ce_mix"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        LossConfig(),
+        LossConfig(kind="reverse"),
+        LossConfig(kind="symmetric", temperature=2.0),
+        LossConfig(top_k=5),
+        LossConfig(kind="symmetric", top_k=5),
+        LossConfig(ce_weight=0.5, temperature=0.5),
+    ],
+    ids=["forward", "reverse", "symmetric_t2", "top5", "symmetric_top5", "ce_mix"],
+)
 @pytest.mark.parametrize("chunk", [1, 4, 1000])
 def test_chunked_equals_plain_with_gradients(cfg, chunk):
     cfg.chunk_tokens = chunk
@@ -65,10 +69,16 @@ def test_top_k_renormalises_the_teacher():
     torch.testing.assert_close(token_losses(z_s, z_t, None, LossConfig(top_k=2)), expected)
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("kind", "jeffreys", "kind 'jeffreys'"), ("temperature", 0.0, "temperature"), ("top_k", 0, "top_k"),
-    ("ce_weight", 1.5, "ce_weight"), ("chunk_tokens", 0, "chunk_tokens"),
-])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("kind", "jeffreys", "kind 'jeffreys'"),
+        ("temperature", 0.0, "temperature"),
+        ("top_k", 0, "top_k"),
+        ("ce_weight", 1.5, "ce_weight"),
+        ("chunk_tokens", 0, "chunk_tokens"),
+    ],
+)
 def test_bad_loss_settings_are_named(field, value, match):
     cfg = LossConfig(**{field: value})
     with pytest.raises(ValueError, match=match):

@@ -14,18 +14,13 @@ def test_scores_are_reused_only_when_readable_and_of_the_same_key(tmp_path):
     key = score_key("w", "arc_easy", 10, None)
     store.put("ghost", "arc_easy", key, ROW)
     assert store.get("ghost", "arc_easy", key)["scores"] == ROW["scores"]
-    assert (
-        store.get("ghost", "arc_easy", score_key("other weights", "arc_easy", 10, None))
-        is None
-    )
+    assert store.get("ghost", "arc_easy", score_key("other weights", "arc_easy", 10, None)) is None
 
     path = store.path("ghost", "arc_easy")
     whole = path.read_text()
     path.write_text(whole[: len(whole) // 2])  # truncated
     assert store.get("ghost", "arc_easy", key) is None
-    path.write_text(
-        json.dumps({"key": key, "scores": {"arc_easy": {"accuracy": 0.5}}})
-    )  # rows of another format
+    path.write_text(json.dumps({"key": key, "scores": {"arc_easy": {"accuracy": 0.5}}}))  # rows of another format
     assert store.get("ghost", "arc_easy", key) is None
     path.write_text(json.dumps({"key": key}))  # no scores at all (older format)
     assert store.get("ghost", "arc_easy", key) is None

@@ -44,23 +44,17 @@ def test_exported_ghost_reloads_generates_and_scores_like_the_view(smollm2, tmp_
         accumulate(model, pm.stack, plan.gaps, batches, stats)
         fit_methods([RecoveryConfig(name="ghost")], pm, stats, batches, 576, "cpu")
         assert pm.operators["ghost"]["12-18"].separate_first
-        folder = export_view(
-            pm, "ghost", tmp_path / "ghost", method="ghost", tokenizer=tok
-        )
+        folder = export_view(pm, "ghost", tmp_path / "ghost", method="ghost", tokenizer=tok)
 
         tok.padding_side = "left"
         enc = tok(PROMPTS, return_tensors="pt", padding=True)
         assert (enc["attention_mask"] == 0).any(), "the prompts must really be padded"
-        windows = evaluation_windows(
-            tok, TextSource(str(WIKITEXT_HEAD), join=""), 256, max_windows=4
-        )
+        windows = evaluation_windows(tok, TextSource(str(WIKITEXT_HEAD), join=""), 256, max_windows=4)
         with torch.no_grad(), pm.use("ghost") as view:
             expected = view.generate(**enc, max_new_tokens=16, do_sample=False)
             nll, count = 0.0, 0
             for chunk in windows.split(2):
-                s, n = next_token_nll(
-                    view(input_ids=chunk).logits, chunk, torch.ones_like(chunk)
-                )
+                s, n = next_token_nll(view(input_ids=chunk).logits, chunk, torch.ones_like(chunk))
                 nll, count = nll + float(s), count + n
         ppl = math.exp(nll / count)
 
@@ -98,9 +92,7 @@ def test_exported_ghost_reloads_generates_and_scores_like_the_view(smollm2, tmp_
         )
         assert done.returncode == 0, done.stderr[-3000:]
         out = torch.load(tmp_path / "out.pt")
-        assert out["class"].startswith("transformers_modules.") and out[
-            "class"
-        ].endswith("GhostPrunedForCausalLM")
+        assert out["class"].startswith("transformers_modules.") and out["class"].endswith("GhostPrunedForCausalLM")
         assert torch.equal(out["tokens"], expected), tok.batch_decode(out["tokens"])
         assert out["tokens_scored"] == count
         assert out["ppl"] == pytest.approx(ppl, rel=1e-5)

@@ -44,9 +44,7 @@ def _left_padded(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.fixture(scope="module", params=TINY_FAMILIES)
 def fitted(request):
     torch.manual_seed(0)
-    pm, _ = fit_all(
-        tiny_model(request.param), PruningPlan.from_layers([2, 3], 6), METHODS
-    )
+    pm, _ = fit_all(tiny_model(request.param), PruningPlan.from_layers([2, 3], 6), METHODS)
     # A first-position shift large enough that treating the wrong token as first would show.
     with torch.no_grad():
         pm.operators["ghost"]["2-3"].first_shift.normal_(0, 2.0)
@@ -57,9 +55,7 @@ def fitted(request):
 @torch.no_grad()
 def test_exported_view_reloads_and_matches(fitted, view, tmp_path, tiny_tokenizer):
     family, pm = fitted
-    folder = export_view(
-        pm, view, tmp_path / view, method=METHOD_OF[view], tokenizer=tiny_tokenizer
-    )
+    folder = export_view(pm, view, tmp_path / view, method=METHOD_OF[view], tokenizer=tiny_tokenizer)
     config = json.loads((folder / "config.json").read_text())
     with_operators = view in ("ghost", "lp")
     assert (folder / "modeling_ghostdistill.py").is_file() == with_operators
@@ -69,30 +65,19 @@ def test_exported_view_reloads_and_matches(fitted, view, tmp_path, tiny_tokenize
         from transformers import AutoModelForCausalLM
 
         plain = AutoModelForCausalLM.from_pretrained(folder)
-        assert (
-            type(plain).__name__ == type(pm.model).__name__
-            and config["num_hidden_layers"] == 4
-        )
+        assert type(plain).__name__ == type(pm.model).__name__ and config["num_hidden_layers"] == 4
     assert config["ghostdistill"]["plan"]["removed"] == [2, 3]
     assert (folder / "tokenizer.json").is_file() and (folder / "README.md").is_file()
     reloaded = load_exported(folder)
     ids, mask = _left_padded()
     with pm.use(view) as model:
         expected = model(input_ids=ids, attention_mask=mask).logits
-        expected_tokens = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False
-        )
+        expected_tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     got = reloaded(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
-    tokens = reloaded.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False
-    )
-    assert torch.equal(tokens, expected_tokens), (
-        f"{family}/{view}: greedy generation differs"
-    )
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], (
-        "no temporary folder is left behind"
-    )
+    tokens = reloaded.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(tokens, expected_tokens), f"{family}/{view}: greedy generation differs"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary folder is left behind"
 
 
 @torch.no_grad()
@@ -126,14 +111,10 @@ def test_left_padding_applies_the_first_position_map_to_the_first_real_token(fit
         shift.zero_()
         unshifted = model(input_ids=alone).logits
         shift.copy_(saved)
-        assert (unshifted[0, -1] - single.logits[0][0]).abs().max() > 1e-3, (
-            "the shift should matter"
-        )
+        assert (unshifted[0, -1] - single.logits[0][0]).abs().max() > 1e-3, "the shift should matter"
 
 
-def test_gap_at_the_end_loads_as_remote_code_without_ghostdistill(
-    tmp_path, tiny_tokenizer
-):
+def test_gap_at_the_end_loads_as_remote_code_without_ghostdistill(tmp_path, tiny_tokenizer):
     """A folder with operators loads with trust_remote_code in a process where ghostdistill cannot be
     imported (the folder's own modelling file), here with the gap at the end of the stack."""
     torch.manual_seed(0)
@@ -142,12 +123,8 @@ def test_gap_at_the_end_loads_as_remote_code_without_ghostdistill(
         PruningPlan.from_layers([4, 5], 6, allow_edges=True),
         [METHODS[0]],
     )
-    folder = export_view(
-        pm, "ghost", tmp_path / "ghost", method="ghost", tokenizer=tiny_tokenizer
-    )
-    assert (
-        json.loads((folder / "config.json").read_text())["gaps"][0]["where"] == "output"
-    )
+    folder = export_view(pm, "ghost", tmp_path / "ghost", method="ghost", tokenizer=tiny_tokenizer)
+    assert json.loads((folder / "config.json").read_text())["gaps"][0]["where"] == "output"
     ids, mask = _left_padded()
     torch.save({"ids": ids, "mask": mask}, tmp_path / "inputs.pt")
     code = f"""
@@ -187,17 +164,13 @@ torch.save(out, {str(tmp_path / "out.pt")!r})
         )
         assert torch.equal(
             out["tokens"],
-            model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False
-            ),
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False),
         )
 
 
 def test_existing_folders_are_replaced_only_when_asked(tmp_path):
     torch.manual_seed(0)
-    pm, _ = fit_all(
-        tiny_model("llama"), PruningPlan.from_layers([2, 3], 6), [METHODS[0]]
-    )
+    pm, _ = fit_all(tiny_model("llama"), PruningPlan.from_layers([2, 3], 6), [METHODS[0]])
     folder = export_view(pm, "pruned", tmp_path / "out", method=None)
     with pytest.raises(FileExistsError, match="overwrite"):
         export_view(pm, "ghost", folder, method="ghost")
@@ -211,9 +184,7 @@ def test_existing_folders_are_replaced_only_when_asked(tmp_path):
 
 def test_model_card_states_the_plan_the_repair_and_the_numbers(tmp_path):
     torch.manual_seed(0)
-    pm, _ = fit_all(
-        tiny_model("llama"), PruningPlan.from_layers([2, 3], 6), [METHODS[0]]
-    )
+    pm, _ = fit_all(tiny_model("llama"), PruningPlan.from_layers([2, 3], 6), [METHODS[0]])
     info = {
         "base_model": "tiny",
         "plan": {"num_layers": 6, "removed": [2, 3], "chosen_by": "streamline"},
@@ -245,12 +216,7 @@ def test_model_card_states_the_plan_the_repair_and_the_numbers(tmp_path):
         "trust_remote_code=True",
     ):
         assert text in card, text
-    assert (
-        json.loads((folder / "config.json").read_text())["ghostdistill"]["metrics"][
-            "wiki"
-        ]["ppl"]
-        == 12.3456
-    )
+    assert json.loads((folder / "config.json").read_text())["ghostdistill"]["metrics"]["wiki"]["ppl"] == 12.3456
 
 
 @torch.no_grad()
@@ -261,12 +227,8 @@ def test_a_view_with_its_own_blocks_exports_them(tmp_path):
     from ghostdistill.core.views import copy_block
 
     torch.manual_seed(0)
-    pm, _ = fit_all(
-        tiny_model("llama"), PruningPlan.from_layers([2, 3], 6), [METHODS[0]]
-    )
-    pm.add_method(
-        "ghost_ft", {k: copy.deepcopy(op) for k, op in pm.operators["ghost"].items()}
-    )
+    pm, _ = fit_all(tiny_model("llama"), PruningPlan.from_layers([2, 3], 6), [METHODS[0]])
+    pm.add_method("ghost_ft", {k: copy.deepcopy(op) for k, op in pm.operators["ghost"].items()})
     own = copy_block(pm.dense_layers[4])
     for p in own.parameters():
         p.mul_(1.1)
@@ -291,3 +253,28 @@ def test_affine_operators_are_refused_not_exported_without_their_bias(tmp_path):
     with pytest.raises(ValueError, match="affine operator"):
         export_view(pm, "ghost_bias", tmp_path / "out", method="ghost")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("umask, folder_mode, file_mode", [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640)])
+def test_exported_folders_get_the_permissions_of_the_umask(tmp_path, tiny_tokenizer, umask, folder_mode, file_mode):
+    """As `save_pretrained` writes them (dirs 0o777, files 0o666 less the umask), not the 0o700 folder and
+    0o600 files of the temporary folder it is written in: a server running as another user reads them."""
+    import stat
+
+    torch.manual_seed(0)
+    pm, _ = fit_all(tiny_model("llama"), PruningPlan.from_layers([2, 3], 6), [METHODS[0]])
+    previous = os.umask(umask)
+    try:
+        folder = export_view(pm, "ghost", tmp_path / "ghost", method="ghost", tokenizer=tiny_tokenizer)
+        # Replacing an existing folder publishes the new one the same way.
+        again = export_view(pm, "pruned", tmp_path / "ghost", method=None, tokenizer=tiny_tokenizer, overwrite=True)
+    finally:
+        os.umask(previous)
+    assert again == folder
+    assert stat.S_IMODE(folder.stat().st_mode) == folder_mode
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    assert {"model.safetensors", "config.json", "tokenizer.json", "README.md"} <= {p.name for p in files}
+    modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in files}
+    assert set(modes.values()) == {oct(file_mode)}, modes
+    for sub in (p for p in folder.rglob("*") if p.is_dir()):
+        assert stat.S_IMODE(sub.stat().st_mode) == folder_mode, sub

@@ -16,16 +16,15 @@ import sys
 import time
 
 from ghostdistill.cli import main
-from ghostdistill.lit import callbacks, module
+from ghostdistill.lit import module
+from ghostdistill.pipeline import calibrate as callbacks
 
 
 def busy(phase: str) -> None:
     print(f"PHASE {phase}", flush=True)
     end = time.monotonic() + float(os.environ.get("SLOW_SECONDS", "60"))
     while time.monotonic() < end:
-        sum(
-            i * i for i in range(10_000)
-        )  # pure Python work, like lm-eval's request loop
+        sum(i * i for i in range(10_000))  # pure Python work, like lm-eval's request loop
 
 
 def slow(phase: str) -> None:
@@ -35,9 +34,7 @@ def slow(phase: str) -> None:
 
         def accumulate(*args, **kwargs):
             calls["n"] += 1
-            if (
-                calls["n"] == 3
-            ):  # two batches done and checkpointed: the rerun resumes after them
+            if calls["n"] == 3:  # two batches done and checkpointed: the rerun resumes after them
                 busy(phase)
             return real(*args, **kwargs)
 

@@ -22,9 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_even_shares_count_each_window_once(n, world):
     windows = _Windows(torch.arange(n * 3).view(n, 3))
     shares = [list(EvenShares(windows, world, rank)) for rank in range(world)]
-    assert len({len(s) for s in shares}) == 1, (
-        "every rank runs the same number of windows"
-    )
+    assert len({len(s) for s in shares}) == 1, "every rank runs the same number of windows"
     counted = sorted(i for s in shares for i in s if windows[i]["counted"])
     assert counted == list(range(n)), "each real window is counted exactly once"
     for s in shares:
@@ -33,9 +31,7 @@ def test_even_shares_count_each_window_once(n, world):
 
 
 @pytest.mark.slow  # two CLI runs, one of them two processes (gloo)
-def test_two_processes_give_the_perplexity_of_one_with_an_uneven_window_count(
-    tiny_dir, text_files, tmp_path
-):
+def test_two_processes_give_the_perplexity_of_one_with_an_uneven_window_count(tiny_dir, text_files, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     results = {}
     for devices in (1, 2):

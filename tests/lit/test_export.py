@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_run import tiny_run_args
 
 from ghostdistill.cli import main
 
@@ -16,45 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _args(tiny_dir, text_files, run, *extra):
-    return [
-        "fit",
-        "--config",
-        str(ROOT / "configs" / "smollm2_demo.yaml"),
-        "--model.model.source",
-        str(tiny_dir),
-        "--model.plan.num_layers",
-        "null",
-        "--model.plan.layers",
-        "[2, 3]",
-        "--model.recovery",
-        json.dumps(
-            [
-                {"name": "ghost"},
-                {"name": "linearpatch", "method": "linearpatch", "variant": "diag"},
-            ]
-        ),
-        "--data.calibration.source.source",
-        str(text_files["jsonl_gz"]),
-        "--data.calibration.num_samples",
-        "16",
-        "--data.calibration.seq_len",
-        "32",
-        "--data.evaluation.seq_len",
-        "32",
-        "--data.evaluation.max_windows",
-        "4",
-        "--data.evaluation.sources",
-        json.dumps([{"name": "held_out", "source": str(text_files["txt"])}]),
-        "--data.batch_size",
-        "4",
-        "--trainer.default_root_dir",
-        str(run),
-        "--trainer.enable_progress_bar",
-        "false",
-        "--calibration.progress",
-        "false",
-        *extra,
-    ]
+    recovery = [{"name": "ghost"}, {"name": "linearpatch", "method": "linearpatch", "variant": "diag"}]
+    return tiny_run_args(tiny_dir, text_files, run, *extra, recovery=recovery, eval_windows=4)
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -64,9 +28,7 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_fit_exports_and_the_run_folder_exports_the_same(
-    tiny_dir, text_files, tmp_path
-):
+def test_fit_exports_and_the_run_folder_exports_the_same(tiny_dir, text_files, tmp_path):
     run = tmp_path / "run"
     views = ["ghost", "ghost_ft", "linearpatch", "pruned"]
     main(
@@ -95,26 +57,14 @@ def test_fit_exports_and_the_run_folder_exports_the_same(
     for view, folder in at_end.items():
         config = json.loads((folder / "config.json").read_text())
         assert (
-            config["ghostdistill"]["metrics"]["held_out"]["ppl"]
-            == results["views"][view]["metrics"]["held_out"]["ppl"]
+            config["ghostdistill"]["metrics"]["held_out"]["ppl"] == results["views"][view]["metrics"]["held_out"]["ppl"]
         )
-        assert not any("lora" in k or "base_layer" in k for k in _weights(folder)), (
-            "adapters merged, not shipped"
-        )
-    assert (
-        json.loads((at_end["ghost_ft"] / "config.json").read_text())["ghostdistill"][
-            "distill"
-        ]["steps"]
-        == 3
-    )
+        assert not any("lora" in k or "base_layer" in k for k in _weights(folder)), "adapters merged, not shipped"
+    assert json.loads((at_end["ghost_ft"] / "config.json").read_text())["ghostdistill"]["distill"]["steps"] == 3
     ghost, ghost_ft = _weights(at_end["ghost"]), _weights(at_end["ghost_ft"])
-    assert not torch.equal(
-        ghost["gap_operators.0.delta"], ghost_ft["gap_operators.0.delta"]
-    )
+    assert not torch.equal(ghost["gap_operators.0.delta"], ghost_ft["gap_operators.0.delta"])
     q = next(k for k in ghost if k.endswith("layers.1.self_attn.q_proj.weight"))
-    assert not torch.equal(ghost[q], ghost_ft[q]), (
-        "the LoRA update is merged into the fine-tuned weights"
-    )
+    assert not torch.equal(ghost[q], ghost_ft[q]), "the LoRA update is merged into the fine-tuned weights"
 
     # From the finished run folder: the same folders (statistics from calibration_state.pt, the
     # fine-tuned values from checkpoints/last.ckpt).
@@ -124,9 +74,7 @@ def test_fit_exports_and_the_run_folder_exports_the_same(
         a, b = _weights(at_end[view]), _weights(again / view)
         assert a.keys() == b.keys()
         for key in a:
-            torch.testing.assert_close(
-                a[key], b[key], atol=1e-6, rtol=1e-6, msg=f"{view}: {key}"
-            )
+            torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=1e-6, msg=f"{view}: {key}")
     with pytest.raises(FileExistsError, match="overwrite"):
         main(["export", str(run), "--views", "ghost", "--dir", str(again)])
     with pytest.raises(
@@ -149,17 +97,13 @@ def test_fit_exports_and_the_run_folder_exports_the_same(
             json.dumps([{"name": "none", "method": "none"}]),
         )
     )
-    reloaded = json.loads((check / "results.json").read_text())["views"]["dense"][
-        "metrics"
-    ]["held_out"]
+    reloaded = json.loads((check / "results.json").read_text())["views"]["dense"]["metrics"]["held_out"]
     expected = results["views"]["ghost_ft"]["metrics"]["held_out"]
     assert reloaded["tokens"] == expected["tokens"]
     assert reloaded["ppl"] == pytest.approx(expected["ppl"], rel=1e-5)
 
 
 def test_export_names_bad_views_before_the_run(tiny_dir, text_files, tmp_path):
-    with pytest.raises(
-        ValueError, match=r"export.views \['ghots'\] are not views of this run"
-    ):
+    with pytest.raises(ValueError, match=r"export.views \['ghots'\] are not views of this run"):
         main(_args(tiny_dir, text_files, tmp_path / "run", "--export.views", "[ghots]"))
     assert not (tmp_path / "run" / "results.json").exists()

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from conftest import tiny_model
+from tiny_run import tiny_run_args
 
 from ghostdistill.cli import main
 from ghostdistill.core.model import ModelConfig
 from ghostdistill.core.plan import PlanConfig, PruningPlan
+from ghostdistill.core.views import PrunedModel
 from ghostdistill.lit.module import GhostDistill
 from ghostdistill.methods import RecoveryConfig, identity_fit
 
@@ -18,32 +19,35 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _args(model_dir, text_files, run, *extra):
-    return [
-        "fit", "--config", str(ROOT / "configs" / "smollm2_demo.yaml"),
-        "--model.model.source", str(model_dir),
-        "--model.plan.layers", "[2, 3]", "--model.plan.num_layers", "null",
-        "--data.calibration.num_samples", "4",
-        "--data.calibration.seq_len", "16",
-        "--data.evaluation.seq_len", "32",
-        "--data.evaluation.max_windows", "2",
-        "--data.evaluation.sources", json.dumps([{"name": "held_out", "source": str(text_files["txt"])}]),
-        "--trainer.default_root_dir", str(run),
-        "--trainer.enable_progress_bar", "false",
-        "--calibration.progress", "false",
+    # The config's recovery and (data-free) calibration source: 4 windows of 16 tokens.
+    return tiny_run_args(
+        model_dir,
+        text_files,
+        run,
         *extra,
-    ]
+        recovery=None,
+        calibration_source=False,
+        samples=4,
+        seq_len=16,
+        batch_size=None,
+    )
 
 
 def test_every_methods_maps_are_registered_children(tiny_dir):
     """ReplaceMe's MLP maps reach parameters() (so an optimizer) and state_dict() (so checkpoints)."""
-    module = GhostDistill(model=ModelConfig(source=str(tiny_dir)), plan=PlanConfig(layers=[2, 3]),
-                          recovery=[RecoveryConfig(name="rm", method="replaceme"), RecoveryConfig(name="g")])
+    module = GhostDistill(
+        model=ModelConfig(source=str(tiny_dir)),
+        plan=PlanConfig(layers=[2, 3]),
+        recovery=[RecoveryConfig(name="rm", method="replaceme"), RecoveryConfig(name="g")],
+    )
     module.configure_model()
-    pruned = module.set_plan(PruningPlan.from_layers([2, 3], 6))
-    for cfg in module.recovery_cfgs:
+    pruned = PrunedModel(module.llm, PruningPlan.from_layers([2, 3], 6))
+    module.attach(pruned)
+    for cfg in module.cfg.recovery:
         fit = identity_fit(cfg, 64)
-        pruned.add_method(cfg.name, {"2-3": fit.operator} if fit.operator else {},
-                          {"2-3": fit.mlp_map} if fit.mlp_map else {})
+        pruned.add_method(
+            cfg.name, {"2-3": fit.operator} if fit.operator else {}, {"2-3": fit.mlp_map} if fit.mlp_map else {}
+        )
     keys = set(module.state_dict())
     assert "mlp_maps.rm.2-3.delta" in keys and "operators.g.2-3.delta" in keys
     params = {id(p) for p in module.parameters()}

@@ -11,13 +11,10 @@ import torch
 from tiny_run import tiny_run_args
 
 from ghostdistill.cli import main
-from ghostdistill.lit.callbacks import (
-    STATE_FORMAT,
-    Calibration,
-    checkpoint_problem,
-    load_state,
-)
+from ghostdistill.lit.callbacks import Calibration
+from ghostdistill.lit.checkpoint import checkpoint_problem
 from ghostdistill.methods import make_collectors
+from ghostdistill.pipeline.state import STATE_FORMAT, load_state
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,10 +33,7 @@ def _args(tiny_dir, text_files, run, *extra):
 
 
 def _operators(cli) -> dict[str, torch.Tensor]:
-    return {
-        k: v.detach().clone()
-        for k, v in cli.model.pruned.operators.state_dict().items()
-    }
+    return {k: v.detach().clone() for k, v in cli.model.pruned.operators.state_dict().items()}
 
 
 @pytest.mark.slow  # five tiny runs, about 45 s on 2 cores
@@ -50,9 +44,7 @@ def test_same_config_and_seed_give_bit_identical_operators_and_bad_states_are_re
     second = _operators(main(_args(tiny_dir, text_files, tmp_path / "b")))
     assert first.keys() == second.keys() and len(first) >= 2
     for key in first:
-        assert torch.equal(first[key], second[key]), (
-            f"{key} differs between two runs of the same config"
-        )
+        assert torch.equal(first[key], second[key]), f"{key} differs between two runs of the same config"
 
     state = tmp_path / "a" / Calibration.STATE_FILE
     good = state.read_bytes()
@@ -62,33 +54,22 @@ def test_same_config_and_seed_give_bit_identical_operators_and_bad_states_are_re
         (
             "older format",
             lambda: torch.save(
-                {
-                    k: v
-                    for k, v in torch.load(state, weights_only=True).items()
-                    if k != "format"
-                },
+                {k: v for k, v in torch.load(state, weights_only=True).items() if k != "format"},
                 state,
             ),
         ),
     ]:
         state.write_bytes(good)
         damage()
-        with pytest.warns(
-            UserWarning, match=rf"{Calibration.STATE_FILE} .*calibrating from scratch"
-        ):
+        with pytest.warns(UserWarning, match=rf"{Calibration.STATE_FILE} .*calibrating from scratch"):
             again = _operators(main(_args(tiny_dir, text_files, tmp_path / "a")))
         for key in first:
             assert torch.equal(first[key], again[key]), f"{label}: {key}"
-        assert torch.load(state, weights_only=True)["format"] == STATE_FORMAT, (
-            f"{label}: the file was rewritten"
-        )
+        assert torch.load(state, weights_only=True)["format"] == STATE_FORMAT, f"{label}: the file was rewritten"
 
 
 def _state(hidden: int = 8, **change) -> dict:
-    stats = {
-        name: c.state_dict()
-        for name, c in make_collectors({"ghost"}, hidden, "cpu").items()
-    }
+    stats = {name: c.state_dict() for name, c in make_collectors({"ghost"}, hidden, "cpu").items()}
     state = {
         "format": STATE_FORMAT,
         "fingerprint": "abc",
@@ -123,8 +104,12 @@ def _state(hidden: int = 8, **change) -> dict:
         ),
         ([1, 2, 3], "holds a list, not a calibration state"),
         # Saved before a collector gained a sum: the same settings, discarded by its layout.
-        (_state(stats={"2-3": {"ghost": {k: v for k, v in _state()["stats"]["2-3"]["ghost"].items() if k != "xtx"}}}),
-         r"gap 2-3 ghost: entries"),
+        (
+            _state(
+                stats={"2-3": {"ghost": {k: v for k, v in _state()["stats"]["2-3"]["ghost"].items() if k != "xtx"}}}
+            ),
+            r"gap 2-3 ghost: entries",
+        ),
     ],
 )
 def test_unusable_calibration_states_are_named_and_not_loaded(state, why, tmp_path):
@@ -140,7 +125,7 @@ def test_unusable_calibration_states_are_named_and_not_loaded(state, why, tmp_pa
 def test_non_finite_and_readable_states(tmp_path):
     path = tmp_path / "calibration_state.pt"
     torch.save(_state(), path)
-    assert load_state(path, "abc", {"ghost"}, 8)["batches_done"] == 2
+    assert load_state(path, "abc", {"ghost"}, 8).batches_done == 2
     bad = _state()
     bad["stats"]["2-3"]["ghost"]["xtx"]["plain_rest"][0, 0] = float("nan")
     torch.save(bad, path)
@@ -154,12 +139,15 @@ def test_non_finite_and_readable_states(tmp_path):
 
 def test_checkpoint_problems_are_named(tmp_path):
     path = tmp_path / "last.ckpt"
-    torch.save({"state_dict": {}, "global_step": 2, "ghostdistill": {}}, path)
+    torch.save({"state_dict": {}, "global_step": 2, "ghostdistill": {"students": {}}}, path)
     assert checkpoint_problem(path) is None
     good = path.read_bytes()
     path.write_bytes(good[: len(good) // 2])
     assert checkpoint_problem(path).startswith("cannot be read")
-    torch.save({"state_dict": {}, "global_step": 2}, path)
-    assert "not written by ghostdistill" in checkpoint_problem(path)
+    torch.save({"state_dict": {}, "global_step": 2, "ghostdistill": {}}, path)
+    assert "not written by this version of ghostdistill" in checkpoint_problem(path)
+    # Anything but tensors and plain data (a pickled object runs code when loaded): never loaded.
+    torch.save({"state_dict": {}, "global_step": 2, "ghostdistill": {"students": {}}, "x": Path("p")}, path)
+    assert checkpoint_problem(path).startswith("cannot be read with weights_only=True")
     torch.save([1], path)
     assert checkpoint_problem(path) == "is not a Lightning checkpoint"

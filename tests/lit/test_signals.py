@@ -4,7 +4,7 @@ with the phase slowed down (`slow_phases.py`), signals it once the phase has sta
 seconds to exit. An interrupted export leaves no folder (not even its temporary one); the rerun is
 `ghostdistill export <run>`, from what the run saved.
 
-With `SIGNAL_REPORT=<file>` every case appends its figures there as a JSON line (the README table).
+With `SIGNAL_REPORT=<file>` every case appends its figures there as a JSON line (the table in docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -58,9 +58,7 @@ def _args(tiny_dir, text_files, run: Path, phase: str) -> list[str]:
     )
 
 
-def _start(
-    phase: str, args: list[str], slow_seconds: int
-) -> tuple[subprocess.Popen, list[str], threading.Event]:
+def _start(phase: str, args: list[str], slow_seconds: int) -> tuple[subprocess.Popen, list[str], threading.Event]:
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
@@ -121,12 +119,8 @@ CASES = [
 
 
 @pytest.mark.slow  # two tiny runs per case, 15-30 s each on 2 cores
-@pytest.mark.parametrize(
-    "phase, signum", CASES, ids=[f"{p}-{s.name}" for p, s in CASES]
-)
-def test_a_signal_stops_the_run_within_seconds_and_the_rerun_resumes(
-    phase, signum, tiny_dir, text_files, tmp_path
-):
+@pytest.mark.parametrize("phase, signum", CASES, ids=[f"{p}-{s.name}" for p, s in CASES])
+def test_a_signal_stops_the_run_within_seconds_and_the_rerun_resumes(phase, signum, tiny_dir, text_files, tmp_path):
     run = tmp_path / "run"
     args = _args(tiny_dir, text_files, run, phase)
     proc, lines, started = _start(phase, args, slow_seconds=120)
@@ -163,9 +157,7 @@ def test_a_signal_stops_the_run_within_seconds_and_the_rerun_resumes(
             **os.environ,
             "SLOW_SECONDS": "0",
             "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(
-                [str(ROOT), os.environ.get("PYTHONPATH", "")]
-            ),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         },
         cwd=ROOT,
         timeout=600,
@@ -194,8 +186,16 @@ def test_a_signal_stops_the_run_within_seconds_and_the_rerun_resumes(
 def _rerun_export(run: Path, phase, signum, seconds, code, left) -> None:
     rerun = subprocess.run(
         [sys.executable, "-m", "ghostdistill", "export", str(run), "--views", "ghost"],
-        capture_output=True, text=True, cwd=ROOT, timeout=600, check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        check=False,
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        },
     )
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     folder = run / "export" / "ghost"

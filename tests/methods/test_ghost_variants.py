@@ -1,4 +1,4 @@
-"""The ghost fit options of issue 12 (`first_normed`, `bias`, `scale`), the symmetric-constrained method,
+"""The ghost fit options (`first_normed`, `bias`, `scale`), the symmetric-constrained method,
 and `objective`, each against a direct computation on the tokens."""
 
 import pytest
@@ -39,9 +39,7 @@ def _stats(taps: GapTaps) -> GhostStatistics:
 
 def test_bias_is_the_affine_least_squares_fit():
     taps = _taps()
-    op = fit_ghost(
-        RecoveryConfig(fit="first", bias=True, solver="lstsq"), Gap(1, 3), _stats(taps)
-    )
+    op = fit_ghost(RecoveryConfig(fit="first", bias=True, solver="lstsq"), Gap(1, 3), _stats(taps))
     x, d = _rest_tokens(taps)
     aug = torch.cat([x, torch.ones(len(x), 1, dtype=torch.float64)], 1)
     expected = torch.linalg.lstsq(aug, d).solution
@@ -50,17 +48,13 @@ def test_bias_is_the_affine_least_squares_fit():
     assert op.inference_parameters() == C * C + 2 * C
     # Applied: ordinary tokens get x + x·M + c, first positions x + b.
     out = op(taps.x_pre, taps.first)
-    torch.testing.assert_close(
-        out[:, 1:], taps.x_pre[:, 1:] @ (op.delta + torch.eye(C)) + op.bias
-    )
+    torch.testing.assert_close(out[:, 1:], taps.x_pre[:, 1:] @ (op.delta + torch.eye(C)) + op.bias)
     torch.testing.assert_close(out[:, 0], taps.x_pre[:, 0] + op.first_shift)
 
 
 def test_normed_fit_weighs_by_the_output_norm():
     taps = _taps(1)
-    op = fit_ghost(
-        RecoveryConfig(fit="first_normed", solver="lstsq"), Gap(1, 3), _stats(taps)
-    )
+    op = fit_ghost(RecoveryConfig(fit="first_normed", solver="lstsq"), Gap(1, 3), _stats(taps))
     x, d = _rest_tokens(taps)
     w = 1.0 / (x + d).norm(dim=1, keepdim=True)
     expected = torch.linalg.lstsq(x * w, d * w).solution
@@ -70,16 +64,12 @@ def test_normed_fit_weighs_by_the_output_norm():
 @pytest.mark.parametrize("bias", [False, True])
 def test_norm_scale_matches_the_target_energy(bias):
     taps = _taps(2)
-    op = fit_ghost(
-        RecoveryConfig(fit="first", scale="norm", bias=bias), Gap(1, 3), _stats(taps)
-    )
+    op = fit_ghost(RecoveryConfig(fit="first", scale="norm", bias=bias), Gap(1, 3), _stats(taps))
     x, d = _rest_tokens(taps)
     pred = x @ (op.delta.double() + torch.eye(C, dtype=torch.float64))
     if bias:
         pred = pred + op.bias.double()
-    torch.testing.assert_close(
-        pred.pow(2).sum(), (x + d).pow(2).sum(), rtol=1e-5, atol=0
-    )
+    torch.testing.assert_close(pred.pow(2).sum(), (x + d).pow(2).sum(), rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("fit", ["first", "first_weighted", "plain"])
@@ -93,9 +83,7 @@ def test_objective_equals_the_error_on_the_tokens(fit):
     delta = op.delta.detach().double()
     bias = op.bias.detach().double() if op.bias is not None else None
     err, base = objective(stats, delta, bias, weighting, include_first)
-    keep = taps.mask.bool() & (
-        torch.ones_like(taps.first) if include_first else ~taps.first
-    )
+    keep = taps.mask.bool() & (torch.ones_like(taps.first) if include_first else ~taps.first)
     x = taps.x_pre[keep].double()
     d = taps.x_post[keep].double() - x
     w = torch.ones(len(x), 1, dtype=torch.float64)
@@ -108,9 +96,7 @@ def test_objective_equals_the_error_on_the_tokens(fit):
         rtol=1e-6,
         atol=1e-8,
     )
-    torch.testing.assert_close(
-        torch.tensor(base, dtype=torch.float64), (d * w).pow(2).sum(), rtol=1e-9, atol=0
-    )
+    torch.testing.assert_close(torch.tensor(base, dtype=torch.float64), (d * w).pow(2).sum(), rtol=1e-9, atol=0)
 
 
 def test_symmetric_method_fits_a_symmetric_operator_no_better_than_ghost():
@@ -122,9 +108,7 @@ def test_symmetric_method_fits_a_symmetric_operator_no_better_than_ghost():
     e_free, _ = objective(stats, free.delta.detach().double(), None, "weighted", False)
     e_sym, _ = objective(stats, sym.delta.detach().double(), None, "weighted", False)
     assert e_sym > e_free
-    torch.testing.assert_close(
-        sym.first_shift, free.first_shift
-    )  # same first-position map
+    torch.testing.assert_close(sym.first_shift, free.first_shift)  # same first-position map
 
 
 @torch.no_grad()

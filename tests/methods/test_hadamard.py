@@ -1,4 +1,4 @@
-"""Tests for ghostdistill.hadamard.
+"""Tests for ghostdistill.methods.hadamard.
 
 Dense float64 matmuls of 8192² cost tens of seconds on the 2-core CI boxes,
 so full ``H @ H.T`` checks stop at 2048 and larger orders are checked with a
@@ -15,24 +15,28 @@ import torch
 
 from ghostdistill.methods.hadamard import (
     MAX_BASE_ORDER,
-    has_hadamard,
     hadamard_matrix,
+    has_hadamard,
     supported_base_orders,
 )
 
 # Powers of two, every construction path (Paley I/II over primes and prime
 # powers, doubling, Kronecker) and common LLM widths up to 2048.
+# fmt: off
 FULL_CHECK_SIZES = [
     1, 2, 4, 8, 12, 20, 24, 28, 36, 40, 44, 52, 60, 100, 108, 344, 368,
     576, 768, 896, 1024, 1152, 1280, 2048,
 ]
+# fmt: on
 PROBE_SIZES = [3072, 5120, 8192]
 # Hidden / intermediate widths of common LLMs; building them all would dominate
 # the runtime, and they share the kron(Sylvester, base) path tested above.
+# fmt: off
 LLM_WIDTHS = [
     1536, 1792, 2304, 2560, 3584, 6144, 7168, 4864, 8960, 11008, 13824, 14336,
     18944, 27648, 28672, 29568, 53248,
 ]
+# fmt: on
 # Odd parts 23, 29, 39, 59 and 67 have no base order <= 1024 in our constructions.
 UNSUPPORTED_SIZES = [3, 6, 10, 14, 18, 92, 116, 156, 184, 236 * 32, 268 * 16]
 

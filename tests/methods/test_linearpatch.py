@@ -1,13 +1,11 @@
 """LinearPatch: the fitted W = H·diag(s)·Hᵀ."""
 
-
 import pytest
 import torch
 
-from ghostdistill.methods.hadamard import hadamard_matrix
 from ghostdistill.core.plan import PruningPlan
-from ghostdistill.methods import RecoveryConfig, fit_gap
-from ghostdistill.methods import GapTaps
+from ghostdistill.methods import GapTaps, RecoveryConfig, fit_gap
+from ghostdistill.methods.hadamard import hadamard_matrix
 from ghostdistill.methods.linearpatch import LinearPatchStatistics
 
 C = 64
@@ -37,12 +35,22 @@ def test_linearpatch_scales_are_the_per_channel_ratio_on_a_hand_made_input():
     stats = LinearPatchStatistics(c)
     stats.update(GapTaps(x, y, mask, torch.zeros(1, 3, dtype=torch.bool)))
     gap = PruningPlan.from_layers([2], 6).gaps[0]
-    w = fit_gap(RecoveryConfig(method="linearpatch", variant="diag"), gap, stats, c).operator.delta.detach() + torch.eye(c)
+    w = fit_gap(
+        RecoveryConfig(method="linearpatch", variant="diag"), gap, stats, c
+    ).operator.delta.detach() + torch.eye(c)
     # (|2|+|-2|)/(|1|+|3|) = 1, (1+3)/(2+2) = 1, (4+12)/(4+4) = 2, (0+3)/(0.5+1.5) = 1.5
     torch.testing.assert_close(w, torch.diag(torch.tensor([1.0, 1.0, 2.0, 1.5])))
 
 
 def test_linearpatch_rotate_needs_a_hadamard_size():
     stats = LinearPatchStatistics(6)  # 6 has no Hadamard matrix
-    with pytest.raises(ValueError, match="6"):
+    # The message names the bad size, what sizes are valid, the nearest valid one and the way out.
+    with pytest.raises(ValueError, match=r"no Hadamard matrix of order 6 is known") as info:
         fit_gap(RecoveryConfig(method="linearpatch"), PruningPlan.from_layers([2], 6).gaps[0], stats, 6)
+    message = str(info.value)
+    for part in (
+        "supported orders are 1, 2, 4, ... (powers of two) and m·2^k for m in {12, 20, 28",
+        "the next supported order is 8",
+        "linearpatch variant 'diag'",
+    ):
+        assert part in message, (part, message)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_run import tiny_run_args
 
 from ghostdistill.cli import main
 from ghostdistill.core.operator import GhostOperator
@@ -68,7 +69,12 @@ def test_shipped_methods_implement_the_interface():
     for name in registered():
         method = get_method(name)
         assert isinstance(method, Method) and method.name == name
-    assert [get_method(n).folds for n in ("ghost", "linearpatch", "replaceme", "magnitude")] == [False, False, True, True]
+    assert [get_method(n).folds for n in ("ghost", "linearpatch", "replaceme", "magnitude")] == [
+        False,
+        False,
+        True,
+        True,
+    ]
 
 
 def test_unknown_method_is_named_with_the_registered_ones(toy):
@@ -80,21 +86,8 @@ def test_unknown_method_is_named_with_the_registered_ones(toy):
 
 def test_a_registered_method_runs_through_calibration_fit_and_report(toy, tiny_dir, text_files, tmp_path):
     run = tmp_path / "run"
-    main([
-        "fit", "--config", str(ROOT / "configs" / "smollm2_demo.yaml"),
-        "--model.model.source", str(tiny_dir),
-        "--model.plan.layers", "[2, 3]", "--model.plan.num_layers", "null",
-        "--model.recovery", json.dumps([{"name": "ghost"}, {"name": "scaled", "method": "toy_scale"}]),
-        "--data.calibration.source.source", str(text_files["jsonl_gz"]),
-        "--data.calibration.num_samples", "8",
-        "--data.calibration.seq_len", "32",
-        "--data.evaluation.seq_len", "32",
-        "--data.evaluation.max_windows", "4",
-        "--data.evaluation.sources", json.dumps([{"name": "held_out", "source": str(text_files["txt"])}]),
-        "--trainer.default_root_dir", str(run),
-        "--trainer.enable_progress_bar", "false",
-        "--calibration.progress", "false",
-    ])
+    recovery = [{"name": "ghost"}, {"name": "scaled", "method": "toy_scale"}]
+    main(tiny_run_args(tiny_dir, text_files, run, recovery=recovery, samples=8, eval_windows=4, batch_size=None))
     results = json.loads((run / "results.json").read_text())
     assert list(results["views"]) == ["dense", "pruned", "ghost", "scaled"]
     assert results["recovery"]["scaled"]["method"] == "toy_scale"

@@ -4,14 +4,12 @@ import copy
 
 import pytest
 import torch
-
 from conftest import fit_all, random_batches, tiny_model
-from ghostdistill.methods.magnitude import fold_residual_scale
-from ghostdistill.methods.replaceme import fuse_mlp_map
+
 from ghostdistill.core.plan import PruningPlan
-from ghostdistill.methods import RecoveryConfig, fit_gap
-from ghostdistill.methods import GapTaps
-from ghostdistill.methods.replaceme import ReplaceMeStatistics
+from ghostdistill.methods import GapTaps, RecoveryConfig, fit_gap
+from ghostdistill.methods.magnitude import fold_residual_scale
+from ghostdistill.methods.replaceme import ReplaceMeStatistics, fuse_mlp_map
 
 C = 64
 
@@ -25,16 +23,18 @@ def test_replaceme_recovers_an_exact_map_and_fuses_into_down_proj():
     stats.update(GapTaps(y + m, y + m @ t_true, torch.ones(1, 500), torch.zeros(1, 500, dtype=torch.bool), m))
     fit = fit_gap(RecoveryConfig(method="replaceme", ridge=1e-12), PruningPlan.from_layers([2], 6).gaps[0], stats, C)
     assert fit.operator is None and fit.mlp_map.fused
-    torch.testing.assert_close(fit.mlp_map.delta.detach().double() + torch.eye(C, dtype=torch.float64), t_true,
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        fit.mlp_map.delta.detach().double() + torch.eye(C, dtype=torch.float64), t_true, atol=1e-5, rtol=1e-5
+    )
 
 
 @torch.no_grad()
 def test_fused_weights_equal_the_hooked_views():
     model = tiny_model("llama", num_layers=6)
     plan = PruningPlan.from_layers([2, 3], 6)
-    pm, _ = fit_all(model, plan, [RecoveryConfig(name="rm", method="replaceme"),
-                                   RecoveryConfig(name="mag", method="magnitude")])
+    pm, _ = fit_all(
+        model, plan, [RecoveryConfig(name="rm", method="replaceme"), RecoveryConfig(name="mag", method="magnitude")]
+    )
     ids = random_batches(1, seed=3)[0]["input_ids"]
     with pm.use("rm") as m:
         hooked_rm = m(ids).logits

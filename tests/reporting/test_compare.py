@@ -2,6 +2,7 @@
 
 import pytest
 
+
 def test_compare_plan_names_tell_every_plan_key_apart():
     from ghostdistill.reporting.compare import plan_args, plan_name
 
@@ -22,8 +23,10 @@ def test_compare_plan_names_tell_every_plan_key_apart():
     # Every plan key is set on the command line, so nothing the plan does not name leaks in.
     args = plan_args({"layers": [3, 4]})
     keys = {args[i] for i in range(0, len(args), 2)}
-    assert keys == {f"--model.plan.{k}" for k in ("layers", "criterion", "num_layers", "allow_edges", "keep_first",
-                                                  "keep_last", "criterion_samples")}
+    assert keys == {
+        f"--model.plan.{k}"
+        for k in ("layers", "criterion", "num_layers", "allow_edges", "keep_first", "keep_last", "criterion_samples")
+    }
     assert args[args.index("--model.plan.num_layers") + 1] == "null"
 
 

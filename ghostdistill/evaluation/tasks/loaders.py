@@ -61,9 +61,7 @@ def task_paths(task: str, data_dir: str | os.PathLike[str]) -> list[Path]:
         ValueError: ``task`` is not an offline task.
     """
     if task not in TASK_FILES:
-        raise ValueError(
-            f"unknown offline task {task!r}; valid offline tasks: {', '.join(TASK_FILES)}"
-        )
+        raise ValueError(f"unknown offline task {task!r}; valid offline tasks: {', '.join(TASK_FILES)}")
     return [Path(data_dir) / rel for rel in TASK_FILES[task]]
 
 
@@ -120,12 +118,9 @@ def _openbookqa(paths: list[Path]) -> list[dict[str, Any]]:
 def _piqa(paths: list[Path]) -> list[dict[str, Any]]:
     rows, labels = _jsonl(paths[0]), _labels(paths[1])
     if len(rows) != len(labels):
-        raise ValueError(
-            f"piqa: {paths[0]} has {len(rows)} items but {paths[1]} has {len(labels)} labels"
-        )
+        raise ValueError(f"piqa: {paths[0]} has {len(rows)} items but {paths[1]} has {len(labels)} labels")
     return [
-        {"goal": r["goal"], "sol1": r["sol1"], "sol2": r["sol2"], "label": int(lab)}
-        for r, lab in zip(rows, labels)
+        {"goal": r["goal"], "sol1": r["sol1"], "sol2": r["sol2"], "label": int(lab)} for r, lab in zip(rows, labels)
     ]
 
 
@@ -149,8 +144,7 @@ def _winogrande(paths: list[Path]) -> list[dict[str, Any]]:
 def _boolq(paths: list[Path]) -> list[dict[str, Any]]:
     # super_glue/boolq (what lm-eval reads) has label 0 = False, 1 = True.
     return [
-        {"question": r["question"], "passage": r["passage"], "label": int(bool(r["answer"]))}
-        for r in _jsonl(paths[0])
+        {"question": r["question"], "passage": r["passage"], "label": int(bool(r["answer"]))} for r in _jsonl(paths[0])
     ]
 
 

@@ -1,0 +1,78 @@
+"""Resumable distillation: `<run>/checkpoints/last.ckpt`, written atomically with Lightning's public
+`Trainer.save_checkpoint`, and `--ckpt_path last` resolved to it when it can be resumed from.
+
+The module keeps only trainable tensors and plain data in it (`GhostDistill.on_save_checkpoint`), so it
+loads with `weights_only=True`: resuming from, or exporting, a run folder someone sent you runs none of
+their code.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+LAST = "last.ckpt"
+
+
+class LastCheckpoint(Callback):
+    """`dirpath/last.ckpt` every `every_n_train_steps` optimizer steps and after the final step; written
+    beside the target and renamed, so an interrupted save leaves the previous file."""
+
+    def __init__(self, dirpath: Path, every_n_train_steps: int) -> None:
+        if every_n_train_steps < 1:
+            raise ValueError(f"every_n_train_steps must be >= 1, got {every_n_train_steps}")
+        self.path = Path(dirpath) / LAST
+        self.every = every_n_train_steps
+        self._saved_step: int | None = None
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step != self._saved_step and (step % self.every == 0 or step == trainer.max_steps):
+            self.save(trainer)
+
+    def save(self, trainer: Trainer) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        if trainer.is_global_zero:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        trainer.save_checkpoint(tmp, weights_only=False)  # optimizer too; every rank takes part, rank 0 writes
+        if trainer.is_global_zero:
+            os.replace(tmp, self.path)
+        trainer.strategy.barrier()
+        self._saved_step = trainer.global_step
+
+
+def checkpoint_problem(path: str | os.PathLike) -> str | None:
+    """Why the checkpoint at `path` cannot be resumed from (unreadable, holds more than tensors and plain
+    data, or not written by ghostdistill), or None when it can."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any failure to load means the same: not resumable
+        return f"cannot be read with weights_only=True ({type(err).__name__}: {str(err)[:200]})"
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "global_step" not in ckpt:
+        return "is not a Lightning checkpoint"
+    if "students" not in ckpt.get("ghostdistill", {}):
+        return "was not written by this version of ghostdistill (no 'ghostdistill.students' entry)"
+    return None
+
+
+def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path, is_zero: bool = True) -> str | None:
+    """`--ckpt_path last` is `<run>/checkpoints/last.ckpt` when it exists and can be resumed from; a truncated,
+    corrupt or foreign file is renamed `<name>.unusable` with a warning and distillation starts from step 0.
+    Any other value is passed on as it is."""
+    if ckpt_path != "last":
+        return ckpt_path
+    path = run_dir / "checkpoints" / LAST
+    if not path.is_file():
+        rank_zero_info(f"--ckpt_path last: {path} does not exist yet; distillation starts from step 0")
+        return None
+    why = checkpoint_problem(path)
+    if why is None:
+        return str(path)
+    if is_zero:
+        os.replace(path, f"{path}.unusable")
+    rank_zero_warn(f"{path} {why}: moved to {path}.unusable; distillation starts from step 0")
+    return None

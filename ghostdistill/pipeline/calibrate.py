@@ -1,0 +1,204 @@
+"""Calibrate: choose the plan, collect every method's statistics in one dense pass, fit every gap.
+
+    plan = choose(...)                     explicit layers, or a criterion on the calibration batches
+    stats, tokens = collect_statistics(...)    one dense pass, float64 sums, resumable from a saved state
+    fits = fit(...)                        the closed-form solves (sequential gaps: a student pass each)
+
+`calibrate` runs the three in order and returns a `Calibrated`. Several processes (DDP, FSDP2) pass a
+`Dist`: each rank streams its share of the batches and the sums are added before the solve, so every
+rank solves the same operators as one process would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..calibration.distributed import shard, sum_collectors
+from ..calibration.fit import fit_methods
+from ..calibration.stream import accumulate
+from ..core.model import decoder_stack, hidden_size
+from ..core.plan import PlanConfig, PruningPlan
+from ..core.views import PrunedModel
+from ..criteria import check_plan, choose_plan
+from ..methods import RecoveryConfig, make_collectors
+from .state import SavedState, Statistics, save_state, to_device
+
+Batch = dict[str, torch.Tensor]
+Progress = Callable[[Iterable, str], Iterable]
+
+
+@dataclass
+class Dist:
+    """This process among several: its rank, their number, and a sum over all of them."""
+
+    rank: int = 0
+    world: int = 1
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Whether this process writes files (rank 0; Lightning's `is_global_zero`).
+    is_zero: bool = True
+
+
+@dataclass
+class Calibrated:
+    """What calibration produced: the plan, the model's views (every method's operators registered), the
+    statistics and the report sections `plan`, `calibration` and `recovery`."""
+
+    plan: PruningPlan
+    pruned: PrunedModel
+    stats: Statistics
+    tokens: int
+    fits: dict[str, dict]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def no_progress(items: Iterable, desc: str) -> Iterable:
+    return items
+
+
+def choose(plan_cfg: PlanConfig, llm: nn.Module, batches: list[Batch], progress: Progress = no_progress) -> PruningPlan:
+    """The layers to remove: the explicit list, or the criterion's choice on the calibration batches."""
+    explicit = check_plan(plan_cfg, len(decoder_stack(llm).layers))
+    if explicit is not None:
+        return explicit
+    return choose_plan(plan_cfg, llm, decoder_stack(llm), progress(batches, f"criterion {plan_cfg.criterion}"))
+
+
+def collect_statistics(
+    pruned: PrunedModel,
+    methods: set[str],
+    batches: list[Batch],
+    *,
+    recovery: list[RecoveryConfig] | None = None,
+    saved: SavedState | None = None,
+    dist: Dist = Dist(),
+    checkpoint: Callable[[Statistics, int, int], None] | None = None,
+    checkpoint_every: int = 0,
+    progress: Progress = no_progress,
+) -> tuple[Statistics, int]:
+    """Every method's per-gap statistics from one dense pass over `batches` (continuing `saved` when given),
+    each collector holding only what `recovery`'s entries read (None: everything);
+    returns them and the number of tokens seen. `checkpoint(stats, batches_done, tokens)` is called every
+    `checkpoint_every` batches and at the end (one process only: partial sums of several cannot be split)."""
+    llm, plan = pruned.model, pruned.plan
+    device = next(llm.parameters()).device
+    stats = {g.key: make_collectors(methods, hidden_size(llm), device, recovery) for g in plan.gaps}
+    done, tokens = 0, 0
+    if saved is not None:
+        for key, collectors in saved.stats.items():
+            for name, s in collectors.items():
+                stats[key][name].load_state_dict(to_device(s, device))
+        done, tokens = saved.batches_done, saved.tokens
+    if dist.world > 1 and done < len(batches):
+        for i, batch in enumerate(
+            progress(shard(batches, dist.rank, dist.world), f"calibration statistics (rank {dist.rank})")
+        ):
+            tokens += accumulate(llm, pruned.stack, plan.gaps, [batch], stats, first_batch=dist.rank + i * dist.world)
+        for collectors in stats.values():
+            sum_collectors(collectors, dist.reduce)
+        tokens = int(dist.reduce(torch.tensor(tokens, dtype=torch.float64, device=device)).item())
+    else:
+        for i in progress(range(done, len(batches)), "calibration statistics"):
+            tokens += accumulate(llm, pruned.stack, plan.gaps, [batches[i]], stats, first_batch=i)
+            if checkpoint and checkpoint_every and (i + 1) % checkpoint_every == 0 and i + 1 < len(batches):
+                checkpoint(stats, i + 1, tokens)
+    if checkpoint:
+        checkpoint(stats, len(batches), tokens)
+    return stats, tokens
+
+
+def fit(
+    recovery: list[RecoveryConfig],
+    pruned: PrunedModel,
+    stats: Statistics,
+    batches: list[Batch],
+    *,
+    dist: Dist = Dist(),
+    progress: Progress = no_progress,
+) -> dict[str, dict]:
+    """Solve every gap of every method and register its view; returns each method's settings and cost."""
+    device = next(pruned.model.parameters()).device
+    mine = shard(batches, dist.rank, dist.world) if dist.world > 1 else batches
+    return fit_methods(
+        recovery,
+        pruned,
+        stats,
+        mine,
+        hidden_size(pruned.model),
+        device,
+        progress=progress,
+        reduce=dist.reduce if dist.world > 1 else None,
+    )
+
+
+def calibrate(
+    llm: nn.Module,
+    plan_cfg: PlanConfig,
+    recovery: list[RecoveryConfig],
+    batches: list[Batch],
+    *,
+    saved: SavedState | None = None,
+    state_path: Path | None = None,
+    state_key: str = "",
+    checkpoint_every: int = 0,
+    dist: Dist = Dist(),
+    progress: Progress = no_progress,
+    log: Callable[[str], None] = print,
+) -> Calibrated:
+    """plan → statistics → operators. With `state_path`, the statistics are saved there every
+    `checkpoint_every` batches and at the end (by rank 0), under `state_key`; `saved` resumes them."""
+    import time
+
+    llm.eval()
+    methods = {r.method for r in recovery}
+    if saved is not None and dist.world > 1 and saved.batches_done < saved.batches_total:
+        # Partial sums of one process cannot be split among several: only complete states are reused.
+        log(f"{state_path} is incomplete and this run has {dist.world} processes; calibrating from scratch")
+        saved = None
+    seconds = {}
+    start = time.perf_counter()
+    plan = saved.plan if saved is not None else choose(plan_cfg, llm, batches, progress)
+    seconds["plan_s"] = round(time.perf_counter() - start, 2)
+    log(f"pruning plan ({plan.chosen_by}): remove layers {list(plan.removed)}, gaps {[g.key for g in plan.gaps]}")
+    pruned = PrunedModel(llm, plan)
+    if saved is not None:
+        where = f" from {state_path}" if state_path is not None else " (saved statistics)"
+        log(f"resuming calibration after {saved.batches_done}/{len(batches)} batches{where}")
+
+    def checkpoint(stats: Statistics, done: int, tokens: int) -> None:
+        if state_path is not None and dist.is_zero:  # every rank holds the same statistics
+            save_state(state_path, state_key, plan, stats, done, len(batches), tokens)
+
+    start = time.perf_counter()
+    stats, tokens = collect_statistics(
+        pruned,
+        methods,
+        batches,
+        recovery=recovery,
+        saved=saved,
+        dist=dist,
+        checkpoint=checkpoint,
+        checkpoint_every=checkpoint_every,
+        progress=progress,
+    )
+    seconds["statistics_s"] = round(time.perf_counter() - start, 2)
+    fits = fit(recovery, pruned, stats, batches, dist=dist, progress=progress)
+    seconds["solve_s"] = round(sum(f["fit_s"] for f in fits.values()), 2)
+    return Calibrated(plan, pruned, stats, tokens, fits, seconds)
+
+
+def calibration_summary(cal: Calibrated, data: dict, fingerprint: str, windows: int) -> dict:
+    """The report's `calibration` section."""
+    return {
+        **data,
+        # Names the statistics the operators were solved from (zero-shot scores are keyed by it).
+        "fingerprint": fingerprint,
+        "windows": windows,
+        "tokens": cal.tokens,
+        # Tokens given their own map (first position) and massive activations seen, per gap.
+        "token_groups": {k: vars(s["ghost"].counts) for k, s in cal.stats.items() if "ghost" in s},
+    }

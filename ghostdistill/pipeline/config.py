@@ -1,0 +1,112 @@
+"""A run's configuration: `RunConfig` groups the sections of a `fit` config file (model, plan, recovery,
+evaluation, distill, data); `EvalConfig` and `ZeroShotConfig` are what the evaluation phases read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..core.model import ModelConfig
+from ..core.plan import PlanConfig
+from ..core.views import DENSE, PRUNED
+from ..distill.config import DistillConfig, ft_view
+from ..evaluation.zeroshot import PAPER_TASKS, check_offline_tasks, task_limits
+from ..methods import RecoveryConfig, validate_recovery
+from .data import DataConfig
+
+
+@dataclass
+class ZeroShotConfig:
+    """Zero-shot accuracy with lm-evaluation-harness on the in-memory views (operators and all).
+
+    Args:
+        enabled: run zero-shot evaluation after the perplexities (needs the `ghostdistill[zeroshot]` extra).
+        tasks: lm-eval task names; by default the paper's nine
+            (arc_easy, arc_challenge, hellaswag, winogrande, boolq, openbookqa, rte, copa, race).
+        data_dir: a folder with the tasks' published files (arc_easy/, piqa/, ...) to run offline with
+            the task definitions shipped in `ghostdistill/evaluation/tasks`; null reads lm-eval's hub datasets.
+        limit: score only the first `limit` items of each task (quick runs; results say so), or a map
+            `{task: limit}` for some tasks (the others: all items); null scores every item.
+        batch_size: lm-eval batch size.
+
+    Each (view, task) score is saved under `<run>/zeroshot/` as soon as it is known, keyed by the view's
+    weights and the task settings, so an interrupted run resumes with the next task.
+    """
+
+    enabled: bool = False
+    tasks: list[str] = field(default_factory=lambda: list(PAPER_TASKS))
+    data_dir: str | None = None
+    limit: int | dict[str, int | None] | None = None
+    batch_size: int = 8
+
+    def validate(self) -> None:
+        """Bad limits and missing offline files fail before the model loads, not after an hour of calibration."""
+        task_limits(self.tasks, self.limit)
+        if self.enabled:
+            from ..evaluation.zeroshot import require_lm_eval
+
+            require_lm_eval()
+            if self.data_dir is not None:
+                check_offline_tasks(self.tasks, self.data_dir)
+
+
+@dataclass
+class EvalConfig:
+    """Which views `test` evaluates, and how.
+
+    Args:
+        views: subset of ``dense``, ``pruned`` and the recovery names; empty means all of them.
+        logit_chunk: tokens per chunk when turning final hidden states into logits and metrics; null (the
+            default) sizes it by the vocabulary, 2^25 logits per chunk (1,024 tokens at 32k, 128 at 262k),
+            so evaluation memory does not grow with the vocabulary or the batch.
+        zeroshot: zero-shot accuracy with lm-eval (off unless enabled).
+        analysis: per gap and method, the operator anatomy and the alignment error on held-out windows
+            (`ghostdistill.analysis`), in results.json/md and analysis.png.
+        analysis_windows: how many of the first evaluation source's windows the alignment error reads.
+    """
+
+    views: list[str] = field(default_factory=list)
+    logit_chunk: int | None = None
+    analysis: bool = True
+    analysis_windows: int = 8
+    zeroshot: ZeroShotConfig = field(default_factory=ZeroShotConfig)
+
+    def validate(self) -> None:
+        if self.logit_chunk is not None and self.logit_chunk < 1:
+            raise ValueError(
+                f"evaluation.logit_chunk must be a positive number of tokens, or null (sized by the vocabulary), "
+                f"got {self.logit_chunk}"
+            )
+        if self.analysis_windows < 1:
+            raise ValueError(f"evaluation.analysis_windows must be >= 1, got {self.analysis_windows}")
+        self.zeroshot.validate()
+
+
+@dataclass
+class RunConfig:
+    """Everything one run is configured by (what `fit`'s config file holds, less the trainer's keys)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    plan: PlanConfig = field(default_factory=lambda: PlanConfig(num_layers=7))
+    recovery: list[RecoveryConfig] = field(default_factory=lambda: [RecoveryConfig()])
+    evaluation: EvalConfig = field(default_factory=EvalConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def validate(self) -> None:
+        """Every check that needs no model, tokenizer or data: bad values fail before anything loads."""
+        validate_recovery(self.recovery)
+        self.distill.validate([r.name for r in self.recovery])
+        self.evaluation.validate()
+        self.plan.validate()
+        self.data.validate()
+
+    def views(self) -> list[str]:
+        """Every view a run has: the baselines, each recovery method and each fine-tuned method."""
+        return [DENSE, PRUNED, *(r.name for r in self.recovery), *(ft_view(m) for m in self.distill.methods)]
+
+    def method_of(self, view: str) -> str | None:
+        """The registered method behind a view (``ghost`` for ``ghost`` and ``ghost_ft``); None for the baselines."""
+        if view in (DENSE, PRUNED):
+            return None
+        base = next((m for m in self.distill.methods if ft_view(m) == view), view)
+        return next(r.method for r in self.recovery if r.name == base)

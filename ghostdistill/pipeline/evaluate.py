@@ -1,0 +1,241 @@
+"""Evaluate: perplexity and teacher fidelity of every view, the analyses, zero-shot.
+
+scores = score_views(pruned, ids, mask, views)     one batch: NLL, KL(dense ‖ view), top-1 per token
+tally.add(view, source, scores[view])              sums over batches (and ranks)
+results = tally.results(pruned)                    the report's `views` section
+evaluate(pruned, views, windows)                   the three above over whole sources, in one call
+analysis(pruned, views, windows, calibration)      anatomy and held-out alignment (`ghostdistill.analysis`)
+zeroshot(pruned, tokenizer, views, cfg, ...)       lm-eval accuracy per view and task, resumable
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ..analysis import analyse
+from ..core.head import final_hidden, output_head, tokens_per_chunk
+from ..core.io import json_digest, tensor_digest
+from ..core.views import DENSE, PRUNED, PrunedModel, view_parameter_count
+from ..data.windows import shared_ngrams
+from ..evaluation.metrics import TokenScores, next_token_targets, score_hidden
+from ..evaluation.scores import ScoreStore, score_key
+from ..evaluation.zeroshot import average_scores, task_limits
+from ..methods import get_method
+from ..reporting.report import SourceMetrics, ViewResult
+from .config import ZeroShotConfig
+
+
+@torch.no_grad()
+def score_views(
+    pruned: PrunedModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    views: list[str],
+    *,
+    chunk: int | None = None,
+    counted: torch.Tensor | None = None,
+) -> dict[str, TokenScores]:
+    """NLL of every view in `views`, and KL and top-1 against the dense view, on one batch (1-D over the
+    real next-token positions). Each view's decoder runs once and yields final hidden states; logits
+    exist only `chunk` tokens at a time (null: sized by the vocabulary, `core.head.tokens_per_chunk`),
+    so memory does not grow with batch × vocabulary. `counted` [batch]: rows to score (default all)."""
+    targets, valid = next_token_targets(ids, mask)
+    if counted is not None:
+        valid = valid & counted.bool()[:, None]
+    hidden = {}
+    for view in [DENSE, *(v for v in views if v != DENSE)]:
+        with pruned.use(view) as model:
+            hidden[view] = final_hidden(model, ids, mask)[:, :-1]
+    vocab = pruned.model.get_output_embeddings().weight.shape[0]
+    return score_hidden(
+        hidden, output_head(pruned.model), targets, valid, reference=DENSE, chunk=tokens_per_chunk(vocab, chunk)
+    )
+
+
+def views_to_evaluate(available: list[str], wanted: list[str]) -> list[str]:
+    """The views of `available` that `evaluation.views` (`wanted`; empty: all) names, in their order."""
+    unknown = [v for v in wanted if v not in available]
+    if unknown:
+        raise ValueError(f"evaluation.views {unknown} are not views of this run; available: {available}")
+    return [v for v in available if v in (wanted or available)]
+
+
+class Tally:
+    """Per (view, source) sums of NLL, tokens, KL and top-1 matches, in float64; `reduce` (a sum over
+    processes) makes the result that of all ranks together."""
+
+    def __init__(self, views: list[str], sources: list[str]) -> None:
+        self.views, self.sources = list(views), list(sources)
+        self.sums = torch.zeros(len(views), len(sources), 4, dtype=torch.float64)  # nll, tokens, kl, top1
+
+    def add(self, view: str, source: int, scores: TokenScores) -> None:
+        row = self.sums[self.views.index(view), source]
+        row[0] += float(scores.nll.double().sum())
+        row[1] += scores.nll.numel()
+        if scores.kl is not None:
+            row[2] += float(scores.kl.double().sum())
+            row[3] += float(scores.top1.double().sum())
+
+    def results(
+        self,
+        pruned: PrunedModel,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        methods: dict[str, str | None] | None = None,
+    ) -> dict[str, ViewResult]:
+        device = next(pruned.model.parameters()).device  # NCCL reduces only device tensors
+        sums = reduce(self.sums.to(device)).cpu() if reduce is not None else self.sums
+        out = {}
+        for vi, view in enumerate(self.views):
+            metrics = {}
+            for si, source in enumerate(self.sources):
+                nll, tokens, kl, top1 = (float(x) for x in sums[vi, si])
+                n = max(tokens, 1.0)
+                compared = view != DENSE
+                metrics[source] = SourceMetrics(
+                    ppl=float(torch.exp(torch.tensor(nll / n))),
+                    tokens=int(tokens),
+                    kl=kl / n if compared else None,
+                    top1=top1 / n if compared else None,
+                )
+            out[view] = ViewResult(
+                params=inference_parameters(pruned, view, (methods or {}).get(view)), metrics=metrics
+            )
+        return out
+
+
+def inference_parameters(pruned: PrunedModel, view: str, method: str | None = None) -> int:
+    """What the view needs at inference (`core.views.view_parameter_count`), plus the embedding a fold of
+    the residual stream into the weights unties from the head (`rotation_through` on a tied model)."""
+    total = view_parameter_count(pruned, view)
+    if method is not None and getattr(get_method(method), "folds_embedding", False):
+        embedding, head = pruned.model.get_input_embeddings().weight, pruned.model.get_output_embeddings().weight
+        if embedding is head or embedding.data_ptr() == head.data_ptr():
+            total += embedding.numel()
+    return total
+
+
+def evaluate(
+    pruned: PrunedModel,
+    views: list[str],
+    windows: dict[str, torch.Tensor],
+    batch_size: int,
+    *,
+    chunk: int | None = None,
+    methods: dict[str, str | None] | None = None,
+) -> dict[str, ViewResult]:
+    """Every view on every source's windows, in one process (the Lightning test loop does the same per batch);
+    `methods`: the method behind each view (`RunConfig.method_of`), for its parameter count."""
+    tally = Tally(views, list(windows))
+    device = next(pruned.model.parameters()).device
+    for si, ids in enumerate(windows.values()):
+        for part in ids.split(batch_size):
+            part = part.to(device)
+            scores = score_views(pruned, part, torch.ones_like(part), views, chunk=chunk)
+            for view in views:
+                tally.add(view, si, scores[view])
+    return tally.results(pruned, methods=methods)
+
+
+@torch.no_grad()
+def analysis(
+    pruned: PrunedModel, windows: torch.Tensor, calibration: torch.Tensor, batch_size: int, source: str
+) -> dict:
+    """Anatomy and held-out alignment of every method (`ghostdistill.analysis.analyse`) on `windows`, less
+    any that share a 32-token run with the calibration windows (so they are held out even when both come
+    from one text)."""
+    overlap = set(shared_ngrams(windows, calibration))
+    held_out = windows[[i for i in range(len(windows)) if i not in overlap]]
+    if len(held_out) == 0:
+        return {"held_out_windows": 0, "overlapping_windows": len(overlap), "gaps": {}}
+    batches = [{"input_ids": b} for b in held_out.split(batch_size)]
+    views = [v for v in pruned.views if v != DENSE]
+    return {**analyse(pruned, views, batches), "overlapping_windows": len(overlap), "source": source}
+
+
+def view_digest(pruned: PrunedModel, view: str, base: list, settings: list | None, trainable: dict | None) -> str:
+    """What a view computes, for keying its saved zero-shot scores: `base` (the model, removed blocks), then
+    for a fine-tuned view every trainable tensor by name (`trainable`), for a training-free method the
+    settings its operators were solved from (calibration fingerprint and recovery settings: the same solve
+    on another thread count differs in the last bits, which must not void hours of saved scores) or,
+    without them, the operators' values."""
+    if view in (DENSE, PRUNED):
+        return json_digest(base)
+    if trainable is not None:
+        return json_digest([*base, "trained", tensor_digest(trainable)])
+    if settings is not None:
+        return json_digest([*base, *settings])
+    state = {}
+    for prefix, group in (("operators", pruned.operators), ("mlp_maps", pruned.mlp_maps)):
+        if view in group:
+            state.update({f"{prefix}.{k}": v for k, v in group[view].state_dict().items()})
+    return json_digest([*base, tensor_digest(state)])
+
+
+def view_digests(
+    pruned: PrunedModel,
+    views: list[str],
+    model: dict,
+    recovery: dict[str, dict],
+    fingerprint: str | None,
+    step: int = 0,
+    students=None,
+) -> dict[str, str]:
+    """`view_digest` of every view: `model` (the model settings), `recovery` (name → the settings a method's
+    operators were solved from), `fingerprint` (of the calibration statistics), the training step (part of
+    the key since the first saved scores, so they stay valid) and the students."""
+    out = {}
+    for view in views:
+        base = [model, [] if view == DENSE else list(pruned.plan.removed), step]
+        settings = [fingerprint, recovery[view]] if view in recovery and fingerprint is not None else None
+        trained = students.trainable_state(view) if students is not None and view in students.views else None
+        out[view] = view_digest(pruned, view, base, settings, trained)
+    return out
+
+
+def zeroshot(
+    pruned: PrunedModel,
+    tokenizer,
+    views: list[str],
+    cfg: ZeroShotConfig,
+    *,
+    digests: dict[str, str] | None = None,
+    store: ScoreStore | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, dict]:
+    """lm-eval on every view, one task at a time: view → task → scores, with the average. With `store`, each
+    (view, task) score is written when done and reused when its key (`digests[view]`, task, limit, data)
+    matches."""
+    import time
+
+    from ..evaluation.zeroshot import evaluate_zeroshot
+
+    limits = task_limits(cfg.tasks, cfg.limit)
+    data_dir = str(Path(cfg.data_dir).resolve()) if cfg.data_dir is not None else None
+    store = store or ScoreStore(None)
+    out = {}
+    for view in views:
+        scores: dict[str, dict[str, float]] = {}
+        for task, limit in limits.items():
+            key = score_key((digests or {}).get(view), task, limit, data_dir)
+            cached = store.get(view, task, key)
+            if cached is not None:
+                rows, seconds, how = cached["scores"], cached["seconds"], f"saved in {store.path(view, task)}"
+            else:
+                start = time.perf_counter()
+                with pruned.use(view) as model:
+                    result = evaluate_zeroshot(
+                        model, tokenizer, [task], data_dir=cfg.data_dir, limit=limit, batch_size=cfg.batch_size
+                    )
+                seconds, how = round(time.perf_counter() - start, 2), "scored"
+                # A group or tag (online) yields one row per subtask; a plain task, its own row.
+                rows = {name: dict(row) for name, row in result.items() if name != "average"}
+                store.put(view, task, key, {"limit": limit, "seconds": seconds, "scores": rows})
+            for name, row in rows.items():
+                log(f"zero-shot {view}/{name}: acc {row['acc']:.3f} on {row['n']} items ({how}, {seconds:.0f} s)")
+            scores.update(rows)
+        scores["average"] = average_scores(scores)
+        out[view] = scores
+    return out

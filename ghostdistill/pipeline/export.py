@@ -1,0 +1,193 @@
+"""Export: views of a run written as Hugging Face folders, from memory or from a finished run folder.
+
+    export_views(pruned, tokenizer, report, cfg, views, root)    an in-memory run (the end of `fit`)
+    export_run(run_dir, cfg, views)                                a run folder, without a Trainer
+
+From a run folder nothing the run cached is recomputed: the calibration statistics come from
+`calibration_state.pt` (only the closed-form solves run again, and the student passes of a sequential
+fit with several gaps), and a fine-tuned `<name>_ft` view takes its trained values from
+`checkpoints/last.ckpt` (loaded with `weights_only=True`: tensors and plain data, never code) at the
+step the run's report shows (`distill.kept`: the best validation step, kept in the checkpoint, or the
+last one).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..core.model import load_model, load_tokenizer
+from ..core.views import DENSE, PRUNED, PrunedModel
+from ..distill.students import Students
+from ..export import export_view
+from .calibrate import calibrate
+from .config import RunConfig
+from .data import RunData
+from .state import STATE_FILE, open_state
+from .train import build_students
+
+CHECKPOINT = Path("checkpoints") / "last.ckpt"
+
+
+def provenance(report: dict, view: str, method: str | None, seed: int | None) -> dict:
+    """What config.json records under `ghostdistill` (and the model card shows): the plan, the method
+    and its settings, the calibration data and size, the seed, the view's metrics beside the dense and
+    pruned ones, and for a fine-tuned view the training budget and the step kept."""
+    views = report.get("views", {})
+    info: dict = {
+        "base_model": report.get("model", {}).get("source"),
+        "dtype": report.get("model", {}).get("dtype"),
+        "view": view,
+        "method": method,
+        "recovery": (report.get("recovery") or {}).get(view.removesuffix("_ft")),
+        "plan": dict(report.get("plan", {})),
+        "calibration": {k: v for k, v in report.get("calibration", {}).items() if k != "token_groups"},
+        "seed": seed,
+        "metrics": views.get(view, {}).get("metrics"),
+        "reference_metrics": {v: views[v]["metrics"] for v in (DENSE, PRUNED) if v in views and v != view},
+        "evaluation": {
+            k: v for k, v in report.get("evaluation", {}).items() if k in ("seq_len", "max_windows", "sources")
+        },
+    }
+    distill = report.get("distill")
+    if distill and view.endswith("_ft"):
+        best = (distill.get("best") or {}).get(view, {})
+        info["distill"] = {
+            "steps": distill.get("steps"),
+            "kept": distill.get("kept"),
+            "step": best.get("step") if distill.get("kept") == "best" else distill.get("steps"),
+            "train": distill.get("train"),
+            "lr": distill.get("lr"),
+            "loss": distill.get("loss"),
+        }
+    return info
+
+
+def check_views(cfg: RunConfig, views: list[str], where: str = "this run") -> None:
+    available = cfg.views()
+    bad = [v for v in views if v not in available]
+    if bad:
+        raise ValueError(f"cannot export {bad}: the views of {where} are {available}")
+
+
+def export_views(
+    pruned: PrunedModel,
+    tokenizer,
+    report: dict,
+    cfg: RunConfig,
+    views: list[str],
+    root: Path,
+    *,
+    overwrite: bool = False,
+    seed: int | None = None,
+) -> list[Path]:
+    """Write each of `views` of an in-memory run to `root/<view>`; `report` is the run's results."""
+    check_views(cfg, views)
+    missing = [v for v in views if v not in pruned.views]
+    if missing:
+        raise ValueError(f"cannot export {missing}: they were not built in this run (views: {pruned.views})")
+    return [
+        export_view(
+            pruned,
+            view,
+            root / view,
+            method=cfg.method_of(view),
+            tokenizer=tokenizer,
+            info=provenance(report, view, cfg.method_of(view), seed),
+            overwrite=overwrite,
+        )
+        for view in views
+    ]
+
+
+@torch.no_grad()
+def load_students(students: Students, path: Path, report: dict) -> None:
+    """Put each fine-tuned view at the step the run's report shows, from the run's checkpoint."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: the fine-tuned views' weights are in the run's checkpoint")
+    # weights_only: a checkpoint someone sent you must not run their code.
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    saved = (checkpoint.get("ghostdistill") or {}) if isinstance(checkpoint, dict) else {}
+    if "students" not in saved:
+        raise ValueError(f"{path} holds no students by name (written by an older version): run `fit` again")
+    distill = report.get("distill") or {}
+    last_step = int(checkpoint["global_step"])
+    for view in students.views:
+        wanted = (
+            distill.get("steps") if distill.get("kept") != "best" else distill.get("best", {}).get(view, {}).get("step")
+        )
+        if wanted is None or int(wanted) == last_step:
+            students.load_trainable_state(view, saved["students"][view])
+            continue
+        best = saved.get("best", {}).get(view)
+        if best is None or int(best["step"]) != int(wanted):
+            raise ValueError(
+                f"{view}: the report shows step {wanted}, but {path} holds step {last_step} and best "
+                f"step {None if best is None else best['step']}"
+            )
+        students.load_trainable_state(view, best["state"])
+
+
+@dataclass
+class LoadedRun:
+    """A finished run rebuilt in memory: its views (students at the step the report shows), tokenizer,
+    windows and report."""
+
+    pruned: PrunedModel
+    tokenizer: object
+    data: RunData
+    report: dict
+
+
+def load_run(run: Path, cfg: RunConfig, views: list[str] = (), log: Callable[[str], None] = print) -> LoadedRun:
+    """Rebuild the run in `run` (configured by `cfg`, its config.yaml) without a Trainer: the model, the
+    operators re-solved from the saved statistics, and the students of any `_ft` view in `views`."""
+    results, state_path = run / "results.json", run / STATE_FILE
+    for path in (results, state_path):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: export reads a finished run folder (run `fit` first)")
+    check_views(cfg, list(views), str(run))
+    report = json.loads(results.read_text())
+    llm = load_model(cfg.model)
+    llm.requires_grad_(False)
+    data = RunData(
+        cfg.data, load_tokenizer(cfg.model), run, dense=lambda: nullcontext(llm), model_key=asdict(cfg.model)
+    )
+    batches = data.calibration_batches()
+    _, saved = open_state(run, cfg, llm, info=log)
+    if saved is None or saved.batches_done < saved.batches_total:
+        raise ValueError(f"{state_path} does not hold this run's complete statistics: run `fit` again to finish it")
+    cal = calibrate(llm, cfg.plan, cfg.recovery, batches, saved=saved, log=log)
+    if any(v.endswith("_ft") for v in views):
+        students = build_students(cal.pruned, cfg.distill)
+        load_students(students, run / CHECKPOINT, report)
+    return LoadedRun(cal.pruned, data.tokenizer, data, report)
+
+
+def export_run(
+    run: Path,
+    cfg: RunConfig,
+    views: list[str],
+    out: Path | None = None,
+    *,
+    overwrite: bool = False,
+    seed: int | None = None,
+    log: Callable[[str], None] = print,
+) -> list[Path]:
+    """Export views of the finished run in `run` (configured by `cfg`, its config.yaml) without a Trainer."""
+    loaded = load_run(run, cfg, views, log)
+    return export_views(
+        loaded.pruned,
+        loaded.tokenizer,
+        loaded.report,
+        cfg,
+        views,
+        out or run / "export",
+        overwrite=overwrite,
+        seed=seed,
+    )

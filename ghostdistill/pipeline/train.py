@@ -1,0 +1,151 @@
+"""Fine-tuned recovery: build the students, one distillation step, validation.
+
+    students = build_students(pruned, cfg, batch)         each `<method>_ft` from its method's closed form
+    losses = distill_step(students, batch, head, cfg.loss)  one teacher pass, every student on the same batch
+    entry = validate(students, windows, ...)                  KL and perplexity per student on held-out windows
+    tracker.record(entry, students)                           each student's best step, by validation KL
+
+The Lightning module calls these from its hooks; a script can call them in its own loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..core.head import output_head
+from ..core.views import PrunedModel
+from ..distill.config import DistillConfig
+from ..distill.loss import LossConfig, chunked_distillation_loss
+from ..distill.students import Students
+from ..evaluation.metrics import next_token_targets
+from .calibrate import Dist
+from .evaluate import score_views
+
+Batch = dict[str, torch.Tensor]
+
+
+def build_students(pruned: PrunedModel, cfg: DistillConfig, check_batch: Batch | None = None) -> Students:
+    """The `<method>_ft` views, each starting from its method's fitted view; everything else frozen. With
+    `check_batch`, the shared-prefix shortcut is verified against a full student forward on it."""
+    students = Students(pruned, cfg)
+    students.build()
+    if check_batch is not None:
+        students.check_prefix(check_batch)
+    return students
+
+
+def distill_step(students: Students, batch: Batch, loss: LossConfig) -> dict[str, torch.Tensor]:
+    """Each student's loss on one batch against one teacher pass (sum them for the backward: students share
+    no parameter, so the gradient of the sum is each student's own gradient)."""
+    ids = batch["input_ids"]
+    mask = batch.get("attention_mask")
+    mask = torch.ones_like(ids) if mask is None else mask
+    targets, valid = next_token_targets(ids, mask)
+    head = output_head(students.pruned.model)
+    teacher_hidden, prefix = students.teacher(batch)
+    losses = {}
+    for view in students.views:
+        hidden = students.student(view, batch, prefix)
+        losses[view] = chunked_distillation_loss(hidden[:, :-1], teacher_hidden[:, :-1], head, valid, targets, loss)
+    return losses
+
+
+@torch.no_grad()
+def validate(
+    students: Students,
+    windows: torch.Tensor,
+    batch_size: int,
+    step: int,
+    *,
+    chunk: int | None = None,
+    dist: Dist = Dist(),
+    sync_check: Callable[[list[torch.Tensor]], bool] | None = None,
+) -> dict:
+    """KL to the teacher and perplexity of every student on `windows` (each rank scores its share, the sums
+    are reduced); returns the history entry `{"step", <view>: {"kl", "ppl"}}`. With `sync_check`, it is
+    also checked that every rank holds the same students (a desync is a bug, not noise)."""
+    views = students.views
+    # The same number of batches on every rank (sharded models run collectives in every forward).
+    ids = windows[: len(windows) // dist.world * dist.world] if dist.world > 1 else windows
+    device = next(students.pruned.model.parameters()).device
+    sums = torch.zeros(len(views), 3, dtype=torch.float64, device=device)  # nll, kl, tokens
+    mine = ids[dist.rank :: dist.world]
+    for lo in range(0, len(mine), batch_size):
+        part = mine[lo : lo + batch_size].to(device)
+        scores = score_views(students.pruned, part, torch.ones_like(part), views, chunk=chunk)
+        for k, view in enumerate(views):
+            sums[k, 0] += scores[view].nll.double().sum()
+            sums[k, 1] += scores[view].kl.double().sum()
+            sums[k, 2] += scores[view].nll.numel()
+    if dist.world > 1:
+        sums = dist.reduce(sums.clone())
+    entry: dict = {"step": step}
+    if sync_check is not None:
+        entry["ranks_in_sync"] = sync_check([p for v in views for p in students.params[v].all()])
+        if not entry["ranks_in_sync"]:
+            raise RuntimeError(
+                f"the students differ between ranks at step {step}: distributed training went out of sync"
+            )
+    for k, view in enumerate(views):
+        nll, kl, tokens = (float(x) for x in sums[k])
+        entry[view] = {"kl": kl / tokens, "ppl": float(torch.exp(torch.tensor(nll / tokens)))}
+    return entry
+
+
+@dataclass
+class BestSteps:
+    """The validation history and each student's best step by KL, with its trainable values by name."""
+
+    history: list[dict] = field(default_factory=list)
+    best: dict[str, dict] = field(default_factory=dict)
+
+    def record(self, entry: dict, students: Students) -> None:
+        self.history.append(entry)
+        for view in students.views:
+            kl = entry[view]["kl"]
+            if view not in self.best or kl < self.best[view]["kl"]:
+                self.best[view] = {"step": entry["step"], "kl": kl, "state": students.trainable_state(view)}
+
+    def restore(self, students: Students, keep: str, step: int) -> None:
+        """With `keep: best`, put each student back at its best validation step."""
+        if keep != "best":
+            return
+        for view in students.views:
+            best = self.best.get(view)
+            if best is not None and best["step"] != step:
+                students.load_trainable_state(view, best["state"])
+
+    def summary(self, cfg: DistillConfig, steps: int, share_prefix: bool) -> dict:
+        """The report's `distill` section."""
+        return {
+            **asdict(cfg),
+            "steps": steps,
+            "kept": cfg.keep,
+            "prefix_shared": share_prefix,
+            "best": {v: {"step": b["step"], "val_kl": b["kl"]} for v, b in self.best.items()},
+            "history": self.history,
+        }
+
+
+def checkpoint_extras(tracker: BestSteps, students: Students, last_validated: int | None) -> dict:
+    """What a distillation checkpoint holds beside Lightning's state: every student's trainable values by name,
+    the validation history and each student's best step, as whole tensors (sharded ones gathered) and plain
+    data, so the file loads with `weights_only=True`."""
+    from ..distill.parallel import full_tensor
+
+    best = {v: {**b, "state": {k: full_tensor(t) for k, t in b["state"].items()}} for v, b in tracker.best.items()}
+    trained = {v: {k: full_tensor(t) for k, t in students.trainable_state(v).items()} for v in students.views}
+    return {"history": tracker.history, "best": best, "students": trained, "last_validated": last_validated}
+
+
+def check_checkpoint_keys(saved: set[str], trainable: set[str]) -> None:
+    """A checkpoint resumes only a run with exactly its trainable tensors (same distill settings and plan)."""
+    if saved != trainable:
+        raise ValueError(
+            f"the checkpoint does not hold this run's students: {len(saved - trainable)} tensors it has are not "
+            f"trainable here and {len(trainable - saved)} trainable tensors are missing from it (e.g. "
+            f"{sorted(saved ^ trainable)[:3]}); resume with the same model.distill and plan"
+        )

@@ -1,0 +1,79 @@
+"""`fit` arguments for a quick run of the tiny LLaMA (the `tiny_dir` fixture), shared by every run-level test.
+
+The defaults: configs/smollm2_demo.yaml with layers 2-3 removed, ghost recovery, 16 calibration windows of 32
+tokens from the corpus' jsonl file, 2 evaluation windows of 32 tokens of its text file, batches of 4, no
+progress output. A keyword set to None leaves the config's value; `extra` arguments come last and override
+any of them (later arguments win). Imported as `from tiny_run import tiny_run_args`: tests/ is on sys.path
+(pytest inserts the folder of tests/conftest.py), from any test folder.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_run_args(
+    model_dir,
+    text_files,
+    run: Path,
+    *extra: str,
+    config: str = "smollm2_demo.yaml",
+    layers: Sequence[int] | None = (2, 3),
+    num_layers: int | None = None,
+    recovery: Sequence[dict] | None = ({"name": "ghost"},),
+    calibration_source: bool = True,
+    samples: int = 16,
+    seq_len: int = 32,
+    eval_seq_len: int = 32,
+    eval_windows: int = 2,
+    batch_size: int | None = 4,
+) -> list[str]:
+    """Args:
+    model_dir: the model folder (`model.model.source`).
+    text_files: the `text_files` fixture (calibration from its jsonl, evaluation from its text file).
+    run: the run folder (`trainer.default_root_dir`).
+    config: a file of configs/.
+    layers: the removed layers (`model.plan.layers`); None: the config's plan criterion chooses.
+    num_layers: `model.plan.num_layers` (None: null, as explicit layers need).
+    recovery: `model.recovery`; None: the config's.
+    calibration_source: calibrate on the jsonl file; False: the config's source (the demo's `generate`).
+    samples, seq_len: calibration windows and their length.
+    eval_seq_len, eval_windows: evaluation window length and count (`data.evaluation`).
+    batch_size: `data.batch_size`; None: the config's.
+    """
+    args = ["fit", "--config", str(ROOT / "configs" / config), "--model.model.source", str(model_dir)]
+    if layers is not None:
+        args += ["--model.plan.layers", json.dumps(list(layers))]
+    args += ["--model.plan.num_layers", "null" if num_layers is None else str(num_layers)]
+    if recovery is not None:
+        args += ["--model.recovery", json.dumps(list(recovery))]
+    if calibration_source:
+        args += ["--data.calibration.source.source", str(text_files["jsonl_gz"])]
+    args += [
+        "--data.calibration.num_samples",
+        str(samples),
+        "--data.calibration.seq_len",
+        str(seq_len),
+        "--data.evaluation.seq_len",
+        str(eval_seq_len),
+        "--data.evaluation.max_windows",
+        str(eval_windows),
+        "--data.evaluation.sources",
+        json.dumps([{"name": "held_out", "source": str(text_files["txt"])}]),
+    ]
+    if batch_size is not None:
+        args += ["--data.batch_size", str(batch_size)]
+    args += [
+        "--calibration.progress",
+        "false",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.default_root_dir",
+        str(run),
+        *extra,
+    ]
+    return args
