@@ -3,6 +3,7 @@
     fit      --config <yaml> [overrides]       calibrate, fit the operators, distil (with max_steps > 0), evaluate
     compare  <compare.yaml> [fit overrides]    one `fit` per plan, gathered into one report
     export   <run> --views ... [--dir D]       write views of a finished run as Hugging Face folders
+    frontier <frontier.yaml> [fit overrides]   per depth, streamline's and the repair-aware plans, evaluated
 
 `fit` is a LightningCLI (YAML configs, `--print_config`, dotted overrides) built without its own
 subcommands: the run is `run_fit`, which calls `Trainer.fit` only when there are steps to take, then
@@ -37,6 +38,7 @@ COMMANDS = {
     "fit": "calibrate, fit every method's operators, distil the students (trainer.max_steps > 0), evaluate",
     "compare": "run one fit per plan of a compare file and gather them into one report",
     "export": "write views of a finished run as Hugging Face model folders",
+    "frontier": "for n = 1 … N blocks removed: every method on streamline's plan and on its repair-aware plan",
 }
 
 
@@ -202,6 +204,40 @@ def run_compare(argv: list[str]) -> Path:
     return root
 
 
+def run_frontier_command(argv: list[str]) -> Path:
+    """`frontier <frontier.yaml> [fit overrides]`: per depth, the pruned model and every recovery entry of the
+    base config on streamline's plan and on its own repair-aware plan (`pipeline.frontier`), resumable per
+    depth; frontier.json/csv/md/png in the root. No Trainer runs: the phases are called directly."""
+    from contextlib import nullcontext
+    from dataclasses import asdict
+
+    from .pipeline.frontier import run_frontier
+    from .reporting import frontier
+
+    parser = argparse.ArgumentParser(prog="ghostdistill frontier", description=run_frontier_command.__doc__)
+    parser.add_argument("spec", help="the frontier file (YAML: base config, root, num_layers, criteria)")
+    parser.add_argument("overrides", nargs=argparse.REMAINDER, help="fit overrides, e.g. --data.batch_size 2")
+    ns = parser.parse_args(argv)
+    spec = frontier.load_frontier_spec(ns.spec)
+    root = Path(spec["root"])
+    cli = build_fit(
+        ["--config", spec["base"], *ns.overrides, "--trainer.default_root_dir", str(root)], save_config_callback=None
+    )
+    module, dm = cli.model, cli.datamodule
+    cfg = module.cfg
+    cfg.data = dm.cfg
+    cfg.validate()
+    if cfg.data.selection.source is None and cfg.data.calibration.source.source != "generate":
+        raise ValueError("frontier: the repair-aware plans are scored on held-out windows: set data.selection.source")
+    module.configure_model()
+    llm = module.llm.to(cli.trainer.strategy.root_device)
+    data = dm.bind(module.tokenizer, root, dense=lambda: nullcontext(llm), model_key=asdict(cfg.model))
+    points = run_frontier(cfg, llm, data, root, spec["num_layers"], spec["criteria"])
+    frontier.write(root, points, spec)
+    print(f"frontier report written to {root}/frontier.md")
+    return root
+
+
 def load_run_config(run: Path):
     """The `RunConfig` and seed of a run folder, from its `config.yaml` parsed as `fit` parsed it. The
     model's tokenizer is loaded; nothing else is loaded or computed."""
@@ -270,6 +306,8 @@ def main(args: list[str] | None = None):
         return run_compare(rest)
     if command == "export":
         return run_export(rest)
+    if command == "frontier":
+        return run_frontier_command(rest)
     print(f"error: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
     raise SystemExit(2)
 

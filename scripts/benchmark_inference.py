@@ -1,5 +1,5 @@
-"""Inference throughput of production checkpoints: dense, pruned, pruned+ghost and pruned+LinearPatch, in
-one process, interleaved (ratios, not absolute timings).
+"""Inference throughput of production checkpoints: dense, pruned, pruned+ghost, pruned+LinearPatch and
+rotation_through folded into the weights, in one process, interleaved (ratios, not absolute timings).
 
 The ghost and LinearPatch operators are fitted on a few calibration windows (their values do not change
 their cost), each view is exported (`ghostdistill.export`) and loaded back as it ships: the pruned view
@@ -62,6 +62,7 @@ def build(args, folder: Path) -> dict[str, torch.nn.Module]:
     recovery = [
         RecoveryConfig(name="ghost"),
         RecoveryConfig(name="linearpatch", method="linearpatch"),
+        RecoveryConfig(name="rotation_through", method="rotation_through"),
     ]
     stats = {
         g.key: make_collectors({r.method for r in recovery}, hidden_size(model), "cpu", recovery) for g in plan.gaps
@@ -73,6 +74,9 @@ def build(args, folder: Path) -> dict[str, torch.nn.Module]:
         ("pruned", None),
         ("ghost", "ghost"),
         ("linearpatch", "linearpatch"),
+        # Folded into the weights: the plain architecture with fewer blocks (and, on a tied model, an
+        # untied embedding), which should run exactly as fast as the pruned model.
+        ("rotation_through", "rotation_through"),
     ):
         models[view] = export_view(pruned, view, folder / view, method=method, tokenizer=tok)
     pruned.remove_hooks()

@@ -17,7 +17,19 @@ from ghostdistill.lit.callbacks import Calibration
 ROOT = Path(__file__).resolve().parents[1]
 ALL_CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 COMPARE_CONFIGS = [p for p in ALL_CONFIGS if "plans" in yaml.safe_load(p.read_text())]
-CONFIGS = [p for p in ALL_CONFIGS if p not in COMPARE_CONFIGS]
+FRONTIER_CONFIGS = [
+    p for p in ALL_CONFIGS if "num_layers" in yaml.safe_load(p.read_text()) and p not in COMPARE_CONFIGS
+]
+CONFIGS = [p for p in ALL_CONFIGS if p not in COMPARE_CONFIGS and p not in FRONTIER_CONFIGS]
+
+
+@pytest.mark.parametrize("config", FRONTIER_CONFIGS, ids=lambda p: p.name)
+def test_every_frontier_config_parses(config, monkeypatch):
+    from ghostdistill.reporting.frontier import load_frontier_spec
+
+    monkeypatch.chdir(ROOT)
+    spec = load_frontier_spec(str(config))
+    assert spec["base"] in {str(p.relative_to(ROOT)) for p in CONFIGS} and spec["num_layers"]
 
 
 @pytest.mark.parametrize("config", COMPARE_CONFIGS, ids=lambda p: p.name)

@@ -26,14 +26,14 @@ def _exit_code(args, capsys) -> tuple[int, str]:
 def test_top_level_help_lists_the_commands_a_user_has(capsys):
     code, text = _exit_code(["--help"], capsys)
     assert code == 0
-    for command in ("fit", "compare", "export"):
+    for command in ("fit", "compare", "export", "frontier"):
         assert f"  {command} " in text
     for hidden in ("validate", "predict"):
         assert hidden not in text
-    assert set(COMMANDS) == {"fit", "compare", "export"}
+    assert set(COMMANDS) == {"fit", "compare", "export", "frontier"}
 
 
-@pytest.mark.parametrize("command", ["fit", "compare", "export"])
+@pytest.mark.parametrize("command", ["fit", "compare", "export", "frontier"])
 def test_every_help_exits_0(command, capsys):
     code, text = _exit_code([command, "--help"], capsys)
     assert code == 0 and "usage:" in text.lower()

@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
-SUBCOMMANDS = ("fit", "compare", "export")
+SUBCOMMANDS = ("fit", "compare", "export", "frontier")
 PYTHONS = ("python", "python3", ".venv/bin/python")
 ENV = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*")
 COMMAND = re.compile(r"^(?:(?:\.venv/bin/)?python3? -m ghostdistill|ghostdistill)(?:\s|$)")
@@ -144,8 +144,14 @@ def test_commands_parse(command: Command, monkeypatch, capsys) -> None:
     assert args, f"{command.id}: no subcommand"
     sub = args[0]
     assert sub in SUBCOMMANDS or sub in ("--help", "-h"), f"{command.id}: unknown subcommand {sub!r}"
+    if sub in ("compare", "frontier") and len(args) > 1 and (ROOT / args[1]).is_file():
+        # The file a page shows must load (its base config, its keys); its --help is checked below.
+        from ghostdistill.reporting import compare, frontier
+
+        monkeypatch.chdir(ROOT)
+        (compare.load_spec if sub == "compare" else frontier.load_frontier_spec)(args[1])
     if sub != "fit":
-        return  # compare / export: their --help is checked once each below
+        return  # compare / export / frontier: their --help is checked once each below
     args = [PLACEHOLDERS.get(a, a) for a in args]
     if any(re.search(r"<[^>]+>", a) for a in args):
         return  # a placeholder with no stand-in: the subcommand name is all that can be checked

@@ -20,6 +20,7 @@ LAYERS = [
     "evaluation",
     "criteria",
     "calibration",
+    "planning",
     "analysis",
     "distill",
     "reporting",

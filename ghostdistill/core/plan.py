@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-CriterionName = Literal["streamline", "angular", "angular_last", "block_influence", "ppl", "taylor"]
+CriterionName = Literal[
+    "streamline", "angular", "angular_last", "block_influence", "ppl", "taylor", "repair", "repair_greedy"
+]
+# Criteria that fit a repair for every candidate and score the repaired model (`ghostdistill.planning`).
+REPAIR_CRITERIA = ("repair", "repair_greedy")
+# PlanConfig keys added after run folders were fingerprinted: left out of a digest while unset (None), so
+# the statistics saved before they existed keep their key.
+LATER_KEYS = ("repair_method", "repair_chunk")
 
 
 @dataclass
@@ -25,6 +32,11 @@ class PlanConfig:
             one forward pass per candidate block per batch) or ``taylor`` (Shortened LLaMA: sum of
             |weight x gradient of the next-token loss| over the block's parameters; one forward and
             backward pass per batch, plus a gradient's worth of memory for the candidate blocks).
+            Repair-aware (ghostdistill's own; `ghostdistill.planning`): ``repair`` fits `repair_method`'s
+            closed form for every contiguous run of `num_layers` blocks from one dense pass and keeps the
+            run whose repaired model has the lowest KL(dense ‖ repaired) on `data.selection`'s held-out
+            windows; ``repair_greedy`` removes one block at a time, any block, each step keeping the
+            block whose removal (every gap repaired) gives the lowest KL.
         num_layers: how many blocks the criterion removes.
         allow_edges: permit removing the first or the last block (off: both carry outsized roles).
             For criteria, true means ``keep_first: 0, keep_last: 0`` (any other keep_first/keep_last
@@ -32,8 +44,14 @@ class PlanConfig:
         keep_first: how many of the first blocks a criterion may never remove.
         keep_last: how many of the last blocks a criterion may never remove. Shortened LLaMA's
             Taylor+ is ``criterion: taylor, keep_first: 4, keep_last: 2``.
-        criterion_samples: when set, the criteria that cost many passes (``ppl``, ``taylor``) score
-            only the first this many calibration windows; the others always use them all.
+        criterion_samples: when set, the criteria that cost many passes (``ppl``, ``taylor``, and the
+            candidates' statistics of ``repair`` and ``repair_greedy``) read only the first this many
+            calibration windows; the others always use them all, and the chosen plan's fits read them all.
+        repair_method: (``repair``, ``repair_greedy``) whose closed form repairs each candidate: the name
+            of a `recovery` entry (its settings), or a registered method (its defaults); default the
+            first `recovery` entry. ``none`` scores the pruned model itself.
+        repair_chunk: (``repair``) candidates whose statistics are held at once (one dense calibration
+            pass per chunk); default all of them, in one pass. Only memory depends on it, not the plan.
     """
 
     layers: list[int] | None = None
@@ -43,6 +61,8 @@ class PlanConfig:
     keep_first: int = 1
     keep_last: int = 1
     criterion_samples: int | None = None
+    repair_method: str | None = None
+    repair_chunk: int | None = None
 
     def validate(self) -> None:
         """The checks the values alone decide, run before the model is loaded (depth-dependent checks:
@@ -76,6 +96,27 @@ class PlanConfig:
             raise ValueError(
                 f"plan.criterion_samples must be >= 1 (or null for all windows), got {self.criterion_samples}"
             )
+        if self.repair_chunk is not None and self.repair_chunk < 1:
+            raise ValueError(
+                f"plan.repair_chunk must be >= 1 (or null: every candidate at once), got {self.repair_chunk}"
+            )
+        for key in LATER_KEYS:
+            if getattr(self, key) is not None and not self.repair_aware():
+                raise ValueError(
+                    f"plan.{key} is read only by plan.criterion repair or repair_greedy (criterion: "
+                    f"{self.criterion!r}{', with explicit plan.layers' if self.layers is not None else ''}): "
+                    f"remove plan.{key}"
+                )
+
+    def repair_aware(self) -> bool:
+        """Whether a repair-aware criterion chooses the plan (it reads `data.selection`)."""
+        return self.layers is None and self.criterion in REPAIR_CRITERIA
+
+    def digest_dict(self) -> dict:
+        """The settings that decide the plan, for a fingerprint: `repair_chunk` changes only memory, and
+        keys added later are left out while unset (earlier run folders keep their fingerprints)."""
+        out = {k: v for k, v in asdict(self).items() if k != "repair_chunk"}
+        return {k: v for k, v in out.items() if k not in LATER_KEYS or v is not None}
 
 
 @dataclass(frozen=True)
@@ -99,6 +140,10 @@ class PruningPlan:
     removed: tuple[int, ...]
     chosen_by: str = "explicit"
     scores: dict[str, float] = field(default_factory=dict, compare=False)
+    # Repair-aware criteria: per candidate what it was scored by (cosine, pruned and repaired KL, ...), and
+    # the criterion's costs; empty for the others.
+    candidates: dict[str, dict] = field(default_factory=dict, compare=False)
+    costs: dict[str, float] = field(default_factory=dict, compare=False)
 
     @classmethod
     def from_layers(cls, layers: list[int], num_layers: int, *, allow_edges: bool = False, **kw) -> "PruningPlan":
@@ -144,4 +189,6 @@ class PruningPlan:
             "gaps": [g.key for g in self.gaps],
             "chosen_by": self.chosen_by,
             "scores": self.scores,
+            **({"candidates": self.candidates} if self.candidates else {}),
+            **({"costs": self.costs} if self.costs else {}),
         }

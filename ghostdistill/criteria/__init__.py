@@ -14,6 +14,10 @@ Ineffectiveness of the Deeper Layers"). Per-block criteria score each block on i
 All similarity criteria compare hidden vectors along the channel axis, per token, with padding masked,
 and are accumulated over batches (one forward pass, every candidate block at once). `keep_first` and
 `keep_last` protect the first and last blocks from every criterion.
+
+The repair-aware criteria ``repair`` (contiguous) and ``repair_greedy`` (any blocks) fit a repair for
+every candidate and score the repaired model; they live above the methods and the calibration pass, in
+`ghostdistill.planning`, and `check_plan` checks their candidate counts like the others'.
 """
 
 from __future__ import annotations
@@ -24,14 +28,14 @@ from typing import get_args
 from torch import nn
 
 from ..core.model import DecoderStack
-from ..core.plan import CriterionName, PlanConfig, PruningPlan
+from ..core.plan import REPAIR_CRITERIA, CriterionName, PlanConfig, PruningPlan
 from .candidates import Batch, candidate_blocks, candidate_starts, first_windows, protected_edges
 from .perplexity import removal_perplexity
 from .similarity import block_influence, block_similarity
 from .taylor import taylor_importance
 
 CRITERIA: tuple[str, ...] = get_args(CriterionName)
-CONTIGUOUS_CRITERIA = ("streamline", "angular", "angular_last")
+CONTIGUOUS_CRITERIA = ("streamline", "angular", "angular_last", "repair")
 # Criteria whose cost grows with the data by more than one forward pass per batch: `criterion_samples`
 # caps the windows they see.
 COSTLY_CRITERIA = ("ppl", "taylor")
@@ -86,6 +90,11 @@ def choose_plan(cfg: PlanConfig, model: nn.Module, stack: DecoderStack, batches:
     Scores land in `PruningPlan.scores`, keyed "i-j" for runs and "i" for single blocks.
     """
     criterion = cfg.criterion
+    if criterion in REPAIR_CRITERIA:
+        raise ValueError(
+            f"plan.criterion {criterion!r} fits a repair for every candidate: it needs the recovery entries and "
+            "selection windows, so choose it with ghostdistill.planning.choose_repaired (pipeline.calibrate.choose)"
+        )
     if criterion not in CRITERIA:
         raise ValueError(f"plan.criterion {criterion!r} is not known; choose one of {', '.join(CRITERIA)}")
     if cfg.num_layers is None:

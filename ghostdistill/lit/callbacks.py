@@ -53,6 +53,10 @@ class Calibration(Callback):
     def setup(self, trainer: Trainer, pl_module: GhostDistill, stage: str) -> None:
         if self.done:
             return
+        # The checks that need the data settings beside the model's (the repair-aware criteria's selection
+        # windows), before the model loads.
+        pl_module.cfg.data = trainer.datamodule.cfg
+        pl_module.cfg.validate()
         pl_module.configure_model()
         # The strategy moves the module only after setup; calibrating an 8B model on the CPU would crawl.
         pl_module.to(trainer.strategy.root_device)
@@ -64,7 +68,6 @@ class Calibration(Callback):
         if trainer.max_steps > 0 and not pl_module.cfg.distill.methods:
             raise RuntimeError(NO_DISTILL_METHODS)
         dm, cfg, llm, report = trainer.datamodule, pl_module.cfg, pl_module.llm, pl_module.report
-        cfg.data = dm.cfg
         run_dir = Path(trainer.default_root_dir)
         # The plan's depth checks, then what needs only the tokenizer, before any text is generated (minutes).
         check_plan(cfg.plan, len(decoder_stack(llm).layers))
@@ -78,6 +81,8 @@ class Calibration(Callback):
         data.check_before_calibration(getattr(llm.config, "max_position_embeddings", None), pl_module.distilling)
         with report.timed("calibration_data"):
             batches = data.calibration_batches()
+        # The repair-aware criteria score candidates on held-out windows (read before any statistics).
+        selection = data.selection_batches() if cfg.plan.repair_aware() else None
         key, saved = open_state(run_dir, cfg, llm, rank_zero_warn, rank_zero_info)
         cal = calibrate(
             llm,
@@ -91,6 +96,7 @@ class Calibration(Callback):
             dist=pl_module.dist(),
             progress=self._bar,
             log=rank_zero_info,
+            selection=selection,
         )
         report.timings.update(cal.seconds)
         report.plan = cal.plan.to_dict()

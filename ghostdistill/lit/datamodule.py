@@ -9,7 +9,15 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from ..pipeline.data import CalibrationData, DataConfig, EvaluationData, RunData, TrainData, ValidationData
+from ..pipeline.data import (
+    CalibrationData,
+    DataConfig,
+    EvaluationData,
+    RunData,
+    SelectionData,
+    TrainData,
+    ValidationData,
+)
 
 __all__ = ["CalibrationData", "EvaluationData", "GhostDataModule", "TrainData", "ValidationData"]
 
@@ -92,6 +100,7 @@ class GhostDataModule(LightningDataModule):
         train: distillation training windows.
         validation: held-out windows validated during distillation.
         batch_size: windows per forward pass.
+        selection: held-out windows the repair-aware plan criteria score candidates on.
         num_workers: DataLoader workers for evaluation (windows are pre-tokenised, so 0 is usually right).
     """
 
@@ -103,9 +112,10 @@ class GhostDataModule(LightningDataModule):
         validation: ValidationData = ValidationData(),
         batch_size: int = 4,
         num_workers: int = 0,
+        selection: SelectionData = SelectionData(),
     ) -> None:
         super().__init__()
-        self.cfg = DataConfig(calibration, evaluation, train, validation, batch_size)
+        self.cfg = DataConfig(calibration, evaluation, train, validation, batch_size, selection)
         self.cfg.validate()
         self.batch_size = batch_size
         self.num_workers = num_workers

@@ -25,7 +25,7 @@ from ..distill.config import DistillConfig
 from ..distill.optim import clip_per_student, make_optimizer
 from ..distill.parallel import ranks_agree
 from ..distill.students import Students
-from ..methods import RecoveryConfig, validate_recovery
+from ..methods import RecoveryConfig
 from ..pipeline.calibrate import Dist
 from ..pipeline.config import EvalConfig, RunConfig
 from ..pipeline.evaluate import Tally, score_views, views_to_evaluate
@@ -62,12 +62,9 @@ class GhostDistill(LightningModule):
     ) -> None:
         super().__init__()
         recovery = [RecoveryConfig()] if recovery is None else list(recovery)
-        # Everything the values alone decide, before the model loads (the data settings: the data module).
-        validate_recovery(recovery)
-        distill.validate([r.name for r in recovery])
-        evaluation.validate()
-        plan.validate()
         self.cfg = RunConfig(model=model, plan=plan, recovery=recovery, evaluation=evaluation, distill=distill)
+        # Everything the values alone decide, before the model loads (with the data settings: `Calibration`).
+        self.cfg.validate(data=False)
         self.save_hyperparameters(
             {
                 k: asdict(v) if k != "recovery" else [asdict(r) for r in v]

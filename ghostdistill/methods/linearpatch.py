@@ -8,12 +8,21 @@ W is symmetric by construction, which is exactly what the ghost operator is not 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..core.operator import GhostOperator
 from ..core.plan import Gap
 from .base import ORDER_KEYS, GapFit, GapTaps, NoFold, RecoveryConfig, register, residual_identity
 from .hadamard import hadamard_matrix, has_hadamard
+
+
+@functools.lru_cache(maxsize=2)
+def shared_hadamard(hidden_size: int, device: torch.device) -> torch.Tensor:
+    """One read-only H per size and device for every collector: the repair-aware criteria hold a collector
+    per candidate gap, and a copy each would cost 128 MiB per candidate at C = 4096 (float64)."""
+    return hadamard_matrix(hidden_size).to(device)
 
 
 class LinearPatchStatistics:
@@ -27,7 +36,7 @@ class LinearPatchStatistics:
         z = lambda: torch.zeros(hidden_size, dtype=torch.float64, device=device)  # noqa: E731
         self.hidden_size = hidden_size
         self.rotated = has_hadamard(hidden_size)
-        self._h = hadamard_matrix(hidden_size).to(device) if self.rotated else None
+        self._h = shared_hadamard(hidden_size, torch.device(device)) if self.rotated else None
         self.sums = {"pre": z(), "post": z(), "pre_rot": z(), "post_rot": z()}
         self.tokens = 0
 

@@ -22,10 +22,11 @@ from ..calibration.distributed import shard, sum_collectors
 from ..calibration.fit import fit_methods
 from ..calibration.stream import accumulate
 from ..core.model import decoder_stack, hidden_size
-from ..core.plan import PlanConfig, PruningPlan
+from ..core.plan import REPAIR_CRITERIA, PlanConfig, PruningPlan
 from ..core.views import PrunedModel
 from ..criteria import check_plan, choose_plan
 from ..methods import RecoveryConfig, make_collectors
+from ..planning import choose_repaired
 from .state import SavedState, Statistics, save_state, to_device
 
 Batch = dict[str, torch.Tensor]
@@ -60,11 +61,22 @@ def no_progress(items: Iterable, desc: str) -> Iterable:
     return items
 
 
-def choose(plan_cfg: PlanConfig, llm: nn.Module, batches: list[Batch], progress: Progress = no_progress) -> PruningPlan:
-    """The layers to remove: the explicit list, or the criterion's choice on the calibration batches."""
+def choose(
+    plan_cfg: PlanConfig,
+    llm: nn.Module,
+    batches: list[Batch],
+    progress: Progress = no_progress,
+    *,
+    recovery: list[RecoveryConfig] | None = None,
+    selection: list[Batch] | None = None,
+) -> PruningPlan:
+    """The layers to remove: the explicit list, or the criterion's choice on the calibration batches (the
+    repair-aware criteria also fit `recovery`'s repair method per candidate and score it on `selection`)."""
     explicit = check_plan(plan_cfg, len(decoder_stack(llm).layers))
     if explicit is not None:
         return explicit
+    if plan_cfg.criterion in REPAIR_CRITERIA:
+        return choose_repaired(plan_cfg, recovery or [], llm, decoder_stack(llm), batches, selection, progress)
     return choose_plan(plan_cfg, llm, decoder_stack(llm), progress(batches, f"criterion {plan_cfg.criterion}"))
 
 
@@ -148,9 +160,11 @@ def calibrate(
     dist: Dist = Dist(),
     progress: Progress = no_progress,
     log: Callable[[str], None] = print,
+    selection: list[Batch] | None = None,
 ) -> Calibrated:
     """plan → statistics → operators. With `state_path`, the statistics are saved there every
-    `checkpoint_every` batches and at the end (by rank 0), under `state_key`; `saved` resumes them."""
+    `checkpoint_every` batches and at the end (by rank 0), under `state_key`; `saved` resumes them.
+    `selection`: the held-out windows the repair-aware criteria score candidates on."""
     import time
 
     llm.eval()
@@ -161,7 +175,11 @@ def calibrate(
         saved = None
     seconds = {}
     start = time.perf_counter()
-    plan = saved.plan if saved is not None else choose(plan_cfg, llm, batches, progress)
+    plan = (
+        saved.plan
+        if saved is not None
+        else choose(plan_cfg, llm, batches, progress, recovery=recovery, selection=selection)
+    )
     seconds["plan_s"] = round(time.perf_counter() - start, 2)
     log(f"pruning plan ({plan.chosen_by}): remove layers {list(plan.removed)}, gaps {[g.key for g in plan.gaps]}")
     pruned = PrunedModel(llm, plan)

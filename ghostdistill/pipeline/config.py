@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 from ..core.model import ModelConfig
 from ..core.plan import PlanConfig
 from ..core.views import DENSE, PRUNED
+from ..data import GENERATE
 from ..distill.config import DistillConfig, ft_view
 from ..evaluation.zeroshot import PAPER_TASKS, check_offline_tasks, task_limits
 from ..methods import RecoveryConfig, validate_recovery
+from ..planning import repair_config
 from .data import DataConfig
 
 
@@ -92,13 +94,25 @@ class RunConfig:
     distill: DistillConfig = field(default_factory=DistillConfig)
     data: DataConfig = field(default_factory=DataConfig)
 
-    def validate(self) -> None:
-        """Every check that needs no model, tokenizer or data: bad values fail before anything loads."""
+    def validate(self, data: bool = True) -> None:
+        """Every check that needs no model, tokenizer or data: bad values fail before anything loads.
+        `data=False` leaves out the data settings (the data module checks those)."""
         validate_recovery(self.recovery)
         self.distill.validate([r.name for r in self.recovery])
         self.evaluation.validate()
         self.plan.validate()
+        if self.plan.repair_aware():
+            repair_config(self.plan, self.recovery)
+        if not data:
+            return
         self.data.validate()
+        if self.plan.repair_aware():
+            if self.data.selection.source is None and self.data.calibration.source.source != GENERATE:
+                raise ValueError(
+                    f"plan.criterion {self.plan.criterion!r} scores every repaired candidate on held-out windows: "
+                    "set data.selection.source (disjoint from calibration and evaluation, e.g. the calibration "
+                    "text's later documents with first_document)"
+                )
 
     def views(self) -> list[str]:
         """Every view a run has: the baselines, each recovery method and each fine-tuned method."""

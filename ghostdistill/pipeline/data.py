@@ -78,6 +78,21 @@ class ValidationData:
 
 
 @dataclass
+class SelectionData:
+    """Held-out windows on which the repair-aware plan criteria (`plan.criterion` ``repair``,
+    ``repair_greedy``) score every repaired candidate: the first `num_windows` non-overlapping windows of
+    `source`, which must share no text with the calibration or evaluation windows (checked; the run stops).
+    `source: null` with self-generated calibration text generates further windows with another seed; with
+    a text source it is an error naming the fix (take later documents of the same text).
+
+    Read only by those criteria."""
+
+    source: TextSource | None = None
+    num_windows: int = 8
+    seq_len: int = 512
+
+
+@dataclass
 class DataConfig:
     """All of a run's data settings (the data module's arguments)."""
 
@@ -86,6 +101,7 @@ class DataConfig:
     train: TrainData = field(default_factory=TrainData)
     validation: ValidationData = field(default_factory=ValidationData)
     batch_size: int = 4
+    selection: SelectionData = field(default_factory=SelectionData)
 
     def validate(self) -> None:
         """What the values alone decide (before any tokenizer or model is loaded)."""
@@ -98,6 +114,8 @@ class DataConfig:
             "train.seq_len": self.train.seq_len,
             "validation.num_windows": self.validation.num_windows,
             "validation.seq_len": self.validation.seq_len,
+            "selection.num_windows": self.selection.num_windows,
+            "selection.seq_len": self.selection.seq_len,
         }
         for name, value in positive.items():
             if value < 1:
@@ -105,7 +123,7 @@ class DataConfig:
         if self.evaluation.max_windows is not None and self.evaluation.max_windows < 1:
             raise ValueError(f"data.evaluation.max_windows must be >= 1 or null, got {self.evaluation.max_windows}")
         validate_source(self.calibration.source)
-        for src in (*self.evaluation.sources, self.train.source, self.validation.source):
+        for src in (*self.evaluation.sources, self.train.source, self.validation.source, self.selection.source):
             if src is not None:
                 validate_source(src)
         labels = [s.label for s in self.evaluation.sources]
@@ -113,7 +131,7 @@ class DataConfig:
             raise ValueError(f"evaluation sources need distinct names; got {labels} (set `name:` on each)")
 
     def describe(self) -> dict:
-        return {k: asdict(getattr(self, k)) for k in ("calibration", "evaluation", "train", "validation")}
+        return {k: asdict(getattr(self, k)) for k in ("calibration", "evaluation", "train", "validation", "selection")}
 
 
 class RunData:
@@ -144,6 +162,7 @@ class RunData:
         self._train: torch.Tensor | None = None
         self._val: torch.Tensor | None = None
         self._val_read = False
+        self._selection: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -217,13 +236,48 @@ class RunData:
         self._val_read = True
         return self._val
 
+    def selection_ids(self) -> torch.Tensor:
+        """The repair-aware criteria's held-out windows (`SelectionData`)."""
+        if self._selection is None:
+            sel, cal = self.cfg.selection, self.cfg.calibration
+            if sel.source is None:
+                if cal.source.source != GENERATE:
+                    raise ValueError(
+                        "plan.criterion repair / repair_greedy scores candidates on held-out windows: set "
+                        "data.selection.source, e.g. the calibration text's later documents "
+                        f"({{source: {cal.source.source}, first_document: <after calibration's>}})"
+                    )
+                # Self-generated: further windows from a seed neither calibration nor evaluation uses.
+                ids = self._generate(sel.seq_len, sel.num_windows, 20_000 + cal.seed)
+            else:
+                ids = evaluation_windows(self.tokenizer, sel.source, sel.seq_len, sel.num_windows)
+                self._check_disjoint("selection", sel.source, ids)
+                if _same_text(sel.source, cal.source):
+                    hits = shared_ngrams(ids, self.calibration_ids())
+                    if hits:
+                        raise ValueError(
+                            f"{len(hits)} selection windows of {sel.source.source!r} overlap the calibration "
+                            "windows (the same text): take them from other documents (first_document / "
+                            "max_documents) or another source"
+                        )
+            self._selection = ids
+        return self._selection
+
+    def selection_batches(self) -> list[dict[str, torch.Tensor]]:
+        ids = self.selection_ids()
+        return [{"input_ids": b, "attention_mask": torch.ones_like(b)} for b in ids.split(self.batch_size)]
+
     def check_before_calibration(self, max_positions: int | None, distilling: bool) -> None:
         """What needs only the tokenizer, before minutes of calibration: every evaluation text (and, when
         distilling, the training and validation text) yields its windows, and a window longer than the
         model's position limit gets a warning."""
         lengths = {"calibration": self.cfg.calibration.seq_len, "evaluation": self.cfg.evaluation.seq_len}
-        if distilling:
-            lengths |= {"train": self.cfg.train.seq_len, "validation": self.cfg.validation.seq_len}
+        # A null source reads nothing at its length (training then reads the calibration windows), so only
+        # the lengths of sources that are set are checked.
+        if distilling and self.cfg.train.source is not None:
+            lengths["train"] = self.cfg.train.seq_len
+        if distilling and self.cfg.validation.source is not None:
+            lengths["validation"] = self.cfg.validation.seq_len
         for what, n in lengths.items():
             if max_positions and n > max_positions:
                 warnings.warn(
@@ -273,6 +327,13 @@ class RunData:
             }
         if self._val is not None:
             summary["validation"] = {**asdict(self.cfg.validation), "windows": len(self._val)}
+        if self._selection is not None:
+            sel = self.cfg.selection
+            summary["selection"] = {
+                **asdict(sel),
+                "source": asdict(sel.source) if sel.source else "generated (seed 20000 + calibration.seed)",
+                "windows": len(self._selection),
+            }
         return summary
 
 

@@ -64,7 +64,7 @@ def fingerprint(
             "vocab_size": llm.get_output_embeddings().weight.shape[0],
             "dtype": str(next(llm.parameters()).dtype),
         },
-        "plan": asdict(plan_cfg),
+        "plan": plan_cfg.digest_dict(),
         "calibration": calibration,
         "batch_size": batch_size,
         # The statistics collected depend on which methods need them.
@@ -86,6 +86,8 @@ def save_state(path: Path, key: str, plan: PruningPlan, stats: Statistics, done:
             "removed": plan.removed,
             "chosen_by": plan.chosen_by,
             "scores": plan.scores,
+            "candidates": plan.candidates,
+            "costs": plan.costs,
         },
         "stats": {k: {name: to_device(c.state_dict(), "cpu") for name, c in cs.items()} for k, cs in stats.items()},
         "batches_done": done,
@@ -182,7 +184,12 @@ def open_state(
     """The fingerprint of a run (`cfg`: its `pipeline.config.RunConfig`) and its usable saved state, if any,
     in `run_dir`; its collectors are sized to the run's recovery entries."""
     methods = {r.method for r in cfg.recovery}
-    key = fingerprint(
-        cfg.model, llm, cfg.plan, asdict(cfg.data.calibration), cfg.data.batch_size, methods, recovery=cfg.recovery
-    )
+    calibration = asdict(cfg.data.calibration)
+    if cfg.plan.repair_aware():
+        # The plan these statistics belong to was chosen on the selection windows (and its repair method).
+        calibration["selection"] = asdict(cfg.data.selection)
+        calibration["repair_method"] = (
+            [r.settings() for r in cfg.recovery][:1] if cfg.plan.repair_method is None else cfg.plan.repair_method
+        )
+    key = fingerprint(cfg.model, llm, cfg.plan, calibration, cfg.data.batch_size, methods, recovery=cfg.recovery)
     return key, load_state(Path(run_dir) / STATE_FILE, key, methods, hidden_size(llm), warn, info, cfg.recovery)

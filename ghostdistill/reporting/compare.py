@@ -25,7 +25,17 @@ import yaml
 
 from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text
 
-PLAN_KEYS = {"criterion", "num_layers", "layers", "allow_edges", "keep_first", "keep_last", "criterion_samples"}
+PLAN_KEYS = {
+    "criterion",
+    "num_layers",
+    "layers",
+    "allow_edges",
+    "keep_first",
+    "keep_last",
+    "criterion_samples",
+    "repair_method",
+    "repair_chunk",
+}
 
 
 def load_spec(path: str) -> dict:
@@ -55,8 +65,22 @@ def load_spec(path: str) -> dict:
 
 # Keys of a plan in the order they appear in its folder name, with the defaults left out of the name
 # (`PlanConfig`'s defaults), so that two plans differing in any key never share a run folder.
-_NAME_DEFAULTS = {"allow_edges": False, "keep_first": 1, "keep_last": 1, "criterion_samples": None}
-_NAME_TAGS = {"allow_edges": "edges", "keep_first": "kf", "keep_last": "kl", "criterion_samples": "cs"}
+_NAME_DEFAULTS = {
+    "allow_edges": False,
+    "keep_first": 1,
+    "keep_last": 1,
+    "criterion_samples": None,
+    "repair_method": None,
+}
+_NAME_TAGS = {
+    "allow_edges": "edges",
+    "keep_first": "kf",
+    "keep_last": "kl",
+    "criterion_samples": "cs",
+    "repair_method": "by_",
+}
+# Keys that change what a run costs, not what it computes: set on every plan, never in its name.
+_UNNAMED_DEFAULTS = {"repair_chunk": None}
 
 
 def plan_name(plan: dict) -> str:
@@ -76,7 +100,14 @@ def plan_name(plan: dict) -> str:
 def plan_args(plan: dict) -> list[str]:
     """Command-line arguments that set every plan key (the others reset to their defaults, so a base
     config or a user override cannot leak a key the plan did not name into its folder)."""
-    full = {"layers": None, "criterion": "streamline", "num_layers": None, **_NAME_DEFAULTS, **plan}
+    full = {
+        "layers": None,
+        "criterion": "streamline",
+        "num_layers": None,
+        **_NAME_DEFAULTS,
+        **_UNNAMED_DEFAULTS,
+        **plan,
+    }
     args = []
     for key, value in full.items():
         args += [f"--model.plan.{key}", value if isinstance(value, str) else json.dumps(value)]

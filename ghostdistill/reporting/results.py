@@ -1,5 +1,6 @@
 """results.json (everything), results.md (a table to read), results.png (perplexity per view) and, after
-distillation, training.png (validation KL and perplexity of every fine-tuned view against the step)."""
+distillation, training.png (validation KL and perplexity of every fine-tuned view against the step) and, for
+a plan chosen by ``repair``, plan.png (pruned and repaired KL of every candidate)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text
 from .analysis import analysis_section, plot_analysis
+from .planning import plan_section, plot_plan
 from .report import RunReport
 
 
@@ -109,6 +111,9 @@ def render_markdown(report: dict) -> str:
         markdown_table(report),
         "",
     ]
+    candidates = plan_section(report)
+    if candidates:
+        parts += [candidates]
     ds = distill_section(report)
     if ds:
         parts += [ds]
@@ -191,6 +196,9 @@ def write_report(run_dir: Path, report: RunReport | dict) -> list[Path]:
     if report.get("views"):
         paths.append(run_dir / "results.png")
         plot(report, paths[-1])
+    if any("repaired_kl" in row for row in report.get("plan", {}).get("candidates", {}).values()):
+        paths.append(run_dir / "plan.png")
+        plot_plan(report, paths[-1])
     if report.get("analysis", {}).get("gaps"):
         paths.append(run_dir / "analysis.png")
         plot_analysis(report, paths[-1])

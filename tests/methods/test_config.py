@@ -43,6 +43,8 @@ KEYS = {
     "linearpatch": ["variant", "order"],
     "replaceme": ["solver", "ridge", "order"],
     "magnitude": ["order"],
+    "rotation": ["order"],
+    "rotation_through": ["order"],
 }
 # A valid value for every key, different from its default where the key has choices.
 VALUES = dict(fit="plain", bias=True, scale="norm", solver="lstsq", ridge=1e-3, variant="diag", order="independent")

@@ -25,8 +25,23 @@ def test_compare_plan_names_tell_every_plan_key_apart():
     keys = {args[i] for i in range(0, len(args), 2)}
     assert keys == {
         f"--model.plan.{k}"
-        for k in ("layers", "criterion", "num_layers", "allow_edges", "keep_first", "keep_last", "criterion_samples")
+        for k in (
+            "layers",
+            "criterion",
+            "num_layers",
+            "allow_edges",
+            "keep_first",
+            "keep_last",
+            "criterion_samples",
+            "repair_method",
+            "repair_chunk",
+        )
     }
+    # The repair method is in the folder name (each method's own best plan); the chunk size is not (memory only).
+    assert (
+        plan_name({"criterion": "repair", "num_layers": 7, "repair_method": "linearpatch"}) == "repair_7_by_linearpatch"
+    )
+    assert plan_name({"criterion": "repair", "num_layers": 7, "repair_chunk": 4}) == "repair_7"
     assert args[args.index("--model.plan.num_layers") + 1] == "null"
 
 

@@ -1,0 +1,152 @@
+"""The depth–quality frontier: for n = 1 … N blocks removed, the pruned model and every recovery method on
+streamline's plan and on its own repair-aware plan, evaluated as `fit` evaluates.
+
+Per n (`frontier_point`), from one calibration pass of statistics:
+
+    runs = planning.score_runs(...)    streamline's cosines (one dense pass); every contiguous candidate's
+                                       statistics for every method (one dense pass), fitted and scored by
+                                       KL(dense ‖ repaired) on the selection windows
+    plans                              per criterion and view: streamline's run, or the view's own lowest
+                                       selection KL (``pruned``: the lowest pruned KL)
+    evaluate                           every chosen (plan, view) on the evaluation windows, with the fits
+                                       from the candidate pass (no second calibration pass)
+
+`run_frontier` writes each n to `<root>/points/n_<n>.json` as it finishes (atomically), so an interrupted
+frontier resumes at the next n, and gathers them into frontier.json/.csv/.md and frontier.png
+(`reporting.frontier`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from pathlib import Path
+
+from torch import nn
+
+from ..calibration.fit import register_view
+from ..core.io import atomic_write_json
+from ..core.model import decoder_stack
+from ..core.plan import PruningPlan
+from ..core.views import DENSE, PRUNED, PrunedModel
+from ..planning import score_runs
+from .config import RunConfig
+from .data import RunData
+from .evaluate import evaluate
+
+FRONTIER_CRITERIA = ("streamline", "repair")
+
+
+def frontier_point(
+    cfg: RunConfig,
+    llm: nn.Module,
+    data: RunData,
+    n: int,
+    criteria: Iterable[str] = FRONTIER_CRITERIA,
+    progress: Callable[[Iterable, str], Iterable] = lambda it, desc: it,
+) -> dict:
+    """One depth of the frontier: rows of (criterion, view) with the plan, the selection KL and the
+    evaluation metrics, the candidates' table and the costs."""
+    criteria = list(criteria)
+    bad = [c for c in criteria if c not in FRONTIER_CRITERIA]
+    if bad:
+        raise ValueError(f"frontier criteria {bad} are not known; choose among {', '.join(FRONTIER_CRITERIA)}")
+    stack = decoder_stack(llm)
+    num_layers = len(stack.layers)
+    plan_cfg = replace(cfg.plan, layers=None, num_layers=n, criterion="repair", repair_method=None)
+    start = time.perf_counter()
+    runs = score_runs(
+        plan_cfg,
+        cfg.recovery,
+        llm,
+        stack,
+        data.calibration_batches(),
+        data.selection_batches(),
+        progress,
+        keep_fits=True,
+    )
+    planning_s = time.perf_counter() - start
+    views = [PRUNED, *(r.name for r in cfg.recovery)]
+    choice = {
+        (criterion, view): runs.streamline()
+        if criterion == "streamline"
+        else runs.best(None if view == PRUNED else view)
+        for criterion in criteria
+        for view in views
+    }
+    windows = {src.label: data.eval_ids(src) for src in cfg.data.evaluation.sources}
+    methods = {r.name: r.method for r in cfg.recovery}
+    rows: list[dict] = []
+    start = time.perf_counter()
+    for first in sorted(set(choice.values())):
+        plan = PruningPlan.from_layers(list(range(first, first + n)), num_layers, allow_edges=True)
+        pruned = PrunedModel(llm, plan)
+        here = sorted({v for (c, v), s in choice.items() if s == first}, key=views.index)
+        try:
+            for view in here:
+                if view != PRUNED:
+                    register_view(pruned, view, {plan.gaps[0].key: runs.fits[(view, first)]})
+            wanted = ([DENSE] if not rows else []) + here
+            results = evaluate(
+                pruned, wanted, windows, cfg.data.batch_size, chunk=cfg.evaluation.logit_chunk, methods=methods
+            )
+        finally:
+            pruned.remove_hooks()
+        for view, result in results.items():
+            picked = [c for (c, v), s in choice.items() if v == view and s == first] if view != DENSE else ["-"]
+            for criterion in picked:
+                rows.append(
+                    {
+                        "n": n if view != DENSE else 0,
+                        "criterion": criterion,
+                        "view": view,
+                        "method": methods.get(view, view),
+                        "removed": list(plan.removed) if view != DENSE else [],
+                        "selection_kl": None if view == DENSE else runs.rows[first][f"{view}_kl"],
+                        "params": result.params,
+                        "metrics": {s: vars(m) for s, m in result.metrics.items()},
+                    }
+                )
+    return {
+        "n": n,
+        "rows": rows,
+        "candidates": {str(i): r for i, r in runs.rows.items()},
+        "costs": {
+            **runs.costs,
+            "planning_s": round(planning_s, 2),
+            "evaluation_s": round(time.perf_counter() - start, 2),
+        },
+    }
+
+
+def run_frontier(
+    cfg: RunConfig,
+    llm: nn.Module,
+    data: RunData,
+    root: Path,
+    depths: list[int],
+    criteria: Iterable[str] = FRONTIER_CRITERIA,
+    progress: Callable[[Iterable, str], Iterable] = lambda it, desc: it,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
+    """Every depth of `depths`, each saved as it finishes and skipped when saved before with the same
+    settings (`key`); returns the points in order."""
+    from ..core.io import json_digest
+
+    key = json_digest({"config": repr(cfg), "criteria": list(criteria)})
+    points = []
+    for n in depths:
+        path = Path(root) / "points" / f"n_{n:02d}.json"
+        if path.is_file():
+            saved = json.loads(path.read_text())
+            if saved.get("key") == key:
+                log(f"frontier n={n}: done before ({path})")
+                points.append(saved)
+                continue
+        log(f"frontier n={n}: planning and evaluating")
+        point = {"key": key, **frontier_point(cfg, llm, data, n, criteria, progress)}
+        atomic_write_json(path, point)
+        points.append(point)
+    return points

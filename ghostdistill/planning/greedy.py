@@ -1,0 +1,89 @@
+"""``criterion: repair_greedy``: remove one block at a time, each step the block whose removal, with every
+gap of the plan repaired, leaves the model closest to the dense one (KL on the selection windows).
+
+Step t (t blocks removed, plan P_t) tries P_t ∪ {b} for every removable block b ∉ P_t (r − t candidates,
+r the removable blocks) and keeps the lowest KL(dense ‖ repaired); the plan is P_n. Per candidate only
+the gap that b joins or creates changes, and with `order: sequential` the gaps after it (their fit reads
+the repaired student's activations); the fits of the gaps before it are reused from earlier candidates.
+
+Forwards, with L blocks and n removed: step t collects the dense statistics of every new first gap in one
+dense pass over the calibration windows (n passes in all), fits and scores r − t candidates (one forward
+of the repaired candidate over the selection windows each: Σ_t (r − t) = n·r − n(n−1)/2 forwards, r ≤ L),
+and with `order: sequential` one student pass over the calibration windows per gap at or after the
+changed one (at most k_t − 1 per candidate, k_t ≤ t + 1 gaps): at most Σ_t (r − t)·t student passes,
+O(n²·L). Plans that stay contiguous (one gap) cost no student pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from ..core.model import DecoderStack
+from ..core.plan import PlanConfig, PruningPlan
+from ..criteria import candidate_blocks, protected_edges
+from ..methods import RecoveryConfig
+from .fitting import RepairFitter
+from .scoring import SelectionScorer
+
+Batch = dict[str, torch.Tensor]
+
+
+def repair_greedy_plan(
+    plan_cfg: PlanConfig,
+    cfg: RecoveryConfig,
+    model: nn.Module,
+    stack: DecoderStack,
+    batches: Sequence[Batch],
+    selection: Sequence[Batch],
+    progress: Callable[[Iterable, str], Iterable] = lambda it, desc: it,
+) -> PruningPlan:
+    """The plan ``criterion: repair_greedy`` chooses; `candidates` holds per step the KL of every block
+    tried ("step t": {block: KL}, and the block kept), `costs` the seconds and passes."""
+    n, num_layers = plan_cfg.num_layers, len(stack.layers)
+    keep_first, keep_last = protected_edges(plan_cfg)
+    blocks = candidate_blocks(num_layers, n, keep_first, keep_last)
+    start = time.perf_counter()
+    scorer = SelectionScorer(model, selection, starts=blocks)
+    fitter = RepairFitter(model, [cfg], batches, progress)
+    removed: list[int] = []
+    steps: dict[str, dict] = {}
+    for t in range(n):
+        plans = {
+            b: PruningPlan.from_layers(sorted([*removed, b]), num_layers, allow_edges=True)
+            for b in blocks
+            if b not in removed
+        }
+        fitter.collect_dense(
+            [g for p in plans.values() for g in fitter.needed(p)], f"repair_greedy statistics (step {t + 1}/{n})"
+        )
+        tried: dict[int, float] = {}
+        for b in progress(list(plans), f"repair_greedy: step {t + 1}/{n} ({cfg.name})"):
+            pruned = fitter.repaired(plans[b], cache=True)
+            try:
+                tried[b] = scorer.score(pruned, [cfg.name], start=plans[b].gaps[0].start)[cfg.name]["kl"]
+            finally:
+                pruned.remove_hooks()
+        best = min(tried, key=lambda b: (tried[b], b))
+        removed.append(best)
+        steps[f"step {t + 1}"] = {"kept": best, "kl": tried[best], "tried": {str(b): kl for b, kl in tried.items()}}
+        chosen = plans[best]
+        fitter.keep_only(chosen.gaps)
+    seconds = time.perf_counter() - start
+    return PruningPlan.from_layers(
+        removed,
+        num_layers,
+        allow_edges=keep_first == 0 or keep_last == 0,
+        chosen_by=f"repair_greedy ({cfg.name})",
+        scores={str(b): steps[f"step {t + 1}"]["kl"] for t, b in enumerate(removed)},
+        candidates=steps,
+        costs={
+            "total_s": round(seconds, 4),
+            "dense_passes": fitter.passes["dense"],
+            "student_passes": fitter.passes["student"],
+            "selection_forwards": scorer.forwards,
+        },
+    )

@@ -1,0 +1,109 @@
+"""KL(dense ‖ candidate) on the selection windows, the dense side computed once for every candidate.
+
+A candidate whose first gap starts at block i runs the dense model's blocks 0 … i−1 unchanged, so the
+dense pass also keeps the residual stream entering each candidate start and a candidate's forward starts
+there (`PrunedModel.use(view, skip=i)` with the stream as input embeddings): only the blocks after the
+gap run. The shortcut is checked once against a full forward and turned off (with a warning) for a
+family that transforms its input embeddings, as the distillation students' shared prefix is.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..core.head import decoder_of, final_hidden, output_head, tokens_per_chunk
+from ..core.model import decoder_stack, model_inputs
+from ..core.views import DENSE, PrunedModel
+from ..evaluation.metrics import next_token_targets, score_hidden
+
+Batch = dict[str, torch.Tensor]
+
+
+class SelectionScorer:
+    """Scores views of candidate plans against the dense model on fixed held-out windows.
+
+    At construction (the model dense) the dense model's final hidden states are computed and kept,
+    [windows, seq, C] in the model's dtype, with the residual stream entering every block of `starts`
+    (memory: windows × seq × C per start). Each `score` runs the candidate's views and compares their
+    next-token distributions with the dense one chunk by chunk (`evaluation.metrics.score_hidden`), so no
+    [batch, seq, vocab] tensor is ever held."""
+
+    def __init__(
+        self, model: nn.Module, batches: Sequence[Batch], chunk: int | None = None, starts: Sequence[int] = ()
+    ) -> None:
+        if not batches:
+            raise ValueError("the selection windows are empty")
+        self.model = model
+        self.inputs = [model_inputs(model, b) for b in batches]
+        self.chunk = tokens_per_chunk(model.get_output_embeddings().weight.shape[0], chunk)
+        self.starts = sorted({int(i) for i in starts if i > 0})
+        layers = decoder_stack(model).layers
+        self.dense: list[torch.Tensor] = []
+        self.prefix: list[dict[int, torch.Tensor]] = []
+        with torch.no_grad():
+            for ids, mask in self.inputs:
+                grabbed: dict[int, torch.Tensor] = {}
+                handles = [
+                    layers[i].register_forward_pre_hook(self._grab(grabbed, i), with_kwargs=True) for i in self.starts
+                ]
+                try:
+                    self.dense.append(final_hidden(model, ids, mask)[:, :-1])
+                finally:
+                    for h in handles:
+                        h.remove()
+                self.prefix.append(grabbed)
+        self.tokens = sum(int(next_token_targets(ids, mask)[1].sum()) for ids, mask in self.inputs)
+        self.forwards = 0  # candidate forwards over all the selection windows
+        self.skip = bool(self.starts)  # until the first check says otherwise
+        self._checked = False
+
+    @staticmethod
+    def _grab(store: dict[int, torch.Tensor], i: int):
+        def hook(module, args, kwargs):
+            store[i] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def _hidden(self, pruned: PrunedModel, view: str, b: int, start: int | None) -> torch.Tensor:
+        ids, mask = self.inputs[b]
+        if start is None or not self.skip or start not in self.prefix[b]:
+            with pruned.use(view) as model:
+                return final_hidden(model, ids, mask)[:, :-1]
+        with pruned.use(view, skip=start) as model:
+            out = decoder_of(model)(inputs_embeds=self.prefix[b][start], attention_mask=mask, use_cache=False)
+        return out.last_hidden_state[:, :-1]
+
+    def _check(self, pruned: PrunedModel, view: str, start: int) -> None:
+        full, short = self._hidden(pruned, view, 0, None), self._hidden(pruned, view, 0, start)
+        tol = 1e-4 if full.dtype == torch.float32 else 2e-2
+        if not torch.allclose(full.float(), short.float(), atol=tol, rtol=tol):
+            warnings.warn(
+                f"{type(self.model).__name__}: starting a candidate at its first gap does not reproduce its full "
+                "forward (the family transforms its input embeddings); scoring every candidate with full forwards",
+                stacklevel=3,
+            )
+            self.skip = False
+        self._checked = True
+
+    @torch.no_grad()
+    def score(self, pruned: PrunedModel, views: Sequence[str], start: int | None = None) -> dict[str, dict[str, float]]:
+        """Per view: mean KL(dense ‖ view) in nats and top-1 agreement over the selection tokens. `start`:
+        the first removed block of the candidate (its forward starts there when that stream was kept)."""
+        if start is not None and self.skip and not self._checked and start in self.prefix[0]:
+            self._check(pruned, views[0], start)
+        head = output_head(self.model)
+        sums = {v: [0.0, 0.0] for v in views}
+        for b, dense in enumerate(self.dense):
+            targets, valid = next_token_targets(*self.inputs[b])
+            hidden = {DENSE: dense, **{view: self._hidden(pruned, view, b, start) for view in views}}
+            scores = score_hidden(hidden, head, targets, valid, reference=DENSE, chunk=self.chunk)
+            for view in views:
+                sums[view][0] += float(scores[view].kl.double().sum())
+                sums[view][1] += float(scores[view].top1.double().sum())
+        self.forwards += len(views)
+        n = max(self.tokens, 1)
+        return {v: {"kl": kl / n, "top1": top1 / n} for v, (kl, top1) in sums.items()}

@@ -1,0 +1,371 @@
+"""A prepared GPU check: the paper's setting (configs/llama3_11.yaml) at full size on one H200, in under 8 minutes.
+
+What it runs, through the real code path (`ghostdistill.cli.main(["fit", ...])`, in this process):
+
+1. a random-weight model of Meta-Llama-3-8B's shape (32 blocks, hidden 4096, 32 heads, 8 KV heads, MLP
+   14,336, vocabulary 128,256, rope θ 5e5, untied head; 8.03B parameters) built in bfloat16 on the GPU and
+   saved with a small byte-level BPE tokenizer trained on the shipped excerpts (no hub);
+2. run A, `fit` of configs/llama3_11.yaml on one GPU (`--trainer.devices 1 --trainer.strategy auto`) with the
+   explicit plan of layers 20–30 (11 blocks; the deepest run the streamline criterion may choose, since
+   `keep_last: 1` protects block 31 — 21..31 would need `allow_edges`; the real model's streamline choice is
+   not known here, and a gap this deep is the cheap end for distillation: the students run only block 31
+   after the shared prefix), its recovery list (ghost, ghost_paper, linearpatch), calibration on 128 × 2048
+   tokens of the shipped C4 excerpt (random windows; ids from the small tokenizer), 20 distillation steps of
+   ghost and LinearPatch operators in `bf16-true` (batches of 4 × 2048), validation on 2 × 2048 tokens at
+   the start and the end, evaluation on 8 × 2048 tokens of the shipped WikiText-2 excerpt, export of ghost
+   and ghost_ft;
+3. run B, the same with `train: [operators, lora]`, resuming run A's calibration statistics (its
+   calibration_state.pt copied over: the pass is not repeated), export of ghost_ft (LoRA merged).
+
+Written to `--out` (default `$OUT/device_check.json` when `$OUT` is set, else `device_check.json`), after
+every run so that a timeout keeps what was measured: seconds and peak GPU memory per phase
+(`torch.cuda.max_memory_allocated`, reset at each phase; above the loaded model too), tokens per second per
+student, model FLOP utilisation against the H200's ~790 TFLOP/s of bfloat16, and the time implied for
+configs/llama3_11.yaml's 500 steps. `--tiny` runs the same on a hidden-64 model on the CPU in seconds (what
+tests/test_device_check.py runs, so the script cannot rot); `--dir` is the work folder (model, runs).
+
+Sizing (FLOPs per token, forward; a frozen block's backward computes activation gradients only, ≈ its
+forward; causal attention at 2048 adds 2·2·2048·4096/2 ≈ 17 MFLOP per block):
+    block   F_b = 2·(2·4096² + 2·4096·1024 + 3·4096·14336) + 17M ≈ 0.453 GFLOP
+    head    F_h = 2·4096·128,256 ≈ 1.05 GFLOP
+    loss    per student: teacher logits twice (forward, recomputed under checkpointing) + student logits
+            three times (forward, recompute, backward) = 5 F_h ≈ 5.25 GFLOP
+    calibration   31 blocks (stops at block 31's input) × F_b = 14.0 GFLOP × 262,144 tokens = 3.7 PFLOP
+    step, operators   teacher 32 F_b (14.5) + 2 students × (block 31 fwd + bwd 0.9 + loss 5.25) ≈ 27 GFLOP
+                      × 8,192 tokens = 0.22 PFLOP per step, 4.4 PFLOP for 20 steps
+    step, + LoRA      adapters on every kept block: no shared prefix, each student runs 21 blocks forward
+                      and backward (19.0) + loss 5.25: 14.5 + 2 × 24.3 ≈ 63 GFLOP × 8,192 = 0.52 PFLOP
+                      per step, 10.3 PFLOP for 20 steps
+    evaluation        dense 32 F_b + F_h, six 21-block views 21 F_b + F_h: 79 GFLOP × 16,384 = 1.3 PFLOP
+    total             ≈ 21 PFLOP (both runs; validation and analysis add < 1): 27 s at 790 TFLOP/s,
+                      66 s at a realistic 40% of it (316 TFLOP/s).
+Add what is not FLOPs: building and saving 16 GB of weights (~30–60 s), loading them twice (~20 s each),
+writing three exported views of 11.3 GB (21 blocks + embeddings + head; ~60 s), the analysis's SVDs of five
+4096² operators per run, on the CPU (~15 s per run on 16 cores; 77 s on 2), Python and CUDA start-up
+(~30 s): about 4–5 minutes expected, under 8 with a 2× margin on the I/O. `--budget` (default 450 s) skips
+run B when run A has used so much that B would not finish; the JSON says so.
+
+Memory on the GPU (estimates; the JSON has the measurements): weights 16.1 GB; statistics 0.8 GB (ghost
+first_weighted + ghost_paper plain: 3 groups × 2 C×C float64; 1.6 GB when every group is kept) plus
+~1.5 GB of float64 taps per batch; operators mode ≈ 3 GB of activations; operators + LoRA ≈ 30 GB of saved
+activations per student (21 blocks × 8,192 tokens × ~176 kB), both students' graphs alive until the
+backward: ≈ 80 GB at the peak — fits an H200 (141 GB), not an 80 GB GPU (docs/gpu.md).
+
+The device (one H200, 10 minutes a command, 15 minutes in all, no internet, no hub) has torch 2.11,
+lightning 2.6, peft and transformers 5.17, and lacks jsonargparse, datasets, lm-eval and gguf. The fit path
+needs (checked: `python scripts/device_check.py --tiny` with only these added to such an image):
+    transformers==5.24.0        5.17 lacks `transformers.configuration_utils.SubConfigSpec`, which
+                                ghostdistill/core/modeling_ghostdistill.py imports when a model loads
+    huggingface_hub==1.33.0     transformers 5.24 checks huggingface-hub>=1.31 at import; 5.17 needs only
+                                >=1.5, so the image's may be older (1.33 keeps hub 1.x's dependencies)
+    jsonargparse==4.53.0, docstring_parser==0.18.0, typeshed_client==2.15.0    LightningCLI's parser
+datasets, gguf and lm-eval are imported only for hub text sources, GGUF files and zero-shot: never here.
+Bring them (15.4 MB, 14.7 MiB, in all) in `.whl/`, which .gitignore ignores, so it travels only when named in
+the device tool's `carry` (`carry: [".whl"]`):
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \\
+        -d .whl transformers==5.24.0 huggingface_hub==1.33.0 jsonargparse==4.53.0 docstring_parser==0.18.0 \\
+        typeshed_client==2.15.0
+and on the device:
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \\
+        && export PYTHONPATH=/tmp/site:$PWD && python3 scripts/device_check.py --out $OUT/device_check.json
+If the image has no matplotlib, the report's plots are skipped (the JSON says so) rather than the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rehearsal_8b import (  # noqa: E402  (the scripts folder is on the path from here on)
+    ACTIVE,
+    GIB,
+    LLAMA3_8B,
+    TINY,
+    Phases,
+    build_model_dir,
+    fit_args,
+    fit_hooks,
+    parameter_count,
+)
+
+PEAK_BF16_FLOPS = 790e12  # H200, bfloat16 dense, as the issue states it (the SXM datasheet says 989 TFLOP/s)
+LLAMA3_11_STEPS = 500  # configs/llama3_11.yaml: trainer.max_steps
+LLAMA3_11_VALIDATIONS = 11  # val_every 50 over 500 steps: at 0, 50, ..., 500
+LLAMA3_11_VAL_WINDOWS = 16
+
+
+class Sizes:
+    """The check's sizes: the real one (H200) and `--tiny` (CPU, seconds)."""
+
+    def __init__(self, tiny: bool) -> None:
+        self.tiny = tiny
+        self.shape = TINY if tiny else LLAMA3_8B
+        self.num_layers = 6 if tiny else 32
+        self.layers = [2, 3] if tiny else list(range(20, 31))
+        self.samples = 4 if tiny else 128
+        self.seq_len = 64 if tiny else 2048
+        self.batch_size = 2 if tiny else 4
+        self.steps = 2 if tiny else 20
+        self.eval_windows = 2 if tiny else 8
+        self.val_windows = 1 if tiny else 2
+        self.accelerator = "cpu" if tiny else "gpu"
+        self.device = "cpu" if tiny else "cuda"
+
+
+def preflight() -> dict:
+    """Versions, and what the fit path needs but cannot import (checked before minutes of work)."""
+    info: dict = {"python": platform.python_version(), "versions": {}, "missing": [], "problems": []}
+    for name in ("torch", "lightning", "transformers", "peft", "jsonargparse", "huggingface_hub", "matplotlib"):
+        try:
+            info["versions"][name] = importlib.import_module(name).__version__
+        except Exception as err:  # noqa: BLE001 - a broken install is as missing as an absent one
+            info["missing"].append(f"{name} ({type(err).__name__}: {err})"[:300])
+    for name in ("docstring_parser", "typeshed_client"):
+        if importlib.util.find_spec(name) is None:
+            info["missing"].append(name)
+    try:
+        from transformers.configuration_utils import SubConfigSpec  # noqa: F401
+    except ImportError as err:
+        info["problems"].append(f"transformers lacks SubConfigSpec ({err}): bring transformers>=5.20")
+    import torch
+
+    info["cuda"] = torch.cuda.is_available()
+    if info["cuda"]:
+        info["device"] = torch.cuda.get_device_name(0)
+        info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / GIB, 1)
+    return info
+
+
+def skip_plots_without_matplotlib() -> bool:
+    """The plots need matplotlib; without it the report writes results.json and .md only."""
+    if importlib.util.find_spec("matplotlib") is not None:
+        return False
+    import ghostdistill.reporting.results as results
+
+    for name in ("plot", "plot_training", "plot_analysis"):
+        setattr(results, name, lambda *args, **kwargs: None)
+    return True
+
+
+def flops_per_token(shape: dict, num_layers: int, layers: list[int], seq_len: int, lora: bool, students: int = 2):
+    """Model FLOPs per training token of one distillation step (the arithmetic of the docstring)."""
+    counts = parameter_count(shape, num_layers)
+    c, v = shape["hidden_size"], shape["vocab_size"]
+    block = 2 * (counts["block"] - 2 * c) + 2 * seq_len * c  # linears + causal attention (QKᵀ and AV, half)
+    head = 2 * c * v
+    teacher = num_layers * block
+    after = num_layers - max(layers) - 1  # blocks after the (last) gap
+    kept = num_layers - len(layers)
+    student_blocks = 2 * (kept if lora else after) * block  # forward + activation-gradient backward
+    operator = 3 * 2 * c * c  # forward, weight gradient, input gradient
+    loss = 5 * head
+    per_student = student_blocks + operator + loss
+    return {
+        "teacher": teacher,
+        "per_student": per_student,
+        "total": teacher + students * per_student,
+        "block": block,
+        "head": head,
+    }
+
+
+def step_summary(steps: list[dict], flops: dict, students: int = 2) -> dict:
+    """Median step (after the first two, which warm up kernels and the allocator), tokens/s, MFU."""
+    if not steps:
+        return {}
+    times = [s["seconds"] for s in steps]
+    settled = times[2:] or times
+    median = statistics.median(settled)
+    tokens = steps[-1]["tokens"]
+    achieved = flops["total"] * tokens / median
+    return {
+        "steps": len(steps),
+        "step_s": [round(t, 3) for t in times],
+        "median_step_s": round(median, 4),
+        "tokens_per_step": tokens,
+        "tokens_per_s_per_student": round(tokens / median, 1),
+        "flops_per_token": {k: round(val / 1e9, 3) for k, val in flops.items()},  # GFLOP
+        "achieved_tflops": round(achieved / 1e12, 2),
+        "mfu": round(achieved / PEAK_BF16_FLOPS, 4),
+        "students": students,
+    }
+
+
+def free_memory() -> None:
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def one_run(name: str, args: list[str], sizes: Sizes, flops: dict) -> dict:
+    """`fit` with the phases marked; the run's summary."""
+    from ghostdistill.cli import main
+
+    phases = Phases(cuda=sizes.device == "cuda")
+    steps = fit_hooks(phases)
+    start = time.perf_counter()
+    out: dict = {"ok": False}
+    try:
+        cli = main(args)
+        del cli
+        out["ok"] = True
+    except Exception as err:  # noqa: BLE001 - recorded in the JSON; the other run may still work
+        import traceback
+
+        out["error"] = f"{type(err).__name__}: {err}"[:2000]
+        out["traceback"] = traceback.format_exc()[-4000:]
+    finally:
+        free_memory()
+        out.update(phases.close())
+        out["wall_s"] = round(time.perf_counter() - start, 2)
+        out["throughput"] = step_summary(steps, flops)
+        out["validate_s"] = ACTIVE["timings"].get("validate_s", [])
+    return out
+
+
+def implied_llama3_11(run: dict, sizes: Sizes) -> dict:
+    """configs/llama3_11.yaml per GPU from run A's measurements: 500 steps at the median step, calibration as
+    measured (one GPU: with DDP each rank streams its share), 11 validations of 16 windows at the measured
+    cost per window. Evaluation (WikiText-2, C4 and PTB test at 2048, up to 256 windows each) is given per
+    window and view; its window count depends on the tokenizer."""
+    tp = run.get("throughput") or {}
+    if not tp:
+        return {}
+    phases = run.get("phases", {})
+    val = run.get("validate_s") or []
+    per_val_window = (statistics.median(val) / sizes.val_windows) if val else None
+    distill = LLAMA3_11_STEPS * tp["median_step_s"]
+    calibration = (phases.get("calibration") or {}).get("seconds", 0.0)
+    validation = LLAMA3_11_VALIDATIONS * LLAMA3_11_VAL_WINDOWS * per_val_window if per_val_window else 0.0
+    evaluation = (phases.get("evaluation") or {}).get("seconds")
+    return {
+        "steps": LLAMA3_11_STEPS,
+        "distill_s": round(distill, 1),
+        "calibration_s": round(calibration, 1),
+        "validation_s": round(validation, 1),
+        "total_s": round(distill + calibration + validation, 1),
+        "evaluation_s_per_window_all_views": round(evaluation / sizes.eval_windows, 3) if evaluation else None,
+        "note": "estimate from this run's median step; DDP adds the all-reduce of 2 × 16.8M operator gradients",
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a hidden-64 model on the CPU (seconds)")
+    parser.add_argument("--out", default=None, help="the JSON file (default $OUT/device_check.json)")
+    parser.add_argument("--dir", default=None, help="work folder (default /tmp/ghostdistill_device_check)")
+    parser.add_argument("--budget", type=float, default=450.0, help="seconds after which run B is skipped")
+    parser.add_argument("--keep", action="store_true", help="keep the exported views")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    out_path = Path(args.out or Path(os.environ.get("OUT", ".")) / "device_check.json")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(args.dir or ("/tmp/ghostdistill_device_check" + ("_tiny" if args.tiny else "")))
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    sizes = Sizes(args.tiny)
+    result: dict = {"ok": False, "tiny": args.tiny, "preflight": preflight(), "runs": {}}
+
+    def save() -> None:
+        result["seconds_total"] = round(time.perf_counter() - start, 1)
+        out_path.write_text(json.dumps(result, indent=1))
+
+    pre = result["preflight"]
+    critical = [m for m in pre["missing"] if not m.startswith("matplotlib")] + pre["problems"]
+    if critical:
+        save()
+        raise SystemExit(f"missing on this machine: {critical} (see the docstring for the wheels to bring)")
+    if not args.tiny and not pre["cuda"]:
+        save()
+        raise SystemExit("no CUDA device: the full check needs a GPU (use --tiny on a CPU)")
+    result["plots_skipped"] = skip_plots_without_matplotlib()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    model_dir = work / "model"
+    began = time.perf_counter()
+    built = build_model_dir(model_dir, sizes.shape, sizes.num_layers, dtype="bfloat16", device=sizes.device)
+    free_memory()
+    folder_bytes = sum(p.stat().st_size for p in model_dir.iterdir())
+    result["model"] = {
+        **built,
+        "layers": sizes.num_layers,
+        "shape": {k: v for k, v in sizes.shape.items() if k != "num_hidden_layers"},
+        "folder_gib": round(folder_bytes / GIB, 2),
+        "build_and_save_s": round(time.perf_counter() - began, 1),
+    }
+    result["plan"] = {
+        "layers": sizes.layers,
+        "why": "explicit: the deepest 11 blocks streamline may choose (keep_last 1 protects the last block)",
+    }
+    save()
+
+    common = dict(
+        layers=sizes.layers,
+        recovery=None,  # configs/llama3_11.yaml's: ghost, ghost_paper (plain), linearpatch
+        steps=sizes.steps,
+        samples=sizes.samples,
+        seq_len=sizes.seq_len,
+        eval_windows=sizes.eval_windows,
+        val_windows=sizes.val_windows,
+        batch_size=sizes.batch_size,
+        accelerator=sizes.accelerator,
+        precision="bf16-true",
+        keep="best",  # configs/llama3_11.yaml's recipe
+        lr=1e-4,
+    )
+    runs = {
+        "operators": ("operators", ["ghost", "ghost_ft"]),
+        "operators+lora": ("operators, lora", ["ghost_ft"]),
+    }
+    first = None
+    for name, (train, export) in runs.items():
+        run_dir = work / f"run_{name.replace('+', '_')}"
+        elapsed = time.perf_counter() - start
+        if first is not None:
+            needed = result["runs"][first].get("wall_s", 0) * 1.5
+            if elapsed + needed > args.budget:
+                result["runs"][name] = {"skipped": f"{elapsed:.0f} s used; run B needs ~{needed:.0f} s of the budget"}
+                continue
+            # Run B resumes run A's statistics: same model, plan, data and recovery, so the same fingerprint.
+            state = work / f"run_{first}" / "calibration_state.pt"
+            if state.is_file():
+                run_dir.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(state, run_dir / "calibration_state.pt")
+        flops = flops_per_token(sizes.shape, sizes.num_layers, sizes.layers, sizes.seq_len, lora="lora" in train)
+        argv_fit = fit_args(model_dir, run_dir, "bfloat16", train=train, export=export, **common)
+        argv_fit += ["--export.dir", str(work / f"export_{name.replace('+', '_')}")]
+        result["runs"][name] = one_run(name, argv_fit, sizes, flops)
+        if not args.keep:
+            shutil.rmtree(work / f"export_{name.replace('+', '_')}", ignore_errors=True)
+        first = first or name.replace("+", "_")
+        save()
+
+    run_a = result["runs"].get("operators", {})
+    result["llama3_11_implied"] = implied_llama3_11(run_a, sizes)
+    result["ok"] = all(r.get("ok") or "skipped" in r for r in result["runs"].values()) and run_a.get("ok", False)
+    save()
+    if not args.keep:
+        shutil.rmtree(model_dir, ignore_errors=True)
+    print(json.dumps({k: result[k] for k in ("ok", "seconds_total", "llama3_11_implied")}))
+    return result
+
+
+if __name__ == "__main__":
+    if not main()["ok"]:
+        raise SystemExit(1)

@@ -1,0 +1,84 @@
+"""The frontier (`python -m ghostdistill frontier`): per depth, every view on streamline's plan and on its
+own repair-aware plan; resumable per depth; several methods scored from one pass as each alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from conftest import random_batches, tiny_model
+from test_repair_run import repair_args
+
+from ghostdistill.cli import main
+from ghostdistill.core.plan import PlanConfig
+from ghostdistill.methods import RecoveryConfig
+from ghostdistill.planning import score_runs
+
+
+def frontier_file(tmp_path, tiny_dir, text_files, depths):
+    args = repair_args(tiny_dir, text_files, tmp_path / "unused")
+    assert args[:3] == ["fit", "--config", args[2]]
+    spec = {"base": args[2], "root": str(tmp_path / "frontier"), "num_layers": depths}
+    path = tmp_path / "frontier.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path, args[3:]  # the plan's criterion and depth are set per depth
+
+
+def test_the_frontier_reports_every_view_and_criterion_per_depth_and_resumes(
+    tmp_path, tiny_dir, text_files, monkeypatch
+):
+    path, overrides = frontier_file(tmp_path, tiny_dir, text_files, {"first": 1, "last": 2})
+    root = main(["frontier", str(path), *overrides])
+    report = json.loads((root / "frontier.json").read_text())
+    assert [p["n"] for p in report["points"]] == [1, 2]
+    for point in report["points"]:
+        rows = {(r["criterion"], r["view"]): r for r in point["rows"] if r["view"] != "dense"}
+        assert set(rows) == {(c, v) for c in ("streamline", "repair") for v in ("pruned", "ghost", "linearpatch")}
+        cands = point["candidates"]
+        best_cos = max(cands.values(), key=lambda r: r["cosine"])["start"]
+        for view in ("pruned", "ghost", "linearpatch"):
+            assert rows[("streamline", view)]["removed"][0] == best_cos
+            # The repair-aware plan is the view's lowest selection KL, so never above streamline's.
+            assert rows[("repair", view)]["selection_kl"] <= rows[("streamline", view)]["selection_kl"]
+            assert len(rows[("repair", view)]["removed"]) == point["n"]
+    for point in report["points"]:
+        assert len([r for r in point["rows"] if r["view"] == "dense"]) == 1
+    md = (root / "frontier.md").read_text()
+    assert "| blocks removed | criterion | view |" in md and (root / "frontier.png").is_file()
+    assert len((root / "frontier.csv").read_text().splitlines()) == 1 + 1 + 2 * 6
+
+    # Resumed: every depth is read back, none computed again.
+    import ghostdistill.pipeline.frontier as frontier
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a finished depth was computed again")
+
+    monkeypatch.setattr(frontier, "frontier_point", fail)
+    main(["frontier", str(path), *overrides])
+
+
+def test_bad_frontier_files_are_refused(tmp_path):
+    path = tmp_path / "f.yaml"
+    path.write_text(yaml.safe_dump({"base": "configs/smollm2_demo.yaml", "num_layers": [0, 2]}))
+    with pytest.raises(ValueError, match="must name depths >= 1"):
+        main(["frontier", str(path)])
+    path.write_text(yaml.safe_dump({"base": "configs/smollm2_demo.yaml", "num_layers": [2], "criteria": ["cosine"]}))
+    with pytest.raises(ValueError, match="choose among streamline, repair"):
+        main(["frontier", str(path)])
+    path.write_text(yaml.safe_dump({"base": "configs/smollm2_demo.yaml", "num_layer": [2]}))
+    with pytest.raises(ValueError, match="unknown keys"):
+        main(["frontier", str(path)])
+
+
+def test_several_methods_from_one_pass_score_as_each_alone():
+    model = tiny_model("llama", num_layers=6)
+    batches, selection = random_batches(n=2), random_batches(n=1, seed=7)
+    cfgs = [RecoveryConfig(), RecoveryConfig(name="lp", method="linearpatch")]
+    plan = PlanConfig(criterion="repair", num_layers=2)
+    both = score_runs(plan, cfgs, model, model.model, batches, selection)
+    for cfg in cfgs:
+        alone = score_runs(plan, [cfg], model, model.model, batches, selection)
+        for i, row in alone.rows.items():
+            assert both.rows[i][f"{cfg.name}_kl"] == pytest.approx(row[f"{cfg.name}_kl"], rel=1e-5, abs=1e-9)
+    assert both.costs["dense_passes"] == 1

@@ -1,0 +1,72 @@
+"""`criterion: repair` through `fit`: the plan's candidates in results.json, results.md and plan.png, the
+selection windows checked like the other held-out windows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tiny_run import tiny_run_args
+
+from ghostdistill.cli import main
+
+
+def repair_args(tiny_dir, text_files, run, *extra, criterion="repair", selection=True):
+    args = tiny_run_args(
+        tiny_dir,
+        text_files,
+        run,
+        "--model.plan.criterion",
+        criterion,
+        "--data.calibration.source.max_documents",
+        "150",
+        *extra,
+        layers=None,
+        num_layers=1,
+        recovery=[{"name": "ghost"}, {"name": "linearpatch", "method": "linearpatch"}],
+    )
+    if selection:
+        source = {"source": str(text_files["jsonl_gz"]), "first_document": 150}
+        args += ["--data.selection.source", json.dumps(source), "--data.selection.num_windows", "4"]
+        args += ["--data.selection.seq_len", "32"]
+    return args
+
+
+def test_a_repair_plan_reports_every_candidate(tiny_dir, text_files, tmp_path):
+    main(repair_args(tiny_dir, text_files, tmp_path / "run", "--model.plan.repair_method", "linearpatch"))
+    report = json.loads((tmp_path / "run" / "results.json").read_text())
+    plan = report["plan"]
+    assert plan["chosen_by"] == "repair (linearpatch)"
+    rows = plan["candidates"]
+    assert len(rows) == 4  # 6 blocks, the first and last protected
+    best = min(rows.values(), key=lambda r: (r["repaired_kl"], r["start"]))
+    assert plan["removed"] == [best["start"]]
+    for row in rows.values():
+        assert {"cosine", "pruned_kl", "repaired_kl", "repaired_top1"} <= set(row)
+    assert plan["costs"]["streamline_s"] > 0 and plan["costs"]["relative_to_streamline"] > 1
+    assert report["evaluation"]["selection"]["windows"] == 4
+    md = (tmp_path / "run" / "results.md").read_text()
+    assert "## Plan candidates (repair (linearpatch))" in md and "**(chosen)**" in md
+    assert (tmp_path / "run" / "plan.png").is_file()
+
+
+def test_a_greedy_plan_reports_its_steps(tiny_dir, text_files, tmp_path):
+    main(repair_args(tiny_dir, text_files, tmp_path / "run", criterion="repair_greedy"))
+    report = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert report["plan"]["chosen_by"] == "repair_greedy (ghost)"
+    assert list(report["plan"]["candidates"]) == ["step 1"]
+    assert "| step | block kept |" in (tmp_path / "run" / "results.md").read_text()
+
+
+def test_repair_without_selection_windows_fails_before_the_model_loads(tiny_dir, text_files, tmp_path):
+    with pytest.raises(ValueError, match="set data.selection.source"):
+        main(repair_args(tiny_dir, text_files, tmp_path / "run", selection=False))
+    assert not (tmp_path / "run" / "calibration_state.pt").exists()
+
+
+def test_selection_windows_overlapping_calibration_are_refused(tiny_dir, text_files, tmp_path):
+    args = repair_args(tiny_dir, text_files, tmp_path / "run", selection=False)
+    args += ["--data.selection.source", json.dumps({"source": str(text_files["jsonl_gz"])})]
+    args += ["--data.selection.num_windows", "400", "--data.selection.seq_len", "32"]
+    with pytest.raises(ValueError, match="selection windows .* overlap the calibration windows"):
+        main(args)
