@@ -227,8 +227,7 @@ def run_frontier_command(argv: list[str]) -> Path:
     cfg = module.cfg
     cfg.data = dm.cfg
     cfg.validate()
-    if cfg.data.selection.source is None and cfg.data.calibration.source.source != "generate":
-        raise ValueError("frontier: the repair-aware plans are scored on held-out windows: set data.selection.source")
+    cfg.check_selection("frontier")
     module.configure_model()
     llm = module.llm.to(cli.trainer.strategy.root_device)
     data = dm.bind(module.tokenizer, root, dense=lambda: nullcontext(llm), model_key=asdict(cfg.model))

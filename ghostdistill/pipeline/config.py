@@ -107,12 +107,17 @@ class RunConfig:
             return
         self.data.validate()
         if self.plan.repair_aware():
-            if self.data.selection.source is None and self.data.calibration.source.source != GENERATE:
-                raise ValueError(
-                    f"plan.criterion {self.plan.criterion!r} scores every repaired candidate on held-out windows: "
-                    "set data.selection.source (disjoint from calibration and evaluation, e.g. the calibration "
-                    "text's later documents with first_document)"
-                )
+            self.check_selection(f"plan.criterion {self.plan.criterion!r}")
+
+    def check_selection(self, who: str) -> None:
+        """The repair-aware plans are scored on held-out windows: a text calibration source needs
+        `data.selection.source` (self-generated calibration generates them)."""
+        if self.data.selection.source is None and self.data.calibration.source.source != GENERATE:
+            raise ValueError(
+                f"{who} scores every repaired candidate on held-out windows: set data.selection.source "
+                "(disjoint from calibration and evaluation, e.g. the calibration text's later documents with "
+                "first_document)"
+            )
 
     def views(self) -> list[str]:
         """Every view a run has: the baselines, each recovery method and each fine-tuned method."""

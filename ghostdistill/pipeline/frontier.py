@@ -27,7 +27,7 @@ from pathlib import Path
 from torch import nn
 
 from ..calibration.fit import register_view
-from ..core.io import atomic_write_json
+from ..core.io import atomic_write_json, json_digest
 from ..core.model import decoder_stack
 from ..core.plan import PruningPlan
 from ..core.views import DENSE, PRUNED, PrunedModel
@@ -133,8 +133,6 @@ def run_frontier(
 ) -> list[dict]:
     """Every depth of `depths`, each saved as it finishes and skipped when saved before with the same
     settings (`key`); returns the points in order."""
-    from ..core.io import json_digest
-
     key = json_digest({"config": repr(cfg), "criteria": list(criteria)})
     points = []
     for n in depths:

@@ -21,6 +21,7 @@ from ..core.model import ModelConfig, decoder_stack, hidden_size
 from ..core.plan import PlanConfig, PruningPlan
 from ..methods import Collector, RecoveryConfig, make_collectors
 from ..methods.base import statistics_layout
+from ..planning import repair_config
 
 STATE_FILE = "calibration_state.pt"
 # Version of `calibration_state.pt`; a file of another version is recomputed, never reinterpreted.
@@ -188,8 +189,6 @@ def open_state(
     if cfg.plan.repair_aware():
         # The plan these statistics belong to was chosen on the selection windows (and its repair method).
         calibration["selection"] = asdict(cfg.data.selection)
-        calibration["repair_method"] = (
-            [r.settings() for r in cfg.recovery][:1] if cfg.plan.repair_method is None else cfg.plan.repair_method
-        )
+        calibration["repair_method"] = repair_config(cfg.plan, cfg.recovery).settings()
     key = fingerprint(cfg.model, llm, cfg.plan, calibration, cfg.data.batch_size, methods, recovery=cfg.recovery)
     return key, load_state(Path(run_dir) / STATE_FILE, key, methods, hidden_size(llm), warn, info, cfg.recovery)
