@@ -70,11 +70,13 @@ def step(model, students: Students, batch, share: bool, loss_cfg) -> None:
     ids = batch["input_ids"]
     targets, valid = next_token_targets(ids, torch.ones_like(ids))
     head = model.get_output_embeddings()
-    teacher, prefix = students.teacher(batch)
+    teacher = students.teacher(batch)
     total = 0.0
     for view in students.views:
-        hidden = students.student(view, batch, prefix if share else None)
-        total = total + chunked_distillation_loss(hidden[:, :-1], teacher[:, :-1], head, valid, targets, loss_cfg)
+        hidden = students.student(view, batch, teacher if share else None).hidden
+        total = total + chunked_distillation_loss(
+            hidden[:, :-1], teacher.hidden[:, :-1], head, valid, targets, loss_cfg
+        )
     total.backward()
     for view in students.views:
         for p in students.params[view].all():
@@ -92,11 +94,11 @@ def timing(args) -> dict:
         ids = batch["input_ids"]
         targets, valid = next_token_targets(ids, torch.ones_like(ids))
         with torch.no_grad():
-            teacher, prefix = students.teacher(batch)
+            teacher = students.teacher(batch)
         sync(device)
         t = time.perf_counter()
-        hidden = students.student(view, batch, prefix if share else None)
-        chunked_distillation_loss(hidden[:, :-1], teacher[:, :-1], head, valid, targets, loss_cfg).backward()
+        hidden = students.student(view, batch, teacher if share else None).hidden
+        chunked_distillation_loss(hidden[:, :-1], teacher.hidden[:, :-1], head, valid, targets, loss_cfg).backward()
         sync(device)
         times["student_prefix" if share else "student"].append(time.perf_counter() - t)
         for p in students.params[view].all():

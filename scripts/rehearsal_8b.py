@@ -612,11 +612,21 @@ def reload_inputs(model_dir: Path, seq_len: int, windows: int, dtype: str, path:
     )
 
 
-def rehearse(model_dir: Path, work: Path, dtype: str, tiny: bool, keep: bool, log: Path) -> dict:
-    """Both runs, the exports and the reloads for one dtype; the JSON line's content."""
+def rehearse(
+    model_dir: Path, work: Path, dtype: str, tiny: bool, keep: bool, log: Path, windows: dict | None = None
+) -> dict:
+    """Both runs, the exports and the reloads for one dtype; the JSON line's content. `windows`: `samples`,
+    `seq_len` and `batch_size` of `fit_args` (default 4 × 64 tokens, batches of 2)."""
+    windows = {"samples": 4, "seq_len": 64, "batch_size": 2, **(windows or {})}
 
     shape = TINY if tiny else LLAMA3_8B
-    result: dict = {"dtype": dtype, "width": "tiny" if tiny else "llama3_8b", "blocks": 4, "checks": {}}
+    result: dict = {
+        "dtype": dtype,
+        "width": "tiny" if tiny else "llama3_8b",
+        "blocks": 4,
+        "windows": windows,
+        "checks": {},
+    }
     counts = parameter_count(shape, 4)
     bytes_per = 4 if dtype == "float32" else 2
     result["model"] = {
@@ -626,11 +636,16 @@ def rehearse(model_dir: Path, work: Path, dtype: str, tiny: bool, keep: bool, lo
         "weights_gib": round(counts["total"] * bytes_per / GIB, 3),
     }
     failures: list[str] = []
-    steps = work / "steps"  # each finished step's summary: a rerun with the same --dir resumes after it
+    # Each finished step's summary: a rerun with the same --dir and windows resumes after it.
+    steps = work / (
+        "steps"
+        if windows == {"samples": 4, "seq_len": 64, "batch_size": 2}
+        else "steps_{samples}x{seq_len}_b{batch_size}".format(**windows)
+    )
     runs = {}
     for name, train, recovery in (("operators", "operators", RECOVERY_ALL), ("lora", "lora", RECOVERY_DISTILLED)):
         run = work / f"run_{dtype}_{name}"
-        args = fit_args(model_dir, run, dtype, train=train, recovery=recovery, layers=[1])
+        args = fit_args(model_dir, run, dtype, train=train, recovery=recovery, layers=[1], **windows)
         runs[name] = step(
             steps / f"{dtype}_fit_{name}.json",
             [run / "results.json"],
@@ -642,7 +657,7 @@ def rehearse(model_dir: Path, work: Path, dtype: str, tiny: bool, keep: bool, lo
     exports, reloads = {}, {}
     plan = {"operators": ["ghost", "ghost_ft", "linearpatch", "replaceme"], "lora": ["ghost_ft"]}
     inputs = work / f"inputs_{dtype}.pt"
-    reload_inputs(model_dir, 64, 2, dtype, inputs)
+    reload_inputs(model_dir, windows["seq_len"], 2, dtype, inputs)
     tol = 1e-4 if dtype == "float32" else 2e-2
     for name, views in plan.items():
         run = work / f"run_{dtype}_{name}"
@@ -792,6 +807,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--tiny", action="store_true", help="a hidden-64 model: the same steps in seconds")
     parser.add_argument("--keep", action="store_true", help="keep the exported folders (and a temporary --dir)")
     parser.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    parser.add_argument(
+        "--windows",
+        type=int,
+        nargs=3,
+        default=[4, 64, 2],
+        metavar=("SAMPLES", "SEQ_LEN", "BATCH"),
+        help="calibration windows (training reads them) and their length, and the batch size (default 4 64 2). "
+        "On a CPU without bfloat16 arithmetic (no AVX-512 BF16/AMX) a bfloat16 backward takes a scalar GEMM "
+        "path hundreds of times slower than float32: 16 16 1 keeps the calibration at 256 tokens and a "
+        "distillation step at 16",
+    )
     args = parser.parse_args(argv)
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="rehearsal_8b_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -807,7 +833,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     lines = []
     try:
         for dtype in args.dtype:
-            result = rehearse(model_dir, work, dtype, args.tiny, args.keep, log)
+            windows = dict(zip(("samples", "seq_len", "batch_size"), args.windows))
+            result = rehearse(model_dir, work, dtype, args.tiny, args.keep, log, windows)
             if build is not None:
                 result["build"] = {**build.get("model", {}), "peak_rss_gib": _phase(build, "startup", "peak_rss_gib")}
             line = json.dumps(result)

@@ -57,6 +57,11 @@ class PrunedModel:
         self.mlp_maps = nn.ModuleDict()
         # view -> str(dense block index) -> that view's own copy of the block.
         self.blocks = nn.ModuleDict()
+        # view -> path (dots as '/') -> that view's own copy of a module elsewhere: the output head, the
+        # final norm, a norm inside a shared block (`substitute_modules`).
+        self.modules_own = nn.ModuleDict()
+        self._slots: dict[str, list[tuple[nn.Module, str, str]]] = {}  # view -> (parent, attribute, key)
+        self._originals: dict[tuple[int, str], tuple[nn.Module, str, nn.Module]] = {}
         self.view = DENSE
         self.skip = 0
         self.listeners: list[Callable[[str], None]] = []
@@ -83,6 +88,10 @@ class PrunedModel:
             for module in layer.modules():
                 if hasattr(module, "layer_idx"):
                     module.layer_idx = new_idx
+        for parent, attr, original in self._originals.values():
+            setattr(parent, attr, original)
+        for parent, attr, key in self._slots.get(view, ()):
+            setattr(parent, attr, self.modules_own[view][key])
         self.view = view
         self.skip = skip
         for listener in self.listeners:
@@ -151,6 +160,43 @@ class PrunedModel:
                 self._handles.append(self._host(gap, layers))
             if gap.key in self._mlp_hooked and gap.start - 1 in blocks:
                 self._handles.append(self._host_mlp(gap, layers))
+
+    def substitute_modules(self, view: str, modules: dict[str, nn.Module]) -> None:
+        """Give `view` its own modules in place of others, by their path in the dense model (``lm_head``,
+        ``model.norm``, ``model.layers.4.input_layernorm``: block paths name dense indices, and a block
+        the view already has its own copy of is refused, its copy being that view's already). The
+        originals stay for every other view and the teacher."""
+        if view not in self.operators:
+            raise ValueError(f"substitute_modules: {view!r} is not a method view; available: {self.views}")
+        own = self.blocks[view] if view in self.blocks else {}
+        slots, table = list(self._slots.get(view, ())), dict(self.modules_own[view]) if view in self.modules_own else {}
+        with self.use(DENSE):
+            layers_path = self._path(self.stack.layers) + "."
+            for path, module in modules.items():
+                parent_path, _, attr = path.rpartition(".")
+                parent = self.model.get_submodule(parent_path) if parent_path else self.model
+                original = getattr(parent, attr, None)
+                if not isinstance(original, nn.Module):
+                    raise ValueError(f"substitute_modules: {path!r} is not a module of {type(self.model).__name__}")
+                block = int(path[len(layers_path) :].split(".")[0]) if path.startswith(layers_path) else None
+                if block is not None and (block in self.plan.removed or str(block) in own):
+                    raise ValueError(
+                        f"substitute_modules: {path!r} is in block {block}, which {view!r} does not run from the "
+                        "shared blocks (removed, or its own copy)"
+                    )
+                key = path.replace(".", "/")
+                self._originals.setdefault((id(parent), attr), (parent, attr, original))
+                slots.append((parent, attr, key))
+                table[key] = module.to(next(self.model.parameters()).device)
+        self.modules_own[view] = nn.ModuleDict(table)
+        self._slots[view] = slots
+        self.set_view(self.view, self.skip)
+
+    def _path(self, module: nn.Module) -> str:
+        for name, m in self.model.named_modules(remove_duplicate=False):
+            if m is module:
+                return name
+        raise ValueError(f"{type(module).__name__} is not a submodule of {type(self.model).__name__}")
 
     def _operator(self, gap: Gap) -> GhostOperator | None:
         if self.view in (DENSE, PRUNED) or gap.key not in self.operators[self.view]:

@@ -1,13 +1,24 @@
-"""What fine-tuned recovery trains, with which objective and optimiser."""
+"""What fine-tuned recovery trains, with which objective and optimiser: the students of a run.
+
+A student is one fine-tuned view: a name (ending in ``_ft``), the recovery entry whose closed form it
+starts from, what trains and its recipe. ``distill.methods: [ghost, linearpatch]`` is the shorthand for
+one student per method named ``<method>_ft`` with the run-wide recipe (`train`, the learning rates,
+`lora`, `loss`); ``distill.students`` adds students with their own recipe, each field left unset taking
+the run-wide value. `DistillConfig.specs` resolves both into `Student` records, the only form the
+rest of the package reads.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from .loss import LossConfig
 
-Trainable = Literal["operators", "lora", "blocks"]
+Trainable = Literal["operators", "lora", "blocks", "tail", "norms"]
+TRAINABLE: tuple[str, ...] = ("operators", "lora", "blocks", "tail", "norms")
+FT_SUFFIX = "_ft"
 
 
 @dataclass
@@ -32,18 +43,69 @@ class LoraSettings:
 
 
 @dataclass
+class StudentConfig:
+    """One student of `distill.students`; every field left null takes the run-wide `distill` value.
+
+    Args:
+        name: its view name; must end in ``_ft`` (e.g. ``ghost_tail_ft``), which no recovery entry may.
+        method: the recovery entry whose closed-form fit it starts from.
+        train: what trains (see `DistillConfig.train`).
+        lr: learning rate of the operators.
+        block_lr: learning rate of whole blocks and of the `tail` (head, final norm, blocks).
+        norm_lr: learning rate of the norm gains (`norms`).
+        tail_blocks: k, the surviving blocks `tail` trains (the last k).
+        lora: adapter settings.
+        loss: the objective (the hidden-state term included).
+    """
+
+    name: str = ""
+    method: str = ""
+    train: list[Trainable] | None = None
+    lr: float | None = None
+    block_lr: float | None = None
+    norm_lr: float | None = None
+    tail_blocks: int | None = None
+    lora: LoraSettings | None = None
+    loss: LossConfig | None = None
+
+
+@dataclass(frozen=True)
+class Student:
+    """A resolved student: every field set."""
+
+    name: str
+    method: str
+    train: tuple[str, ...]
+    lr: float
+    block_lr: float
+    norm_lr: float
+    tail_blocks: int
+    lora: LoraSettings
+    loss: LossConfig
+
+    def trains(self, kind: str) -> bool:
+        return kind in self.train
+
+
+@dataclass
 class DistillConfig:
     """Fine-tuned recovery: each method in `methods` gets a view ``<name>_ft`` that starts from that
     method's closed-form fit and is distilled against the dense teacher (`trainer.max_steps` > 0).
 
     Args:
-        methods: recovery names to fine-tune (e.g. ``[ghost, linearpatch]``); every one sees the same
-            batches in the same order with the same recipe, trained in the same step.
+        methods: recovery names to fine-tune (e.g. ``[ghost, linearpatch]``), one student ``<name>_ft``
+            each with the recipe below; every student sees the same batches in the same order.
+        students: further students, each with its own name, method and recipe (`StudentConfig`).
         train: what trains: ``operators`` (the gap operators, first-position shift included; the
-            default), ``lora`` (adapters on the surviving blocks) and/or ``blocks`` (the surviving
-            blocks next to each gap, as per-method copies; the teacher keeps the originals).
+            default), ``lora`` (adapters on the surviving blocks), ``blocks`` (the surviving blocks next
+            to each gap), ``tail`` (the output head, the final norm and the last `tail_blocks` surviving
+            blocks) and/or ``norms`` (the norm gains of the surviving blocks); what a student trains
+            besides operators and adapters is its own copy, so the teacher and the other students keep
+            the originals.
         lr: learning rate of the operators.
-        block_lr: learning rate of whole blocks.
+        block_lr: learning rate of whole blocks and of the tail.
+        norm_lr: learning rate of the norm gains.
+        tail_blocks: how many of the last surviving blocks `tail` trains.
         weight_decay: AdamW weight decay (operators are stored as M = W − I, so decay pulls W to I).
         betas: AdamW betas.
         warmup_steps: linear warm-up from 0 to the learning rate.
@@ -59,9 +121,12 @@ class DistillConfig:
     """
 
     methods: list[str] = field(default_factory=list)
+    students: list[StudentConfig] = field(default_factory=list)
     train: list[Trainable] = field(default_factory=lambda: ["operators"])
     lr: float = 1e-4
     block_lr: float = 1e-5
+    norm_lr: float = 1e-4
+    tail_blocks: int = 3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int = 0
@@ -72,6 +137,46 @@ class DistillConfig:
     keep: Literal["best", "last"] = "best"
     checkpoint_every: int = 50
     share_prefix: bool = True
+
+    def run_wide(self, name: str, method: str) -> Student:
+        """A student named `name` from `method` with the run-wide recipe."""
+        return Student(
+            name,
+            method,
+            tuple(self.train),
+            self.lr,
+            self.block_lr,
+            self.norm_lr,
+            self.tail_blocks,
+            self.lora,
+            self.loss,
+        )
+
+    def specs(self) -> list[Student]:
+        """Every student, resolved: the `methods` shorthand first, then `students`, in order (a student's
+        unset keys take the run-wide values; its `lora` and `loss` are its own copies)."""
+        out = [self.run_wide(ft_view(m), m) for m in self.methods]
+        for s in self.students:
+            base = self.run_wide(s.name, s.method)
+            own = {k: getattr(s, k) for k in ("lr", "block_lr", "norm_lr", "tail_blocks") if getattr(s, k) is not None}
+            if s.train is not None:
+                own["train"] = tuple(s.train)
+            own["lora"] = copy.deepcopy(self.lora if s.lora is None else s.lora)
+            own["loss"] = replace(self.loss if s.loss is None else s.loss)
+            out.append(replace(base, **own))
+        return out
+
+    def recipe(self, view: str) -> Student:
+        """The resolved student named `view`; for a name that is no student, the run-wide recipe under it."""
+        return next((s for s in self.specs() if s.name == view), None) or self.run_wide(view, view)
+
+    def views(self) -> list[str]:
+        """The fine-tuned views, in the order of `specs`."""
+        return [s.name for s in self.specs()]
+
+    def method_of(self, view: str) -> str | None:
+        """The recovery entry a fine-tuned view starts from (None: not a student)."""
+        return next((s.method for s in self.specs() if s.name == view), None)
 
     def validate(self, recovery_names: list[str]) -> None:
         unknown = [m for m in self.methods if m not in recovery_names]
@@ -88,16 +193,24 @@ class DistillConfig:
                 f"distill.methods would make views {clash}, which are recovery names of this run; names ending "
                 "in '_ft' are reserved for the fine-tuned views: rename those recovery entries"
             )
-        bad = [t for t in self.train if t not in ("operators", "lora", "blocks")]
-        if bad or not self.train:
+        for i, s in enumerate(self.students):
+            where = f"distill.students[{i}]"
+            if not s.name.endswith(FT_SUFFIX) or s.name == FT_SUFFIX:
+                raise ValueError(
+                    f"{where}.name {s.name!r} must end in {FT_SUFFIX!r} (fine-tuned views are named so, e.g. "
+                    f"'{s.method or 'ghost'}_tail_ft')"
+                )
+            if s.method not in recovery_names:
+                raise ValueError(
+                    f"{where}.method {s.method!r} is not a recovery name of this run; available: {recovery_names}"
+                )
+        views = self.views()
+        twice = sorted({v for v in views if views.count(v) > 1})
+        if twice:
             raise ValueError(
-                f"distill.train {self.train} must be a non-empty subset of ['operators', 'lora', 'blocks']"
+                f"distill: students {twice} are named twice (distill.methods makes '<method>_ft'); give each "
+                "student its own name"
             )
-        if "lora" in self.train and "blocks" in self.train:
-            raise ValueError("distill.train: 'lora' and 'blocks' adapt the same blocks; choose one of them")
-        for name, value in (("lr", self.lr), ("block_lr", self.block_lr), ("lora.lr", self.lora.lr)):
-            if not value > 0:
-                raise ValueError(f"distill.{name} must be > 0, got {value}")
         if self.weight_decay < 0 or self.warmup_steps < 0 or self.val_every < 0 or self.checkpoint_every < 0:
             raise ValueError(
                 "distill.weight_decay, warmup_steps, val_every and checkpoint_every must be >= 0; got "
@@ -107,18 +220,37 @@ class DistillConfig:
             raise ValueError(f"distill.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.keep not in ("best", "last"):
             raise ValueError(f"distill.keep {self.keep!r} is not known; choose best or last")
-        if (
-            self.lora.rank < 1
-            or not self.lora.alpha > 0
-            or not 0 <= self.lora.dropout < 1
-            or not self.lora.target_modules
-        ):
+        bad = [t for t in self.train if t not in TRAINABLE]
+        if bad or not self.train:
+            raise ValueError(f"distill.train {self.train} must be a non-empty subset of {list(TRAINABLE)}")
+        for s in self.specs():
+            self._validate_student(s)
+
+    def _validate_student(self, s: Student) -> None:
+        where = f"distill (student {s.name})"
+        bad = [t for t in s.train if t not in TRAINABLE]
+        if bad or not s.train:
+            raise ValueError(f"{where}: train {list(s.train)} must be a non-empty subset of {list(TRAINABLE)}")
+        if len(set(s.train)) != len(s.train):
+            raise ValueError(f"{where}: train {list(s.train)} lists a kind twice")
+        whole = [t for t in ("lora", "blocks", "tail") if t in s.train]
+        if len(whole) > 1:
             raise ValueError(
-                f"distill.lora: rank >= 1, alpha > 0, 0 <= dropout < 1 and some target_modules needed; got {self.lora}"
+                f"{where}: train {whole} adapt the same blocks (lora adapts them, blocks and tail train copies "
+                "of them); choose one of them"
             )
-        self.loss.validate()
+        for name, value in (("lr", s.lr), ("block_lr", s.block_lr), ("norm_lr", s.norm_lr), ("lora.lr", s.lora.lr)):
+            if not value > 0:
+                raise ValueError(f"{where}: {name} must be > 0, got {value}")
+        if s.tail_blocks < 0:
+            raise ValueError(f"{where}: tail_blocks must be >= 0 (the last k surviving blocks), got {s.tail_blocks}")
+        if s.lora.rank < 1 or not s.lora.alpha > 0 or not 0 <= s.lora.dropout < 1 or not s.lora.target_modules:
+            raise ValueError(
+                f"{where}: lora needs rank >= 1, alpha > 0, 0 <= dropout < 1 and some target_modules; got {s.lora}"
+            )
+        s.loss.validate()
 
 
 def ft_view(method: str) -> str:
-    """The fine-tuned view of a recovery method."""
-    return f"{method}_ft"
+    """The fine-tuned view of a recovery method in the `methods` shorthand."""
+    return f"{method}{FT_SUFFIX}"

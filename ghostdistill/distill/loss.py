@@ -12,7 +12,18 @@ k = 50): forward KL = Σ_{v ∈ top-k} p̃_T (log p̃_T − log p_S), with the s
 Minitron reports that top-k (k ≤ 100) costs accuracy, so it is off by default. `ce_weight` = α mixes in
 the ordinary next-token cross-entropy on the labels: (1 − α)·KD + α·CE (torchtune's `kd_ratio` is 1 − α).
 
-The loss is the mean over real (non-padding) target tokens. `chunked_distillation_loss` starts from the
+An optional hidden-state term (Minitron adds one for heavy depth cuts) compares the residual stream h
+entering the first block after each gap (after the student's operator; for a gap at the end of the
+stack, the stream entering the final norm) with the teacher's at the same place, per position t:
+
+    mse     (1/C) Σ_c (h_S − h_T)²
+    cosine  1 − cos(h_S, h_T)
+
+averaged over the real positions (the first position left out unless `hidden_first`: its massive
+activation is orders of magnitude larger than every other position's and would be all an MSE sees) and
+over the gaps, and added as `hidden_weight` · term (`hidden_state_loss`, chunked like the logits).
+
+The logit loss is the mean over real (non-padding) target tokens. `chunked_distillation_loss` starts from the
 final hidden states and applies the output head a chunk of tokens at a time inside activation
 checkpointing, so neither model's [tokens, vocab] logits ever exist for more than one chunk, in the
 forward pass or the backward pass; `distillation_loss` is the plain version over full logits, and the
@@ -32,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 from ..core.head import token_chunks
 
 KLKind = Literal["forward", "reverse", "symmetric"]
+HiddenKind = Literal["mse", "cosine"]
 
 
 @dataclass
@@ -44,6 +56,9 @@ class LossConfig:
         top_k: keep only the teacher's top-k tokens, renormalised (LinearPatch uses 50); null = all.
         ce_weight: α in (1 − α)·KD + α·CE on the labels (0 = KD only).
         chunk_tokens: tokens per chunk of the output head and the loss (bounds memory).
+        hidden_weight: weight of the hidden-state term beside the logit loss (0 = off).
+        hidden_kind: ``mse`` or ``cosine`` between the student's and the teacher's residual streams.
+        hidden_first: include the first position in the hidden-state term.
     """
 
     kind: KLKind = "forward"
@@ -51,6 +66,9 @@ class LossConfig:
     top_k: int | None = None
     ce_weight: float = 0.0
     chunk_tokens: int = 1024
+    hidden_weight: float = 0.0
+    hidden_kind: HiddenKind = "mse"
+    hidden_first: bool = False
 
     def validate(self) -> None:
         if self.kind not in ("forward", "reverse", "symmetric"):
@@ -63,6 +81,12 @@ class LossConfig:
             raise ValueError(f"distill.loss.ce_weight must be in [0, 1], got {self.ce_weight}")
         if self.chunk_tokens < 1:
             raise ValueError(f"distill.loss.chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if not self.hidden_weight >= 0:
+            raise ValueError(
+                f"distill.loss.hidden_weight must be >= 0 (0: no hidden-state term), got {self.hidden_weight}"
+            )
+        if self.hidden_kind not in ("mse", "cosine"):
+            raise ValueError(f"distill.loss.hidden_kind {self.hidden_kind!r} is not known; choose mse or cosine")
 
 
 def token_losses(
@@ -120,9 +144,11 @@ def chunked_distillation_loss(
     valid: torch.Tensor,
     targets: torch.Tensor | None,
     cfg: LossConfig,
+    teacher_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The same loss from final hidden states [batch, seq, C] (after the final norm) and the output
-    head, `cfg.chunk_tokens` tokens at a time. Each chunk runs inside activation checkpointing: the
+    head (`teacher_head` for the teacher's side when the student has its own head: `tail`),
+    `cfg.chunk_tokens` tokens at a time. Each chunk runs inside activation checkpointing: the
     backward recomputes that chunk's logits instead of keeping them, so peak memory holds one chunk's
     logits whatever the batch and vocabulary."""
     s = student_hidden[valid]
@@ -135,7 +161,7 @@ def chunked_distillation_loss(
 
     def chunk_loss(s_chunk: torch.Tensor, t_chunk: torch.Tensor, y_chunk: torch.Tensor | None) -> torch.Tensor:
         with torch.no_grad():
-            t_logits = head(t_chunk)
+            t_logits = (teacher_head or head)(t_chunk)
         return token_losses(head(s_chunk), t_logits, y_chunk, cfg).sum()
 
     total = student_hidden.new_zeros((), dtype=torch.float32)
@@ -146,3 +172,50 @@ def chunked_distillation_loss(
         else:
             total = total + chunk_loss(s[part], t[part], y_chunk)
     return total / n
+
+
+def hidden_positions(mask: torch.Tensor, first: bool) -> torch.Tensor:
+    """The positions [batch, seq] the hidden-state term averages over: real tokens, without position 0
+    unless `first`."""
+    valid = mask.bool().clone()
+    if not first:
+        valid[:, 0] = False
+    return valid
+
+
+def hidden_state_loss(
+    student: list[torch.Tensor],
+    teacher: list[torch.Tensor],
+    valid: torch.Tensor,
+    kind: HiddenKind = "mse",
+    chunk_tokens: int = 1024,
+) -> torch.Tensor:
+    """The hidden-state term: per gap the mean over the `valid` positions of the per-position distance
+    (`kind`) between the student's and the teacher's streams [batch, seq, C], averaged over the gaps;
+    float32, `chunk_tokens` positions at a time (each chunk checkpointed, so no float32 copy of a whole
+    stream is kept for the backward)."""
+    if len(student) != len(teacher) or not student:
+        raise ValueError(f"hidden_state_loss: {len(student)} student streams for {len(teacher)} teacher streams")
+
+    def chunk_loss(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        s, t = s.float(), t.float()
+        if kind == "mse":
+            return (s - t).pow(2).mean(-1).sum()
+        return (1.0 - F.cosine_similarity(s, t, dim=-1)).sum()
+
+    n = int(valid.sum())
+    if n == 0:
+        return sum(s.sum() for s in student) * 0.0
+    total = student[0].new_zeros((), dtype=torch.float32)
+    for s_full, t_full in zip(student, teacher):
+        s = s_full[valid]
+        with torch.no_grad():
+            t = t_full[valid]
+        part_total = s.new_zeros((), dtype=torch.float32)
+        for part in token_chunks(n, chunk_tokens):
+            if s.requires_grad:
+                part_total = part_total + checkpoint(chunk_loss, s[part], t[part], use_reentrant=False)
+            else:
+                part_total = part_total + chunk_loss(s[part], t[part])
+        total = total + part_total / n
+    return total / len(student)

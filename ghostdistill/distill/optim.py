@@ -22,17 +22,21 @@ from .students import StudentParams
 
 
 def param_groups(params: dict[str, StudentParams], cfg: DistillConfig) -> list[dict]:
+    """One group per (student, kind), at that student's learning rate for the kind."""
     groups = []
     for view, p in params.items():
+        s = cfg.recipe(view)
         for kind, lr, tensors in (
-            ("operators", cfg.lr, p.operators),
-            ("lora", cfg.lora.lr, p.lora),
-            ("blocks", cfg.block_lr, p.blocks),
+            ("operators", s.lr, p.operators),
+            ("lora", s.lora.lr, p.lora),
+            ("blocks", s.block_lr, p.blocks),
+            ("tail", s.block_lr, p.tail),
+            ("norms", s.norm_lr, p.norms),
         ):
             if tensors:
                 groups.append({"params": tensors, "lr": lr, "name": f"{view}/{kind}", "student": view})
     if not groups:
-        raise ValueError("distillation has nothing to train: check distill.methods and distill.train")
+        raise ValueError("distillation has nothing to train: check distill.methods, distill.students and their train")
     return groups
 
 

@@ -34,6 +34,11 @@ def shard_students(pruned: PrunedModel, views: list[str], mesh, replicated: list
     adapters) whole; returns how many units were sharded."""
     from torch.distributed.fsdp import fully_shard
 
+    if len(pruned.modules_own):
+        raise ValueError(
+            f"FSDP2 (ModelParallelStrategy) does not shard the students' own head, final norm or norm copies "
+            f"(distill.train tail or norms: {list(pruned.modules_own)}) yet; train them with DDP or on one device"
+        )
     ignored = set(replicated)
 
     units: list[nn.Module] = list(pruned.dense_layers)

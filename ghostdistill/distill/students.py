@@ -1,37 +1,43 @@
 """The students of fine-tuned recovery and the teacher they learn from, over one set of blocks.
 
-Each fine-tuned method gets a view ``<method>_ft`` whose trainable parts start from the method's
-closed-form fit:
+Each student (`DistillConfig.specs`: ``<method>_ft`` for each of `distill.methods`, plus every entry of
+`distill.students`) is a view whose trainable parts start from its method's closed-form fit:
 
 - ``operators``: copies of the method's gap operators (and ReplaceMe's MLP maps), trained; the
   training-free view keeps the frozen originals;
 - ``lora``: a peft LoRA adapter named after the view on the surviving blocks, active only while that
   view runs (every other view, the teacher first, runs with adapters off, so its output is bit for bit
   the base model's);
-- ``blocks``: per-view copies of the surviving blocks next to each gap (`PrunedModel.substitute_blocks`),
-  so the teacher and the other views keep the originals.
+- ``blocks``: per-view copies of the surviving blocks next to each gap (`PrunedModel.substitute_blocks`);
+- ``tail``: per-view copies of the output head, the final norm (`PrunedModel.substitute_modules`) and the
+  last k surviving blocks ("Reassessing Layer Pruning", arXiv 2411.15558, trains these after pruning);
+- ``norms``: per-view copies of the norm modules of the surviving blocks it runs from the shared ones.
 
-The teacher is the dense view: frozen, eval mode, no gradients. When nothing before the first gap
-trains (operators, or blocks that all lie after the first gap), the blocks before the first gap compute
-the same thing for the teacher and every student: the teacher pass keeps the residual stream entering
-the first gap and each student starts from it (its embedding input replaced, the blocks before the gap
-skipped). `check_prefix` verifies that shortcut against a full student forward and turns it off where a
-family does something to its input embeddings.
+Every student's copies are its own, so two students of one method with different recipes train
+independently, and the teacher and the training-free views keep the originals.
+
+The teacher is the dense view: frozen, eval mode, no gradients. A student whose blocks before block i
+compute what the teacher's do (nothing trains there: i is its first gap, or the first block it trains)
+starts from the residual stream entering block i, which the teacher pass keeps for each such i (its
+embedding input replaced, the blocks before i skipped). `check_prefix` verifies that shortcut against a
+full student forward and turns it off where a family does something to its input embeddings. With a
+hidden-state term in a student's loss, both passes also keep the residual stream entering the first
+block after each gap (`stream_sites`).
 """
 
 from __future__ import annotations
 
 import copy
-import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from ..core.head import decoder_of
+from ..core.head import decoder_of, output_head
 from ..core.model import model_inputs
 from ..core.views import DENSE, PrunedModel, copy_block
-from .config import DistillConfig, ft_view
+from .config import DistillConfig, Student
+from .parts import add_lora, adjacent_blocks, norm_modules, stream_sites, tail_blocks, tail_modules
 
 
 @dataclass
@@ -41,105 +47,109 @@ class StudentParams:
     operators: list[nn.Parameter]
     lora: list[nn.Parameter]
     blocks: list[nn.Parameter]
+    tail: list[nn.Parameter] = field(default_factory=list)
+    norms: list[nn.Parameter] = field(default_factory=list)
 
     def all(self) -> list[nn.Parameter]:
-        return [*self.operators, *self.lora, *self.blocks]
+        return [*self.operators, *self.lora, *self.blocks, *self.tail, *self.norms]
+
+
+@dataclass
+class TeacherPass:
+    """The dense model's final hidden states (after the final norm), the residual stream entering each
+    block a student starts from (`prefixes`), and with a hidden-state term the stream entering the first
+    block after each gap (`streams`)."""
+
+    hidden: torch.Tensor
+    prefixes: dict[int, torch.Tensor]
+    streams: list[torch.Tensor] | None = None
+
+
+@dataclass
+class StudentPass:
+    hidden: torch.Tensor
+    streams: list[torch.Tensor] | None = None
 
 
 class Students:
-    """The `<method>_ft` views of one run and what trains in each."""
+    """The fine-tuned views of one run and what trains in each."""
 
     def __init__(self, pruned: PrunedModel, cfg: DistillConfig) -> None:
         self.pruned = pruned
         self.cfg = cfg
-        self.views = [ft_view(m) for m in cfg.methods]
+        self.specs: dict[str, Student] = {s.name: s for s in cfg.specs()}
+        self.views = list(self.specs)
         self.params: dict[str, StudentParams] = {}
         self.named: dict[str, dict[str, nn.Parameter]] = {}
         self._lora_layers: list[nn.Module] = []
+        self._lora_views = [v for v, s in self.specs.items() if s.trains("lora")]
+        # Per student, the first block whose input differs from the teacher's: 0 runs the whole forward.
+        self.starts = {v: self._first_trained_block(s) for v, s in self.specs.items()}
         self.share_prefix = False
-        # The first block whose input differs between teacher and students: the first gap, or the
-        # block before it when that block trains as a copy.
-        self.prefix_block = min(g.start for g in pruned.plan.gaps)
-        if "blocks" in cfg.train:
-            self.prefix_block = min([self.prefix_block, *self.adjacent_blocks()])
 
     # ---------------------------------------------------------------- building
+    def _first_trained_block(self, spec: Student) -> int:
+        plan = self.pruned.plan
+        first = min(g.start for g in plan.gaps)
+        if spec.trains("blocks"):
+            first = min([first, *adjacent_blocks(plan)])
+        if spec.trains("tail"):
+            first = min([first, *tail_blocks(plan, spec.tail_blocks)])
+        if spec.trains("norms") or spec.trains("lora"):
+            first = min(first, plan.kept[0]) if plan.kept else first
+        return first
+
     def build(self) -> None:
         """Create every fine-tuned view from its method's fitted view; freeze everything else."""
         pruned = self.pruned
         pruned.model.requires_grad_(False)
         pruned.operators.requires_grad_(False)
         pruned.mlp_maps.requires_grad_(False)
-        train = set(self.cfg.train)
-        for method, view in zip(self.cfg.methods, self.views):
-            operators = {k: copy.deepcopy(op) for k, op in pruned.operators[method].items()}
-            mlp_maps = {k: copy.deepcopy(op) for k, op in pruned.mlp_maps[method].items()}
+        for view, spec in self.specs.items():
+            operators = {k: copy.deepcopy(op) for k, op in pruned.operators[spec.method].items()}
+            mlp_maps = {k: copy.deepcopy(op) for k, op in pruned.mlp_maps[spec.method].items()}
             pruned.add_method(view, operators, mlp_maps)
             has_maps = any(True for group in (pruned.operators[view], pruned.mlp_maps[view]) for _ in group.values())
-            if train == {"operators"} and not has_maps:
+            if set(spec.train) == {"operators"} and not has_maps:
                 raise ValueError(
-                    f"distill: method {method!r} has no operators to train (e.g. `none`); add lora or blocks to "
-                    "distill.train"
+                    f"distill: student {view!r} (method {spec.method!r}) has no operators to train (e.g. `none`); "
+                    "train lora, blocks, tail or norms as well"
                 )
-            if "blocks" in train:
-                pruned.substitute_blocks(view, {i: copy_block(pruned.dense_layers[i]) for i in self.adjacent_blocks()})
-        if "lora" in train:
-            self._add_lora()
+            copies = []
+            if spec.trains("blocks"):
+                copies = adjacent_blocks(pruned.plan)
+            elif spec.trains("tail"):
+                copies = tail_blocks(pruned.plan, spec.tail_blocks)
+            if copies:
+                pruned.substitute_blocks(view, {i: copy_block(pruned.dense_layers[i]) for i in copies})
+            if spec.trains("tail"):
+                pruned.substitute_modules(
+                    view, {path: copy.deepcopy(m) for path, m in tail_modules(pruned.model).items()}
+                )
+            if spec.trains("norms"):
+                pruned.substitute_modules(
+                    view, {path: copy.deepcopy(m) for path, m in norm_modules(pruned, view).items()}
+                )
+        if self._lora_views:
+            self._lora_layers = add_lora(pruned, {v: self.specs[v] for v in self._lora_views})
         self.refresh_params()
-        self.share_prefix = (
-            self.cfg.share_prefix and self.prefix_block > 0 and not ("lora" in train and self._lora_before_first_gap())
-        )
+        self.share_prefix = self.cfg.share_prefix and any(i > 0 for i in self.starts.values())
+        if not self.share_prefix:
+            self.starts = dict.fromkeys(self.views, 0)
         pruned.listeners.append(self._on_view)
         self._on_view(pruned.view)
-
-    def adjacent_blocks(self) -> list[int]:
-        """Surviving blocks next to a gap: the one after it and the one before it."""
-        plan, out = self.pruned.plan, set()
-        for gap in plan.gaps:
-            if gap.stop < plan.num_layers:
-                out.add(gap.stop)
-            if gap.start > 0:
-                out.add(gap.start - 1)
-        return sorted(out)
-
-    def _lora_before_first_gap(self) -> bool:
-        return any(i < self.prefix_block for i in self.pruned.plan.kept)
-
-    def _add_lora(self) -> None:
-        from peft import LoraConfig, inject_adapter_in_model
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        settings = self.cfg.lora
-        pruned = self.pruned
-        with pruned.use(DENSE) as model:
-            for view in self.views:
-                config = LoraConfig(
-                    r=settings.rank,
-                    lora_alpha=settings.alpha,
-                    lora_dropout=settings.dropout,
-                    target_modules=list(settings.target_modules),
-                    layers_to_transform=list(pruned.plan.kept),
-                    layers_pattern=pruned.stack.attr,
-                )
-                with warnings.catch_warnings():
-                    # One adapter per method on the same blocks is the point; peft warns about it.
-                    warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
-                    inject_adapter_in_model(config, model, adapter_name=view)
-        self._lora_layers = [m for m in pruned.model.modules() if isinstance(m, BaseTunerLayer)]
-        if not self._lora_layers:
-            raise ValueError(f"distill.lora.target_modules {settings.target_modules} matched no layer of the blocks")
 
     def refresh_params(self) -> None:
         """Collect each student's trainable parameters from its modules, by name, and mark them trainable.
         Run again after anything replaces parameter objects (FSDP2 sharding does)."""
-        pruned, train = self.pruned, set(self.cfg.train)
+        pruned = self.pruned
         # Adapters are named by the dense index of their block, whatever view is active.
         lora_names = {
             id(m): f"lora.{i}.{name}"
             for i, block in enumerate(pruned.dense_layers)
             for name, m in block.named_modules()
         }
-        for view in self.views:
+        for view, spec in self.specs.items():
             # The gap operators (with the first-position shift where the fit uses one) and MLP maps.
             operators = (
                 {
@@ -149,7 +159,7 @@ class Students:
                     for name, p in op.named_parameters()
                     if name != "first_shift" or op.separate_first
                 }
-                if "operators" in train
+                if spec.trains("operators")
                 else {}
             )
             lora = {
@@ -163,21 +173,32 @@ class Students:
                 for index, m in (pruned.blocks[view].items() if view in pruned.blocks else ())
                 for name, p in m.named_parameters()
             }
-            self.named[view] = {**operators, **lora, **blocks}
+            own = pruned.modules_own[view] if view in pruned.modules_own else {}
+            tail_paths = set(tail_modules(pruned.model)) if spec.trains("tail") else set()
+            tail, norms = {}, {}
+            for key, m in own.items():
+                group = tail if key.replace("/", ".") in tail_paths else norms
+                group |= {f"modules.{view}.{key}.{name}": p for name, p in m.named_parameters()}
+            self.named[view] = {**operators, **lora, **blocks, **tail, **norms}
             self.params[view] = StudentParams(
-                operators=list(operators.values()), lora=list(lora.values()), blocks=list(blocks.values())
+                operators=list(operators.values()),
+                lora=list(lora.values()),
+                blocks=list(blocks.values()),
+                tail=list(tail.values()),
+                norms=list(norms.values()),
             )
             for p in self.params[view].all():
                 p.requires_grad_(True)
 
     def _on_view(self, view: str) -> None:
-        """Adapters on for a fine-tuned view (its own), off for every other view (the teacher first).
+        """A student's own adapter on while it runs, every adapter off for every other view (the teacher
+        first).
 
         peft's switches also flip `requires_grad`; the trainable flags are put back, since a leaf whose
         flag is off at backward time receives no gradient."""
         if not self._lora_layers:
             return
-        active = view in self.views
+        active = view in self._lora_views
         for layer in self._lora_layers:
             layer.enable_adapters(active)
             if active:
@@ -187,57 +208,84 @@ class Students:
                 p.requires_grad_(True)
 
     # ---------------------------------------------------------------- forwards
-    def teacher(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The dense model's final hidden states (after the final norm) and, when prefixes are shared, the
-        residual stream entering the first gap."""
+    def head(self, view: str):
+        """hidden → logits of `view` (a `tail` student has its own head)."""
+        with self.pruned.use(view) as model:
+            return output_head(model)
+
+    def needs_streams(self) -> bool:
+        return any(s.loss.hidden_weight > 0 for s in self.specs.values())
+
+    @staticmethod
+    def _grab(store: dict, key):
+        def hook(module, args, kwargs):
+            store[key] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def _forward(self, view: str, batch, skip: int, embeds, taps: dict) -> torch.Tensor:
+        """The decoder of `view` on `batch` (from `embeds` entering block `skip` when given), with forward
+        pre-hooks capturing the input of each module of `taps` (module → key) into the returned store."""
         model = self.pruned.model
         ids, mask = model_inputs(model, batch)
-        captured: dict[str, torch.Tensor] = {}
-        handle = None
-        if self.share_prefix:
-
-            def grab(module, args, kwargs):
-                captured["prefix"] = args[0] if args else kwargs["hidden_states"]
-
-            handle = self.pruned.dense_layers[self.prefix_block].register_forward_pre_hook(grab, with_kwargs=True)
+        store: dict = {}
+        handles = [m.register_forward_pre_hook(self._grab(store, key), with_kwargs=True) for m, key in taps.items()]
         try:
-            with torch.no_grad(), self.pruned.use(DENSE) as m:
-                hidden = decoder_of(m)(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            with self.pruned.use(view, skip=skip) as m:
+                if embeds is None:
+                    out = decoder_of(m)(input_ids=ids, attention_mask=mask, use_cache=False)
+                else:
+                    out = decoder_of(m)(inputs_embeds=embeds, attention_mask=mask, use_cache=False)
         finally:
-            if handle is not None:
-                handle.remove()
-        return hidden, captured.get("prefix")
+            for h in handles:
+                h.remove()
+        store["hidden"] = out.last_hidden_state
+        return store
 
-    def student(self, view: str, batch: dict[str, torch.Tensor], prefix: torch.Tensor | None) -> torch.Tensor:
-        """A student's final hidden states, from the shared prefix when given."""
-        model = self.pruned.model
-        ids, mask = model_inputs(model, batch)
-        if prefix is None:
-            with self.pruned.use(view) as m:
-                return decoder_of(m)(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-        with self.pruned.use(view, skip=self.prefix_block) as m:
-            return decoder_of(m)(inputs_embeds=prefix, attention_mask=mask, use_cache=False).last_hidden_state
+    def teacher(self, batch: dict[str, torch.Tensor]) -> TeacherPass:
+        """One dense pass: final hidden states, the stream entering each student's start, and (with a
+        hidden-state term) the stream after each gap."""
+        starts = sorted({i for i in self.starts.values() if i > 0}) if self.share_prefix else []
+        sites = stream_sites(self.pruned, DENSE) if self.needs_streams() else []
+        taps = {m: k for k, m in enumerate([*(self.pruned.dense_layers[i] for i in starts), *sites])}
+        with torch.no_grad():
+            store = self._forward(DENSE, batch, 0, None, taps)
+        prefixes = {i: store[taps[self.pruned.dense_layers[i]]] for i in starts}
+        return TeacherPass(store["hidden"], prefixes, [store[taps[m]] for m in sites] if sites else None)
+
+    def student(self, view: str, batch: dict[str, torch.Tensor], teacher: TeacherPass | None = None) -> StudentPass:
+        """A student's final hidden states (from the teacher's stream at its start when shared), and the
+        streams after the gaps when its loss has a hidden-state term."""
+        start = self.starts.get(view, 0)
+        embeds = teacher.prefixes.get(start) if teacher is not None and start > 0 else None
+        # Every block before a student's start survives (the start is at most its first gap), so the view
+        # skips exactly `start` of its blocks.
+        skip = start if embeds is not None else 0
+        sites = stream_sites(self.pruned, view) if self.specs[view].loss.hidden_weight > 0 else []
+        taps = {m: k for k, m in enumerate(sites)}
+        store = self._forward(view, batch, skip, embeds, taps)
+        return StudentPass(store["hidden"], [store[taps[m]] for m in sites] if sites else None)
 
     @torch.no_grad()
     def check_prefix(self, batch: dict[str, torch.Tensor]) -> bool:
-        """Use the shared prefix only if it reproduces a student's full forward on this batch; returns
-        whether it is on."""
-        if not self.share_prefix or not self.views:
+        """Use the shared prefixes only if they reproduce a student's full forward on this batch; returns
+        whether they are on."""
+        view = next((v for v, i in self.starts.items() if i > 0), None)
+        if not self.share_prefix or view is None:
             return self.share_prefix
-        view = self.views[0]
-        full = self.student(view, batch, None)
-        _, prefix = self.teacher(batch)
-        short = self.student(view, batch, prefix)
+        full = self.student(view, batch, None).hidden
+        short = self.student(view, batch, self.teacher(batch)).hidden
         tol = 1e-4 if full.dtype == torch.float32 else 2e-2
         if not torch.allclose(full.float(), short.float(), atol=tol, rtol=tol):
             from lightning.pytorch.utilities import rank_zero_warn
 
             rank_zero_warn(
-                f"{type(self.pruned.model).__name__}: starting the students after block {self.prefix_block} "
-                "does not reproduce their full forward (the family transforms its input embeddings); "
+                f"{type(self.pruned.model).__name__}: starting the students after the blocks before their first "
+                "gap does not reproduce their full forward (the family transforms its input embeddings); "
                 "running the full forward for every student instead"
             )
             self.share_prefix = False
+            self.starts = dict.fromkeys(self.views, 0)
         return self.share_prefix
 
     # ---------------------------------------------------------------- state

@@ -80,30 +80,41 @@ def score_tokens(
 @torch.no_grad()
 def score_hidden(
     hidden: dict[str, torch.Tensor],
-    head: Callable[[torch.Tensor], torch.Tensor],
+    head: Callable[[torch.Tensor], torch.Tensor] | dict[str, Callable[[torch.Tensor], torch.Tensor]],
     targets: torch.Tensor,
     valid: torch.Tensor,
     *,
     reference: str | None = None,
     chunk: int = 1024,
+    reference_logp: list[torch.Tensor] | None = None,
 ) -> dict[str, TokenScores]:
     """Metrics of every view from its final hidden states, `chunk` tokens at a time.
 
     `hidden`: view → final hidden states [batch, seq-1, C] at the positions that predict `targets`
-    [batch, seq-1]; only the `valid` positions are scored. `head`: hidden → logits (`core.head.output_head`).
+    [batch, seq-1]; only the `valid` positions are scored. `head`: hidden → logits (`core.head.output_head`),
+    or one per view (views with their own head).
     `reference`: the view (a key of `hidden`) the others are compared with (KL and top-1); its own
-    scores have none. Returns per view 1-D scores over the valid tokens (no gradients: evaluation only).
+    scores have none. `reference_logp`: the reference's log-probabilities per chunk, kept from
+    `reference_log_probs` (with the same `valid` and `chunk`), so that a reference scored against many
+    views runs its head once. Returns per view 1-D scores over the valid tokens (no gradients:
+    evaluation only).
     """
+    if reference_logp is not None and reference is not None and reference not in hidden:
+        hidden = {reference: None, **hidden}
     if reference is not None and reference not in hidden:
         raise ValueError(f"reference view {reference!r} is not among the scored views {list(hidden)}")
     y = targets[valid]
-    flat = {view: h[valid] for view, h in hidden.items()}
+    heads = head if isinstance(head, dict) else dict.fromkeys(hidden, head)
+    flat = {view: h[valid] for view, h in hidden.items() if h is not None}
     order = [reference, *(v for v in flat if v != reference)] if reference is not None else list(flat)
     parts: dict[str, dict[str, list[torch.Tensor]]] = {v: {"nll": [], "kl": [], "top1": []} for v in order}
-    for part in token_chunks(y.shape[0], chunk):
+    for k, part in enumerate(token_chunks(y.shape[0], chunk)):
         ref_logp = ref_p = ref_top = None
         for view in order:
-            logp = _log_softmax_(head(flat[view][part]))
+            if view == reference and reference_logp is not None:
+                logp = reference_logp[k]  # read only: the in-place KL below changes the other views' logp
+            else:
+                logp = _log_softmax_(heads[view](flat[view][part]))
             out = parts[view]
             out["nll"].append(-logp.gather(-1, y[part, None]).squeeze(-1))
             if view == reference:
@@ -123,6 +134,16 @@ def score_hidden(
             top1=(torch.cat(out["top1"]) if out["top1"] else empty) if compared else None,
         )
     return result
+
+
+@torch.no_grad()
+def reference_log_probs(
+    hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], valid: torch.Tensor, chunk: int = 1024
+) -> list[torch.Tensor]:
+    """The float32 log-probabilities of one view at the `valid` positions, per chunk of `score_hidden`:
+    what its `reference_logp` takes."""
+    flat = hidden[valid]
+    return [_log_softmax_(head(flat[part])) for part in token_chunks(flat.shape[0], chunk)]
 
 
 def _log_softmax_(logits: torch.Tensor) -> torch.Tensor:

@@ -139,6 +139,9 @@ def _view_state(pruned: PrunedModel, view: str, method: str | None, info: dict):
         if hasattr(text, attr):
             delattr(text, attr)
     text.architectures = [type(model).__name__]
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and getattr(text, "tie_word_embeddings", False) and head.weight is not embed.weight:
+        text.tie_word_embeddings = False  # the view has its own head (a student that trains the tail)
     if folds and getattr(get_method(method), "folds_embedding", False):
         residual_fold.fold_embedding(model, plan, operators, state, text)  # E·Q₁⋯Qₙ; a tied head is untied
     if operators and not folds:

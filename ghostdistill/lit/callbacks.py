@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from ..core.model import decoder_stack
 from ..core.views import DENSE
 from ..criteria import check_plan
+from ..distill.config import DistillConfig
 from ..evaluation.scores import ScoreStore
 from ..methods.base import flat_settings
 from ..pipeline.calibrate import calibrate, calibration_summary
@@ -60,12 +61,12 @@ class Calibration(Callback):
         pl_module.configure_model()
         # The strategy moves the module only after setup; calibrating an 8B model on the CPU would crawl.
         pl_module.to(trainer.strategy.root_device)
-        check_strategy(trainer)
+        check_strategy(trainer, pl_module.cfg.distill)
         if trainer.max_steps < 0:
             raise ValueError(
                 f"trainer.max_steps={trainer.max_steps}: set 0 (training-free) or the number of distillation steps"
             )
-        if trainer.max_steps > 0 and not pl_module.cfg.distill.methods:
+        if trainer.max_steps > 0 and not pl_module.cfg.distill.views():
             raise RuntimeError(NO_DISTILL_METHODS)
         dm, cfg, llm, report = trainer.datamodule, pl_module.cfg, pl_module.llm, pl_module.report
         run_dir = Path(trainer.default_root_dir)
@@ -109,16 +110,18 @@ class Calibration(Callback):
             # Students start from their method's closed form, before the optimizer exists.
             students = build_students(cal.pruned, cfg.distill, batches[0])
             rank_zero_info(
-                f"distilling {students.views} ({', '.join(cfg.distill.train)}); blocks before the first gap run "
-                f"{'once, shared' if students.share_prefix else 'for every student'}"
+                "distilling "
+                + ", ".join(f"{v} ({'+'.join(s.train)})" for v, s in students.specs.items())
+                + f"; blocks before the first gap run {'once, shared' if students.share_prefix else 'for every student'}"
             )
         pl_module.attach(cal.pruned, students)
         self.done = True
 
 
-def check_strategy(trainer: Trainer) -> None:
-    """Strategies the views work with: single device, DDP, FSDP2 (`ModelParallelStrategy`)."""
-    from lightning.pytorch.strategies import FSDPStrategy
+def check_strategy(trainer: Trainer, distill: DistillConfig | None = None) -> None:
+    """Strategies the views work with: single device, DDP, FSDP2 (`ModelParallelStrategy`; not for students
+    that train their own head or norms)."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
     strategy = trainer.strategy
     if isinstance(strategy, FSDPStrategy):
@@ -131,6 +134,13 @@ def check_strategy(trainer: Trainer) -> None:
     if "deepspeed" in type(strategy).__name__.lower() and getattr(strategy, "zero_stage_3", False):
         raise ValueError(
             "DeepSpeed ZeRO-3 with the teacher inside the module crashes in Lightning; use ZeRO-2, ddp or FSDP2"
+        )
+    own = [s.name for s in (distill.specs() if distill else []) if s.trains("tail") or s.trains("norms")]
+    if isinstance(strategy, ModelParallelStrategy) and own and trainer.max_steps != 0:
+        raise ValueError(
+            f"students {own} train their own output head, final norm or norm gains (distill.train tail or "
+            "norms), which FSDP2 (ModelParallelStrategy) does not shard here yet: train them with ddp or on one "
+            "device"
         )
 
 

@@ -33,8 +33,8 @@ from ..pipeline.train import BestSteps, check_checkpoint_keys, checkpoint_extras
 from ..reporting.report import RunReport
 
 NO_DISTILL_METHODS = (
-    "trainer.max_steps > 0 trains the students of model.distill.methods, which is empty: name the methods to "
-    "fine-tune (e.g. --model.distill.methods [ghost]) or set trainer.max_steps: 0"
+    "trainer.max_steps > 0 trains the students of model.distill.methods and model.distill.students, which are "
+    "empty: name the methods to fine-tune (e.g. --model.distill.methods [ghost]) or set trainer.max_steps: 0"
 )
 
 # The model stays in eval mode while the students train (see `GhostDistill.train`): intended.
@@ -111,6 +111,7 @@ class GhostDistill(LightningModule):
         and the students' block copies move with the module and reach the optimizer and the checkpoints."""
         self.pruned, self.students = pruned, students
         self.operators, self.mlp_maps, self.student_blocks = pruned.operators, pruned.mlp_maps, pruned.blocks
+        self.student_modules = pruned.modules_own
 
     @property
     def distilling(self) -> bool:
@@ -118,7 +119,7 @@ class GhostDistill(LightningModule):
             trainer = self.trainer
         except RuntimeError:  # not attached to a Trainer
             return False
-        return trainer is not None and trainer.max_steps != 0 and bool(self.cfg.distill.methods)
+        return trainer is not None and trainer.max_steps != 0 and bool(self.cfg.distill.views())
 
     def dist(self) -> Dist:
         t = self.trainer
@@ -140,7 +141,7 @@ class GhostDistill(LightningModule):
         if not self.distilling or self.students is None:
             raise RuntimeError(NO_DISTILL_METHODS)
         start = time.perf_counter()
-        losses = distill_step(self.students, batch, self.cfg.distill.loss)
+        losses = distill_step(self.students, batch)
         for view, loss in losses.items():
             self.log(f"train/{view}/loss", loss.detach(), on_step=True, prog_bar=len(losses) <= 2)
         tokens = float(batch["input_ids"][:, 1:].numel()) * self.trainer.world_size
@@ -176,7 +177,9 @@ class GhostDistill(LightningModule):
     def on_train_end(self) -> None:
         self.validate_students()
         self.tracker.restore(self.students, self.cfg.distill.keep, self.global_step)
-        self.report.distill = self.tracker.summary(self.cfg.distill, self.global_step, self.students.share_prefix)
+        self.report.distill = self.tracker.summary(
+            self.cfg.distill, self.global_step, self.students.share_prefix, self.students
+        )
 
     def validate_students(self) -> None:
         windows = self.trainer.datamodule.data.val_ids()

@@ -9,7 +9,7 @@ from ..core.model import ModelConfig
 from ..core.plan import PlanConfig
 from ..core.views import DENSE, PRUNED
 from ..data import GENERATE
-from ..distill.config import DistillConfig, ft_view
+from ..distill.config import DistillConfig
 from ..evaluation.zeroshot import PAPER_TASKS, check_offline_tasks, task_limits
 from ..methods import RecoveryConfig, validate_recovery
 from ..planning import repair_config
@@ -121,11 +121,11 @@ class RunConfig:
 
     def views(self) -> list[str]:
         """Every view a run has: the baselines, each recovery method and each fine-tuned method."""
-        return [DENSE, PRUNED, *(r.name for r in self.recovery), *(ft_view(m) for m in self.distill.methods)]
+        return [DENSE, PRUNED, *(r.name for r in self.recovery), *self.distill.views()]
 
     def method_of(self, view: str) -> str | None:
         """The registered method behind a view (``ghost`` for ``ghost`` and ``ghost_ft``); None for the baselines."""
         if view in (DENSE, PRUNED):
             return None
-        base = next((m for m in self.distill.methods if ft_view(m) == view), view)
+        base = self.distill.method_of(view) or view
         return next(r.method for r in self.recovery if r.name == base)

@@ -45,14 +45,13 @@ def score_views(
     targets, valid = next_token_targets(ids, mask)
     if counted is not None:
         valid = valid & counted.bool()[:, None]
-    hidden = {}
+    hidden, heads = {}, {}
     for view in [DENSE, *(v for v in views if v != DENSE)]:
         with pruned.use(view) as model:
             hidden[view] = final_hidden(model, ids, mask)[:, :-1]
+            heads[view] = output_head(model)  # a student that trains the tail has its own head
     vocab = pruned.model.get_output_embeddings().weight.shape[0]
-    return score_hidden(
-        hidden, output_head(pruned.model), targets, valid, reference=DENSE, chunk=tokens_per_chunk(vocab, chunk)
-    )
+    return score_hidden(hidden, heads, targets, valid, reference=DENSE, chunk=tokens_per_chunk(vocab, chunk))
 
 
 def views_to_evaluate(available: list[str], wanted: list[str]) -> list[str]:

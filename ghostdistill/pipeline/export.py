@@ -23,6 +23,7 @@ import torch
 
 from ..core.model import load_model, load_tokenizer
 from ..core.views import DENSE, PRUNED, PrunedModel
+from ..distill.config import Student
 from ..distill.students import Students
 from ..export import export_view
 from .calibrate import calibrate
@@ -34,7 +35,7 @@ from .train import build_students
 CHECKPOINT = Path("checkpoints") / "last.ckpt"
 
 
-def provenance(report: dict, view: str, method: str | None, seed: int | None) -> dict:
+def provenance(report: dict, view: str, method: str | None, seed: int | None, student: Student | None = None) -> dict:
     """What config.json records under `ghostdistill` (and the model card shows): the plan, the method
     and its settings, the calibration data and size, the seed, the view's metrics beside the dense and
     pruned ones, and for a fine-tuned view the training budget and the step kept."""
@@ -44,7 +45,7 @@ def provenance(report: dict, view: str, method: str | None, seed: int | None) ->
         "dtype": report.get("model", {}).get("dtype"),
         "view": view,
         "method": method,
-        "recovery": (report.get("recovery") or {}).get(view.removesuffix("_ft")),
+        "recovery": (report.get("recovery") or {}).get(student.method if student is not None else view),
         "plan": dict(report.get("plan", {})),
         "calibration": {k: v for k, v in report.get("calibration", {}).items() if k != "token_groups"},
         "seed": seed,
@@ -55,16 +56,20 @@ def provenance(report: dict, view: str, method: str | None, seed: int | None) ->
         },
     }
     distill = report.get("distill")
-    if distill and view.endswith("_ft"):
+    if distill and student is not None:
         best = (distill.get("best") or {}).get(view, {})
         info["distill"] = {
             "steps": distill.get("steps"),
             "kept": distill.get("kept"),
             "step": best.get("step") if distill.get("kept") == "best" else distill.get("steps"),
-            "train": distill.get("train"),
-            "lr": distill.get("lr"),
-            "loss": distill.get("loss"),
+            "student": student.name,
+            "method": student.method,
+            "train": list(student.train),
+            "lr": {"operators": student.lr, "blocks": student.block_lr, "norms": student.norm_lr},
+            "loss": asdict(student.loss),
         }
+        if student.trains("tail"):
+            info["distill"]["tail_blocks"] = student.tail_blocks
     return info
 
 
@@ -88,6 +93,7 @@ def export_views(
 ) -> list[Path]:
     """Write each of `views` of an in-memory run to `root/<view>`; `report` is the run's results."""
     check_views(cfg, views)
+    specs = {s.name: s for s in cfg.distill.specs()}
     missing = [v for v in views if v not in pruned.views]
     if missing:
         raise ValueError(f"cannot export {missing}: they were not built in this run (views: {pruned.views})")
@@ -98,7 +104,7 @@ def export_views(
             root / view,
             method=cfg.method_of(view),
             tokenizer=tokenizer,
-            info=provenance(report, view, cfg.method_of(view), seed),
+            info=provenance(report, view, cfg.method_of(view), seed, specs.get(view)),
             overwrite=overwrite,
         )
         for view in views
@@ -163,7 +169,7 @@ def load_run(run: Path, cfg: RunConfig, views: list[str] = (), log: Callable[[st
     if saved is None or saved.batches_done < saved.batches_total:
         raise ValueError(f"{state_path} does not hold this run's complete statistics: run `fit` again to finish it")
     cal = calibrate(llm, cfg.plan, cfg.recovery, batches, saved=saved, log=log)
-    if any(v.endswith("_ft") for v in views):
+    if set(views) & set(cfg.distill.views()):
         students = build_students(cal.pruned, cfg.distill)
         load_students(students, run / CHECKPOINT, report)
     return LoadedRun(cal.pruned, data.tokenizer, data, report)

@@ -1,7 +1,7 @@
 """Fine-tuned recovery: build the students, one distillation step, validation.
 
-    students = build_students(pruned, cfg, batch)         each `<method>_ft` from its method's closed form
-    losses = distill_step(students, batch, head, cfg.loss)  one teacher pass, every student on the same batch
+    students = build_students(pruned, cfg, batch)         every student from its method's closed form
+    losses = distill_step(students, batch)                one teacher pass, every student on the same batch
     entry = validate(students, windows, ...)                  KL and perplexity per student on held-out windows
     tracker.record(entry, students)                           each student's best step, by validation KL
 
@@ -18,7 +18,7 @@ import torch
 from ..core.head import output_head
 from ..core.views import PrunedModel
 from ..distill.config import DistillConfig
-from ..distill.loss import LossConfig, chunked_distillation_loss
+from ..distill.loss import chunked_distillation_loss, hidden_positions, hidden_state_loss
 from ..distill.students import Students
 from ..evaluation.metrics import next_token_targets
 from .calibrate import Dist
@@ -28,7 +28,8 @@ Batch = dict[str, torch.Tensor]
 
 
 def build_students(pruned: PrunedModel, cfg: DistillConfig, check_batch: Batch | None = None) -> Students:
-    """The `<method>_ft` views, each starting from its method's fitted view; everything else frozen. With
+    """The fine-tuned views (`DistillConfig.specs`), each starting from its method's fitted view; everything
+    else frozen. With
     `check_batch`, the shared-prefix shortcut is verified against a full student forward on it."""
     students = Students(pruned, cfg)
     students.build()
@@ -37,19 +38,30 @@ def build_students(pruned: PrunedModel, cfg: DistillConfig, check_batch: Batch |
     return students
 
 
-def distill_step(students: Students, batch: Batch, loss: LossConfig) -> dict[str, torch.Tensor]:
-    """Each student's loss on one batch against one teacher pass (sum them for the backward: students share
-    no parameter, so the gradient of the sum is each student's own gradient)."""
+def distill_step(students: Students, batch: Batch) -> dict[str, torch.Tensor]:
+    """Each student's loss on one batch against one teacher pass, with its own objective (`Student.loss`):
+    the logit loss, plus `hidden_weight` × the hidden-state term where set. Sum them for the backward:
+    students share no parameter, so the gradient of the sum is each student's own gradient."""
     ids = batch["input_ids"]
     mask = batch.get("attention_mask")
     mask = torch.ones_like(ids) if mask is None else mask
     targets, valid = next_token_targets(ids, mask)
-    head = output_head(students.pruned.model)
-    teacher_hidden, prefix = students.teacher(batch)
+    teacher_head = output_head(students.pruned.model)
+    teacher = students.teacher(batch)
     losses = {}
     for view in students.views:
-        hidden = students.student(view, batch, prefix)
-        losses[view] = chunked_distillation_loss(hidden[:, :-1], teacher_hidden[:, :-1], head, valid, targets, loss)
+        loss = students.specs[view].loss
+        out = students.student(view, batch, teacher)
+        head = students.head(view)
+        total = chunked_distillation_loss(
+            out.hidden[:, :-1], teacher.hidden[:, :-1], head, valid, targets, loss, teacher_head=teacher_head
+        )
+        if loss.hidden_weight > 0:
+            where = hidden_positions(mask, loss.hidden_first)
+            total = total + loss.hidden_weight * hidden_state_loss(
+                out.streams, teacher.streams, where, loss.hidden_kind, loss.chunk_tokens
+            )
+        losses[view] = total
     return losses
 
 
@@ -118,10 +130,16 @@ class BestSteps:
             if best is not None and best["step"] != step:
                 students.load_trainable_state(view, best["state"])
 
-    def summary(self, cfg: DistillConfig, steps: int, share_prefix: bool) -> dict:
-        """The report's `distill` section."""
+    def summary(self, cfg: DistillConfig, steps: int, share_prefix: bool, students: Students | None = None) -> dict:
+        """The report's `distill` section: the settings, every student resolved (with its trainable
+        parameters when `students` is given), the history and each student's best step."""
+        specs = {s.name: asdict(s) for s in cfg.specs()}
+        if students is not None:
+            for view, params in students.params.items():
+                specs[view]["trainable_params"] = sum(p.numel() for p in params.all())
         return {
             **asdict(cfg),
+            "resolved": specs,
             "steps": steps,
             "kept": cfg.keep,
             "prefix_shared": share_prefix,

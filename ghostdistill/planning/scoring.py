@@ -18,9 +18,13 @@ from torch import nn
 from ..core.head import decoder_of, final_hidden, output_head, tokens_per_chunk
 from ..core.model import decoder_stack, model_inputs
 from ..core.views import DENSE, PrunedModel
-from ..evaluation.metrics import next_token_targets, score_hidden
+from ..evaluation.metrics import next_token_targets, reference_log_probs, score_hidden
 
 Batch = dict[str, torch.Tensor]
+
+# The dense log-probabilities over the selection tokens are kept (its head then runs once, not once per
+# candidate) when they take at most this many bytes: 8 × 511 tokens at a 49k vocabulary are 0.75 GiB.
+DENSE_LOGP_BYTES = 1.5 * 2**30
 
 
 class SelectionScorer:
@@ -28,8 +32,9 @@ class SelectionScorer:
 
     At construction (the model dense) the dense model's final hidden states are computed and kept,
     [windows, seq, C] in the model's dtype, with the residual stream entering every block of `starts`
-    (memory: windows × seq × C per start). Each `score` runs the candidate's views and compares their
-    next-token distributions with the dense one chunk by chunk (`evaluation.metrics.score_hidden`), so no
+    (memory: windows × seq × C per start), and the dense log-probabilities when they fit in
+    `DENSE_LOGP_BYTES`. Each `score` runs the candidate's views and compares their next-token
+    distributions with the dense one chunk by chunk (`evaluation.metrics.score_hidden`), so no candidate's
     [batch, seq, vocab] tensor is ever held."""
 
     def __init__(
@@ -57,6 +62,14 @@ class SelectionScorer:
                         h.remove()
                 self.prefix.append(grabbed)
         self.tokens = sum(int(next_token_targets(ids, mask)[1].sum()) for ids, mask in self.inputs)
+        vocab = model.get_output_embeddings().weight.shape[0]
+        self.dense_logp: list[list[torch.Tensor]] | None = None
+        if self.tokens * vocab * 4 <= DENSE_LOGP_BYTES:
+            head = output_head(model)
+            self.dense_logp = [
+                reference_log_probs(dense, head, next_token_targets(ids, mask)[1], self.chunk)
+                for dense, (ids, mask) in zip(self.dense, self.inputs)
+            ]
         self.forwards = 0  # candidate forwards over all the selection windows
         self.skip = bool(self.starts)  # until the first check says otherwise
         self._checked = False
@@ -99,8 +112,9 @@ class SelectionScorer:
         sums = {v: [0.0, 0.0] for v in views}
         for b, dense in enumerate(self.dense):
             targets, valid = next_token_targets(*self.inputs[b])
+            kept = self.dense_logp[b] if self.dense_logp is not None else None
             hidden = {DENSE: dense, **{view: self._hidden(pruned, view, b, start) for view in views}}
-            scores = score_hidden(hidden, head, targets, valid, reference=DENSE, chunk=self.chunk)
+            scores = score_hidden(hidden, head, targets, valid, reference=DENSE, chunk=self.chunk, reference_logp=kept)
             for view in views:
                 sums[view][0] += float(scores[view].kl.double().sum())
                 sums[view][1] += float(scores[view].top1.double().sum())

@@ -74,13 +74,25 @@ def distill_section(report: dict) -> str:
     if tr:
         budget += f" of batches from {tr.get('windows')} training windows of {tr.get('seq_len')} tokens"
     lines = [
-        f"Fine-tuned views (`<method>_ft`): {', '.join(d['methods'])} distilled against the dense teacher with the "
-        f"same recipe: trains {', '.join(d['train'])}; {d['loss']['kind']} KL, temperature {d['loss']['temperature']}"
-        + (f", teacher top-{d['loss']['top_k']}" if d["loss"].get("top_k") else "")
-        + (f", CE weight {d['loss']['ce_weight']}" if d["loss"].get("ce_weight") else "")
-        + f"; AdamW lr {d['lr']} (warm-up {d['warmup_steps']}, cosine to ×{d['min_lr_ratio']}); {budget}.",
+        f"Fine-tuned views, each from its method's closed form, distilled against the dense teacher on the same "
+        f"batches; AdamW (warm-up {d['warmup_steps']}, cosine to ×{d['min_lr_ratio']}); {budget}.",
         "",
+        "| student | from | trains | lr (operators / blocks, tail / norms / LoRA) | loss | trainable params |",
+        "|---|---|---|---|---|---|",
     ]
+    for view, s in (d.get("resolved") or {}).items():
+        loss = s["loss"]
+        text = f"{loss['kind']} KL, τ {loss['temperature']}"
+        text += f", teacher top-{loss['top_k']}" if loss.get("top_k") else ""
+        text += f", CE {loss['ce_weight']}" if loss.get("ce_weight") else ""
+        text += f", + {loss['hidden_weight']} × hidden {loss['hidden_kind']}" if loss.get("hidden_weight") else ""
+        trains = ", ".join(s["train"]) + (f" (k = {s['tail_blocks']})" if "tail" in s["train"] else "")
+        lrs = f"{s['lr']:g} / {s['block_lr']:g} / {s['norm_lr']:g} / {s['lora']['lr']:g}"
+        count = s.get("trainable_params")
+        lines.append(
+            f"| {view} | {s['method']} | {trains} | {lrs} | {text} | {'-' if count is None else f'{count:,}'} |"
+        )
+    lines.append("")
     best = d.get("best", {})
     if best:
         shown = "the best validation step" if d["kept"] == "best" else "the last step"

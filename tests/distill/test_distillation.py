@@ -52,7 +52,7 @@ def _dense_logits(tiny_dir):
     return ids, model(input_ids=ids).logits
 
 
-@pytest.mark.parametrize("train", ["operators", "lora", "blocks"])
+@pytest.mark.parametrize("train", ["operators", "lora", "blocks", "tail", "norms"])
 def test_students_train_and_the_teacher_stays_exact(train, tiny_dir, text_files, tmp_path):
     run = tmp_path / "run"
     # The students train on windows of the validation documents: on the calibration windows (the default)
@@ -72,7 +72,14 @@ def test_students_train_and_the_teacher_stays_exact(train, tiny_dir, text_files,
         "32",
     ]
     if train != "operators":
-        extra += ["--model.distill.lora.lr", "1e-3", "--model.distill.block_lr", "1e-3"]
+        extra += [
+            "--model.distill.lora.lr",
+            "1e-3",
+            "--model.distill.block_lr",
+            "1e-3",
+            "--model.distill.norm_lr",
+            "1e-2",
+        ]
     cli = main(_args(tiny_dir, text_files, run, *extra, steps=3))
     module = cli.model
     ids, reference = _dense_logits(tiny_dir)
@@ -91,7 +98,13 @@ def test_students_train_and_the_teacher_stays_exact(train, tiny_dir, text_files,
     for method in ("ghost", "linearpatch"):
         start, tuned = views[method]["metrics"]["held_out"], views[f"{method}_ft"]["metrics"]["held_out"]
         assert tuned["ppl"] != start["ppl"], method
-        assert views[f"{method}_ft"]["params"] == views[method]["params"]  # adapters merge, copies replace
+        # Adapters merge and copies replace; a tail student of a tied model has its own head.
+        extra = (
+            reference.shape[-1] * module.pruned.config.hidden_size
+            if train == "tail" and module.pruned.config.tie_word_embeddings
+            else 0
+        )
+        assert views[f"{method}_ft"]["params"] == views[method]["params"] + extra
     with torch.no_grad(), module.pruned.use("ghost") as model:
         a = model(input_ids=ids).logits
     with torch.no_grad(), module.pruned.use("ghost_ft") as model:
@@ -145,7 +158,7 @@ def test_interrupted_distillation_resumes_to_the_same_operators(tiny_dir, text_f
 def test_distillation_needs_methods_and_names_bad_ones(tiny_dir, text_files, tmp_path):
     with pytest.raises(ValueError, match=r"distill.methods \['nope'\].*available: \['ghost', 'linearpatch'\]"):
         main(_args(tiny_dir, text_files, tmp_path / "r", "--model.distill.methods", "[nope]"))
-    with pytest.raises(RuntimeError, match="model.distill.methods, which is empty"):
+    with pytest.raises(RuntimeError, match="model.distill.methods and model.distill.students, which are empty"):
         main(_args(tiny_dir, text_files, tmp_path / "r2", "--model.distill.methods", "[]"))
 
 
@@ -190,6 +203,15 @@ def test_two_processes_agree_with_one(tiny_dir, text_files, tmp_path):
             "last",
             "--data.batch_size",
             "2",
+            # Students with their own head, final norm and norm gains (and a hidden-state term) beside the
+            # shorthand's: DDP keeps them in sync like the operators.
+            "--model.distill.students",
+            json.dumps(
+                [
+                    {"name": "ghost_tail_ft", "method": "ghost", "train": ["tail"], "tail_blocks": 1},
+                    {"name": "ghost_norms_ft", "method": "ghost", "train": ["norms"], "loss": {"hidden_weight": 0.5}},
+                ]
+            ),
             steps=4,
         )
         out = subprocess.run(
@@ -214,7 +236,10 @@ def test_two_processes_agree_with_one(tiny_dir, text_files, tmp_path):
     history = r2["distill"]["history"]
     assert [h["step"] for h in history] == [0, 1, 2, 3, 4]
     assert all(h["ranks_in_sync"] for h in history)
+    assert set(history[-1]) >= {"ghost_ft", "linearpatch_ft", "ghost_tail_ft", "ghost_norms_ft"}
     assert history[-1]["linearpatch_ft"]["kl"] < history[0]["linearpatch_ft"]["kl"]
+    for view in ("ghost_tail_ft", "ghost_norms_ft"):  # they trained
+        assert history[-1][view]["kl"] != history[0][view]["kl"], view
 
 
 FSDP2 = json.dumps(
@@ -307,6 +332,17 @@ def test_fsdp1_and_sharded_checkpoints_are_refused_with_the_fix():
             check_strategy_config({"class_path": fsdp2, "init_args": init_args})
     check_strategy_config({"class_path": fsdp2, "init_args": {"save_distributed_checkpoint": False}})
     check_strategy_config("ddp")
+
+    # Students with their own head or norm copies are refused under FSDP2 before calibration, by name.
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from ghostdistill.distill.config import DistillConfig, StudentConfig
+
+    own = DistillConfig(methods=["ghost"], students=[StudentConfig(name="g_tail_ft", method="ghost", train=["tail"])])
+    trainer = SimpleNamespace(strategy=ModelParallelStrategy(save_distributed_checkpoint=False), max_steps=2)
+    with pytest.raises(ValueError, match=r"students \['g_tail_ft'\] train their own output head.*ddp"):
+        check_strategy(trainer, own)
+    check_strategy(trainer, DistillConfig(methods=["ghost"]))  # operators only: FSDP2 is fine
 
 
 def _record_dtypes(monkeypatch) -> dict[str, set]:

@@ -263,6 +263,25 @@ def test_starting_candidates_at_their_gap_scores_as_full_forwards():
         assert b[view]["top1"] == pytest.approx(a[view]["top1"], abs=1e-6)
 
 
+def test_keeping_the_dense_log_probabilities_scores_as_recomputing_them(monkeypatch):
+    from ghostdistill.planning import scoring
+
+    model = tiny_model("llama", num_layers=7)
+    sel = selection_batches()
+    plan = PruningPlan.from_layers([3, 4], 7)
+    kept = SelectionScorer(model, sel, starts=[3])
+    monkeypatch.setattr(scoring, "DENSE_LOGP_BYTES", 0)
+    recomputed = SelectionScorer(model, sel, starts=[3])
+    assert kept.dense_logp is not None and recomputed.dense_logp is None
+    fitter = RepairFitter(model, [RecoveryConfig()], random_batches(n=2))
+    fitter.collect_dense(plan.gaps)
+    pruned = fitter.repaired(plan)
+    a = kept.score(pruned, [PRUNED, "ghost"], start=3)
+    b = recomputed.score(pruned, [PRUNED, "ghost"], start=3)
+    pruned.remove_hooks()
+    assert a == b  # the same numbers, bit for bit
+
+
 def test_criterion_samples_caps_the_windows_the_candidates_are_fitted_on():
     model = built_model()
     batches = random_batches(n=4)
