@@ -25,6 +25,10 @@ weights made resident: `from_pretrained` maps safetensors files lazily; for `loa
 loading above the loaded model), plus the checks.
 
     .venv/bin/python scripts/rehearsal_8b.py --dtype float32 bfloat16 --dir /tmp/rehearsal_8b
+    .venv/bin/python scripts/rehearsal_8b.py --dtype bfloat16 --windows 16 16 1 --dir /tmp/rehearsal_8b
+
+(the second on a CPU without bfloat16 arithmetic, where a bfloat16 backward at the default windows takes
+hours: `scripts/benchmark_bf16_gemm.py`).
 
 Needs about 14 GB of free RAM in float32 (the 7.7 GB of weights, 1.9 GB of ghost statistics, copies of the
 blocks that a fold or a LoRA merge changes) and 45 GB of disk (the float32 folder, four exported views of
