@@ -86,6 +86,10 @@ class Students:
         # Per student, the first block whose input differs from the teacher's: 0 runs the whole forward.
         self.starts = {v: self._first_trained_block(s) for v, s in self.specs.items()}
         self.share_prefix = False
+        # Per view, fixed once the students are built: its output head and the modules whose inputs are the
+        # streams after the gaps (looked up once, not at every step).
+        self._heads: dict[str, object] = {}
+        self._sites: dict[str, list[nn.Module]] = {}
 
     # ---------------------------------------------------------------- building
     def _first_trained_block(self, spec: Student) -> int:
@@ -210,8 +214,15 @@ class Students:
     # ---------------------------------------------------------------- forwards
     def head(self, view: str):
         """hidden → logits of `view` (a `tail` student has its own head)."""
-        with self.pruned.use(view) as model:
-            return output_head(model)
+        if view not in self._heads:
+            with self.pruned.use(view) as model:
+                self._heads[view] = output_head(model)
+        return self._heads[view]
+
+    def _stream_sites(self, view: str) -> list[nn.Module]:
+        if view not in self._sites:
+            self._sites[view] = stream_sites(self.pruned, view)
+        return self._sites[view]
 
     def needs_streams(self) -> bool:
         return any(s.loss.hidden_weight > 0 for s in self.specs.values())
@@ -246,7 +257,7 @@ class Students:
         """One dense pass: final hidden states, the stream entering each student's start, and (with a
         hidden-state term) the stream after each gap."""
         starts = sorted({i for i in self.starts.values() if i > 0}) if self.share_prefix else []
-        sites = stream_sites(self.pruned, DENSE) if self.needs_streams() else []
+        sites = self._stream_sites(DENSE) if self.needs_streams() else []
         taps = {m: k for k, m in enumerate([*(self.pruned.dense_layers[i] for i in starts), *sites])}
         with torch.no_grad():
             store = self._forward(DENSE, batch, 0, None, taps)
@@ -261,7 +272,7 @@ class Students:
         # Every block before a student's start survives (the start is at most its first gap), so the view
         # skips exactly `start` of its blocks.
         skip = start if embeds is not None else 0
-        sites = stream_sites(self.pruned, view) if self.specs[view].loss.hidden_weight > 0 else []
+        sites = self._stream_sites(view) if self.specs[view].loss.hidden_weight > 0 else []
         taps = {m: k for k, m in enumerate(sites)}
         store = self._forward(view, batch, skip, embeds, taps)
         return StudentPass(store["hidden"], [store[taps[m]] for m in sites] if sites else None)
