@@ -109,7 +109,9 @@ def cost_worker(run: str, student: str, steps: int, out: str) -> None:
         "peak_rss_above_start_gib": (peak.peak - before) / 2**30,
         "tokens_per_step": int(batches[0]["input_ids"].numel()),
     }
-    Path(out).write_text(json.dumps(result))
+    from ghostdistill.core.io import atomic_write_json
+
+    atomic_write_json(out, result)
 
 
 def measure_costs(run: Path, students: list[str], steps: int) -> dict[str, dict]:
@@ -252,7 +254,9 @@ def plot(summary: dict, path: Path) -> None:
     removed = summary["removed"]
     fig.suptitle(f"students, removed blocks {removed[0]}–{removed[-1]}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from ghostdistill.core.io import atomic_savefig
+
+    atomic_savefig(fig, path)
     plt.close(fig)
 
 
@@ -273,8 +277,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         summary = summarise(run, costs)
         plot(summary, out / f"students_{run.name}.png")
         summaries.append(summary)
-    (out / "students.json").write_text(json.dumps(summaries, indent=1))
-    (out / "students.md").write_text(markdown(summaries))
+    from ghostdistill.core.io import atomic_write_json, atomic_write_text
+
+    atomic_write_json(out / "students.json", summaries)
+    atomic_write_text(out / "students.md", markdown(summaries))
     print(markdown(summaries))
     return summaries
 
