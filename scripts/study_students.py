@@ -10,7 +10,8 @@ For each finished run folder given (one per depth):
    seconds per step (one teacher pass + that student's forward, backward and optimizer step) and the
    peak RSS above the process's RSS before the first step;
 3. how many training tokens the first student (ghost_ft) needs to reach the anchor's (linearpatch_ft)
-   final validation KL, interpolated linearly between validations;
+   final validation KL, interpolated linearly between validations, and the other way round how many the
+   anchor needs to reach ghost's closed form (its step-0 validation KL): the head start in tokens;
 4. one plot per run: validation KL against training tokens and against wall seconds (steps × the
    student's seconds per step).
 
@@ -147,6 +148,25 @@ def tokens_to_reach(history: list[dict], view: str, target: float, tokens_per_st
     return None
 
 
+def head_start(history: list[dict], tokens_per_step: int, steps: int) -> dict:
+    """The closed form's head start in tokens, both ways: the tokens ghost_ft needs to reach linearpatch_ft's
+    final validation KL (0 when ghost's closed form is already below it), and the tokens linearpatch_ft
+    needs to reach ghost's closed form, ghost_ft's step-0 validation KL (None: more than the run's)."""
+    anchor = [h["linearpatch_ft"]["kl"] for h in history if "linearpatch_ft" in h][-1]
+    start = [h["ghost_ft"]["kl"] for h in history if "ghost_ft" in h][0]
+    return {
+        "ghost_ft_tokens_to_linearpatch_ft_final_kl": {
+            "target_val_kl": anchor,
+            "tokens": tokens_to_reach(history, "ghost_ft", anchor, tokens_per_step),
+        },
+        "linearpatch_ft_tokens_to_ghost_start_kl": {
+            "target_val_kl": start,
+            "tokens": tokens_to_reach(history, "linearpatch_ft", start, tokens_per_step),
+            "run_tokens": steps * tokens_per_step,
+        },
+    }
+
+
 def summarise(run: Path, costs: dict[str, dict] | None, source: str | None = None) -> dict:
     """The study's numbers for one run (`source`: the evaluation source reported; default the first)."""
     from ghostdistill.cli import load_run_config
@@ -189,11 +209,7 @@ def summarise(run: Path, costs: dict[str, dict] | None, source: str | None = Non
         "rows": rows,
     }
     if {"ghost_ft", "linearpatch_ft"} <= set(rows) and tokens_per_step:
-        anchor = [h["linearpatch_ft"]["kl"] for h in d["history"] if "linearpatch_ft" in h][-1]
-        summary["ghost_ft_tokens_to_linearpatch_ft_final_kl"] = {
-            "target_val_kl": anchor,
-            "tokens": tokens_to_reach(d["history"], "ghost_ft", anchor, tokens_per_step),
-        }
+        summary.update(head_start(d["history"], tokens_per_step, d["steps"]))
     summary["history"] = d["history"]
     return summary
 
@@ -228,6 +244,18 @@ def markdown(summaries: list[dict]) -> str:
                 "",
                 f"ghost_ft reaches linearpatch_ft's final validation KL ({reach['target_val_kl']:.4f}): {text}.",
             ]
+        back = s.get("linearpatch_ft_tokens_to_ghost_start_kl")
+        if back:
+            tokens = back["tokens"]
+            text = (
+                f"not within the run's {back['run_tokens']:,} tokens"
+                if tokens is None
+                else f"{tokens:,.0f} training tokens"
+            )
+            lines.append(
+                f"linearpatch_ft reaches ghost's closed-form validation KL ({back['target_val_kl']:.4f}, "
+                f"step 0): {text}."
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -250,7 +278,8 @@ def plot(summary: dict, path: Path) -> None:
     axes[1].set_xlabel("wall seconds (steps × the student's s/step alone)")
     for ax in axes:
         ax.set_ylabel("validation KL(teacher ‖ student)")
-        ax.legend(fontsize=7)
+        if ax.lines:  # the wall-seconds axis is empty with --no-cost
+            ax.legend(fontsize=7)
     removed = summary["removed"]
     fig.suptitle(f"students, removed blocks {removed[0]}–{removed[-1]}", fontsize=9)
     fig.tight_layout()

@@ -219,6 +219,25 @@ def test_tokens_to_reach_interpolates_between_validations():
     assert study.tokens_to_reach(history, "a", 0.3, 100) is None
 
 
+def test_the_head_start_is_measured_both_ways():
+    study = _study_module()
+    history = [
+        {"step": 0, "ghost_ft": {"kl": 0.4}, "linearpatch_ft": {"kl": 0.8}},
+        {"step": 10, "ghost_ft": {"kl": 0.3}, "linearpatch_ft": {"kl": 0.6}},
+        {"step": 20, "ghost_ft": {"kl": 0.25}, "linearpatch_ft": {"kl": 0.35}},
+    ]
+    out = study.head_start(history, 100, 20)
+    # linearpatch_ft ends at 0.35: ghost_ft (0.4 at step 0, 0.3 at step 10) gets there at step 5.
+    reach = out["ghost_ft_tokens_to_linearpatch_ft_final_kl"]
+    assert reach["target_val_kl"] == 0.35 and reach["tokens"] == pytest.approx(500.0)
+    # ghost's closed form (0.4) is reached by linearpatch_ft between steps 10 (0.6) and 20 (0.35): step 18.
+    back = out["linearpatch_ft_tokens_to_ghost_start_kl"]
+    assert back["target_val_kl"] == 0.4 and back["run_tokens"] == 2000
+    assert back["tokens"] == pytest.approx(1800.0)
+    history[-1]["linearpatch_ft"]["kl"] = 0.5  # never gets there within the run
+    assert study.head_start(history, 100, 20)["linearpatch_ft_tokens_to_ghost_start_kl"]["tokens"] is None
+
+
 @pytest.mark.parametrize(
     "students, match",
     [
