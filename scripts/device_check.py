@@ -10,12 +10,14 @@ What it runs, through the real code path (`ghostdistill.cli.main(["fit", ...])`,
    `keep_last: 1` protects block 31 — 21..31 would need `allow_edges`; the real model's streamline choice is
    not known here, and a gap this deep is the cheap end for distillation: the students run only block 31
    after the shared prefix), its recovery list (ghost, ghost_paper, linearpatch), calibration on 128 × 2048
-   tokens of the shipped C4 excerpt (random windows; ids from the small tokenizer), 20 distillation steps of
-   ghost and LinearPatch operators in `bf16-true` (batches of 4 × 2048), validation on 2 × 2048 tokens at
-   the start and the end, evaluation on 8 × 2048 tokens of the shipped WikiText-2 excerpt, export of ghost
-   and ghost_ft;
-3. run B, the same with `train: [operators, lora]`, resuming run A's calibration statistics (its
-   calibration_state.pt copied over: the pass is not repeated), export of ghost_ft (LoRA merged).
+   tokens of the shipped C4 excerpt (random windows; ids from the small tokenizer), 20 distillation steps in
+   `bf16-true` (batches of 4 × 2048) of its three students: ghost_ft and linearpatch_ft (operators) and
+   ghost_lora_ft (operators + LoRA, adapters on every kept block), validation on 2 × 2048 tokens at the start
+   and the end, evaluation on 8 × 2048 tokens of the shipped WikiText-2 excerpt, export of ghost_ft and
+   ghost_lora_ft (LoRA merged);
+3. run B, the fair pair alone (`students: []`: ghost_ft and linearpatch_ft, operators), resuming run A's
+   calibration statistics (its calibration_state.pt copied over: the pass is not repeated), export of
+   linearpatch_ft; beside run A it prices the third student.
 
 Written to `--out` (default `$OUT/device_check.json` when `$OUT` is set, else `device_check.json`), after
 every run so that a timeout keeps what was measured: seconds and peak GPU memory per phase
@@ -31,25 +33,27 @@ forward; causal attention at 2048 adds 2·2·2048·4096/2 ≈ 17 MFLOP per block
     loss    per student: teacher logits twice (forward, recomputed under checkpointing) + student logits
             three times (forward, recompute, backward) = 5 F_h ≈ 5.25 GFLOP
     calibration   31 blocks (stops at block 31's input) × F_b = 14.0 GFLOP × 262,144 tokens = 3.7 PFLOP
-    step, operators   teacher 32 F_b (14.5) + 2 students × (block 31 fwd + bwd 0.9 + loss 5.25) ≈ 27 GFLOP
-                      × 8,192 tokens = 0.22 PFLOP per step, 4.4 PFLOP for 20 steps
-    step, + LoRA      adapters on every kept block: no shared prefix, each student runs 21 blocks forward
-                      and backward (19.0) + loss 5.25: 14.5 + 2 × 24.3 ≈ 63 GFLOP × 8,192 = 0.52 PFLOP
-                      per step, 10.3 PFLOP for 20 steps
-    evaluation        dense 32 F_b + F_h, six 21-block views 21 F_b + F_h: 79 GFLOP × 16,384 = 1.3 PFLOP
-    total             ≈ 21 PFLOP (both runs; validation and analysis add < 1): 27 s at 790 TFLOP/s,
-                      66 s at a realistic 40% of it (316 TFLOP/s).
+    student, operators    block 31 forward + backward (0.9) + the operator (0.1) + loss 5.25 ≈ 6.25 GFLOP
+    student, + LoRA       adapters on every kept block: no shared prefix, 21 blocks forward and backward
+                          (19.0) + the operator + loss 5.25 ≈ 24.4 GFLOP
+    step, run A           teacher 32 F_b (14.5) + 2 × 6.25 + 24.4 ≈ 51 GFLOP × 8,192 tokens = 0.42 PFLOP per
+                          step, 8.4 PFLOP for 20 steps
+    step, run B           14.5 + 2 × 6.25 ≈ 27 GFLOP × 8,192 = 0.22 PFLOP per step, 4.4 PFLOP for 20 steps
+    evaluation            dense 32 F_b + F_h, 21-block views 21 F_b + F_h (seven in run A, six in B):
+                          90 and 79 GFLOP × 16,384 = 1.5 and 1.3 PFLOP
+    total                 ≈ 20 PFLOP (both runs; validation and analysis add < 1): 25 s at 790 TFLOP/s,
+                          63 s at a realistic 40% of it (316 TFLOP/s).
 Add what is not FLOPs: building and saving 16 GB of weights (~30–60 s), loading them twice (~20 s each),
 writing three exported views of 11.3 GB (21 blocks + embeddings + head; ~60 s), the analysis's SVDs of five
 4096² operators per run, on the CPU (~15 s per run on 16 cores; 77 s on 2), Python and CUDA start-up
 (~30 s): about 4–5 minutes expected, under 8 with a 2× margin on the I/O. `--budget` (default 450 s) skips
-run B when run A has used so much that B would not finish; the JSON says so.
+run B when run A has used so much that B (A's time less its calibration) would not finish; the JSON says so.
 
 Memory on the GPU (estimates; the JSON has the measurements): weights 16.1 GB; statistics 0.8 GB (ghost
 first_weighted + ghost_paper plain: 3 groups × 2 C×C float64; 1.6 GB when every group is kept) plus
-~1.5 GB of float64 taps per batch; operators mode ≈ 3 GB of activations; operators + LoRA ≈ 30 GB of saved
-activations per student (21 blocks × 8,192 tokens × ~176 kB), both students' graphs alive until the
-backward: ≈ 80 GB at the peak — fits an H200 (141 GB), not an 80 GB GPU (docs/gpu.md).
+~1.5 GB of float64 taps per batch; an operators student ≈ 1.4 GB of activations (block 31 at 8,192 tokens ×
+~176 kB), ghost_lora_ft ≈ 29 GB (21 blocks), every student's graph alive until the one backward: ≈ 50 GiB at
+run A's peak, which fits an 80 GB GPU too; two LoRA students would not (docs/gpu.md).
 
 The device (one H200, 10 minutes a command, 15 minutes in all, no internet, no hub) has torch 2.11,
 lightning 2.6, peft and transformers 5.17, and lacks jsonargparse, datasets, lm-eval and gguf. The fit path
@@ -160,8 +164,14 @@ def skip_plots_without_matplotlib() -> bool:
     return True
 
 
-def flops_per_token(shape: dict, num_layers: int, layers: list[int], seq_len: int, lora: bool, students: int = 2):
-    """Model FLOPs per training token of one distillation step (the arithmetic of the docstring)."""
+LLAMA3_11_STUDENTS = ("operators", "operators", "lora")  # ghost_ft, linearpatch_ft, ghost_lora_ft
+FAIR_PAIR = ("operators", "operators")  # ghost_ft, linearpatch_ft
+
+
+def flops_per_token(shape: dict, num_layers: int, layers: list[int], seq_len: int, students=LLAMA3_11_STUDENTS):
+    """Model FLOPs per training token of one distillation step (the arithmetic of the docstring); `students`
+    one kind per student: "operators" (runs the blocks after the last gap) or "lora" (adapters on every kept
+    block, so it runs them all)."""
     counts = parameter_count(shape, num_layers)
     c, v = shape["hidden_size"], shape["vocab_size"]
     block = 2 * (counts["block"] - 2 * c) + 2 * seq_len * c  # linears + causal attention (QKᵀ and AV, half)
@@ -169,20 +179,25 @@ def flops_per_token(shape: dict, num_layers: int, layers: list[int], seq_len: in
     teacher = num_layers * block
     after = num_layers - max(layers) - 1  # blocks after the (last) gap
     kept = num_layers - len(layers)
-    student_blocks = 2 * (kept if lora else after) * block  # forward + activation-gradient backward
     operator = 3 * 2 * c * c  # forward, weight gradient, input gradient
     loss = 5 * head
-    per_student = student_blocks + operator + loss
+    per_kind = {
+        kind: 2 * (kept if kind == "lora" else after) * block + operator + loss  # forward + activation backward
+        for kind in ("operators", "lora")
+    }
+    unknown = sorted(set(students) - set(per_kind))
+    if unknown:
+        raise ValueError(f"student kinds {unknown}: each is one of {sorted(per_kind)}")
     return {
         "teacher": teacher,
-        "per_student": per_student,
-        "total": teacher + students * per_student,
+        **{f"per_student_{kind}": value for kind, value in per_kind.items()},
+        "total": teacher + sum(per_kind[kind] for kind in students),
         "block": block,
         "head": head,
     }
 
 
-def step_summary(steps: list[dict], flops: dict, students: int = 2) -> dict:
+def step_summary(steps: list[dict], flops: dict, students: int = len(LLAMA3_11_STUDENTS)) -> dict:
     """Median step (after the first two, which warm up kernels and the allocator), tokens/s, MFU."""
     if not steps:
         return {}
@@ -212,7 +227,7 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def one_run(name: str, args: list[str], sizes: Sizes, flops: dict) -> dict:
+def one_run(name: str, args: list[str], sizes: Sizes, flops: dict, students: int) -> dict:
     """`fit` with the phases marked; the run's summary."""
     from ghostdistill.cli import main
 
@@ -233,7 +248,7 @@ def one_run(name: str, args: list[str], sizes: Sizes, flops: dict) -> dict:
         free_memory()
         out.update(phases.close())
         out["wall_s"] = round(time.perf_counter() - start, 2)
-        out["throughput"] = step_summary(steps, flops)
+        out["throughput"] = step_summary(steps, flops, students)
         out["validate_s"] = ACTIVE["timings"].get("validate_s", [])
     return out
 
@@ -260,7 +275,8 @@ def implied_llama3_11(run: dict, sizes: Sizes) -> dict:
         "validation_s": round(validation, 1),
         "total_s": round(distill + calibration + validation, 1),
         "evaluation_s_per_window_all_views": round(evaluation / sizes.eval_windows, 3) if evaluation else None,
-        "note": "estimate from this run's median step; DDP adds the all-reduce of 2 × 16.8M operator gradients",
+        "note": "estimate from run A's median step (the config's three students); DDP adds the all-reduce of "
+        "3 × 16.8M operator gradients and ghost_lora_ft's 13.6M adapter gradients",
     }
 
 
@@ -329,16 +345,19 @@ def main(argv: list[str] | None = None) -> dict:
         keep="best",  # configs/llama3_11.yaml's recipe
         lr=1e-4,
     )
+    # Run A is the config's students (None: as configs/llama3_11.yaml lists them), run B the fair pair alone.
     runs = {
-        "operators": ("operators", ["ghost", "ghost_ft"]),
-        "operators+lora": ("operators, lora", ["ghost_ft"]),
+        "llama3_11": (None, LLAMA3_11_STUDENTS, ["ghost_ft", "ghost_lora_ft"]),
+        "fair_pair": ([], FAIR_PAIR, ["linearpatch_ft"]),
     }
     first = None
-    for name, (train, export) in runs.items():
-        run_dir = work / f"run_{name.replace('+', '_')}"
+    for name, (students, kinds, export) in runs.items():
+        run_dir = work / f"run_{name}"
         elapsed = time.perf_counter() - start
         if first is not None:
-            needed = result["runs"][first].get("wall_s", 0) * 1.5
+            # B does what A does but the calibration pass (resumed) and the third student.
+            done = result["runs"][first]
+            needed = done.get("wall_s", 0) - (done.get("phases", {}).get("calibration") or {}).get("seconds", 0.0)
             if elapsed + needed > args.budget:
                 result["runs"][name] = {"skipped": f"{elapsed:.0f} s used; run B needs ~{needed:.0f} s of the budget"}
                 continue
@@ -347,16 +366,18 @@ def main(argv: list[str] | None = None) -> dict:
             if state.is_file():
                 run_dir.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(state, run_dir / "calibration_state.pt")
-        flops = flops_per_token(sizes.shape, sizes.num_layers, sizes.layers, sizes.seq_len, lora="lora" in train)
-        argv_fit = fit_args(model_dir, run_dir, "bfloat16", train=train, export=export, **common)
-        argv_fit += ["--export.dir", str(work / f"export_{name.replace('+', '_')}")]
-        result["runs"][name] = one_run(name, argv_fit, sizes, flops)
+        flops = flops_per_token(sizes.shape, sizes.num_layers, sizes.layers, sizes.seq_len, kinds)
+        argv_fit = fit_args(
+            model_dir, run_dir, "bfloat16", train="operators", students=students, export=export, **common
+        )
+        argv_fit += ["--export.dir", str(work / f"export_{name}")]
+        result["runs"][name] = one_run(name, argv_fit, sizes, flops, len(kinds))
         if not args.keep:
-            shutil.rmtree(work / f"export_{name.replace('+', '_')}", ignore_errors=True)
-        first = first or name.replace("+", "_")
+            shutil.rmtree(work / f"export_{name}", ignore_errors=True)
+        first = first or name
         save()
 
-    run_a = result["runs"].get("operators", {})
+    run_a = result["runs"].get("llama3_11", {})
     result["llama3_11_implied"] = implied_llama3_11(run_a, sizes)
     result["ok"] = all(r.get("ok") or "skipped" in r for r in result["runs"].values()) and run_a.get("ok", False)
     save()

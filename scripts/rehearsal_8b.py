@@ -9,7 +9,8 @@ the untied head, the chunked head with 128k logits, dtype casts. Per `--dtype` (
 1. `fit` (configs/llama3_11.yaml with CPU overrides): explicit plan `--model.plan.layers [1]`, calibration on
    4 × 64 tokens of the shipped C4 excerpt, recovery ghost, ghost_paper (fit: plain), linearpatch (Hadamard
    at 4096), replaceme and magnitude, two distillation steps of ghost and linearpatch (`train: [operators]`),
-   validation on one window, evaluation on 2 × 64 tokens of the shipped WikiText-2 excerpt;
+   validation on one window, evaluation on 2 × 64 tokens of the shipped WikiText-2 excerpt (the config's
+   third student, ghost_lora_ft with operators + LoRA, is left out: each of its two recipes has a run);
 2. the same with `train: [lora]` (recovery ghost and linearpatch only);
 3. `export <run> --views ghost ghost_ft linearpatch replaceme` of the first run, `ghost_ft` of the second
    (LoRA merged);
@@ -415,12 +416,14 @@ def fit_args(
     export: list[str] | None = None,
     keep: str = "last",
     lr: float = 1e-2,
+    students: list[dict] | None = None,
 ) -> list[str]:
     """`fit` arguments: configs/llama3_11.yaml (the paper's setting) with one device, the shipped excerpts and
     the given sizes (calibration and training on `samples` × `seq_len` tokens of C4, evaluation on
     `eval_windows` × `seq_len` of WikiText-2, validation on `val_windows` C4 windows after document 50). The
     students keep their last step, at a learning rate (operators and adapters) large enough that two steps
-    change them measurably: an exported `_ft` view then differs from its closed form."""
+    change them measurably: an exported `_ft` view then differs from its closed form. `students`: the
+    config's extra students (llama3_11's ghost_lora_ft) when None, else these (`[]`: the fair pair only)."""
     args = [
         "fit",
         "--config",
@@ -488,6 +491,8 @@ def fit_args(
     ]
     if recovery is not None:
         args += ["--model.recovery", json.dumps(recovery)]
+    if students is not None:
+        args += ["--model.distill.students", json.dumps(students)]
     if precision:
         args += ["--trainer.precision", precision]
     if export:
@@ -649,7 +654,9 @@ def rehearse(
     runs = {}
     for name, train, recovery in (("operators", "operators", RECOVERY_ALL), ("lora", "lora", RECOVERY_DISTILLED)):
         run = work / f"run_{dtype}_{name}"
-        args = fit_args(model_dir, run, dtype, train=train, recovery=recovery, layers=[1], **windows)
+        # The fair pair with one recipe per run (operators, then LoRA): the config's ghost_lora_ft student
+        # trains both, each measured here at the real width.
+        args = fit_args(model_dir, run, dtype, train=train, recovery=recovery, layers=[1], students=[], **windows)
         runs[name] = step(
             steps / f"{dtype}_fit_{name}.json",
             [run / "results.json"],

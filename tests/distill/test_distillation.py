@@ -203,13 +203,15 @@ def test_two_processes_agree_with_one(tiny_dir, text_files, tmp_path):
             "last",
             "--data.batch_size",
             "2",
-            # Students with their own head, final norm and norm gains (and a hidden-state term) beside the
-            # shorthand's: DDP keeps them in sync like the operators.
+            # Students with their own head, final norm and norm gains (and a hidden-state term) and
+            # configs/llama3_11.yaml's ghost_lora_ft beside the shorthand's: DDP keeps them in sync like the
+            # operators.
             "--model.distill.students",
             json.dumps(
                 [
                     {"name": "ghost_tail_ft", "method": "ghost", "train": ["tail"], "tail_blocks": 1},
                     {"name": "ghost_norms_ft", "method": "ghost", "train": ["norms"], "loss": {"hidden_weight": 0.5}},
+                    {"name": "ghost_lora_ft", "method": "ghost", "train": ["operators", "lora"]},
                 ]
             ),
             steps=4,
@@ -236,9 +238,9 @@ def test_two_processes_agree_with_one(tiny_dir, text_files, tmp_path):
     history = r2["distill"]["history"]
     assert [h["step"] for h in history] == [0, 1, 2, 3, 4]
     assert all(h["ranks_in_sync"] for h in history)
-    assert set(history[-1]) >= {"ghost_ft", "linearpatch_ft", "ghost_tail_ft", "ghost_norms_ft"}
+    assert set(history[-1]) >= {"ghost_ft", "linearpatch_ft", "ghost_tail_ft", "ghost_norms_ft", "ghost_lora_ft"}
     assert history[-1]["linearpatch_ft"]["kl"] < history[0]["linearpatch_ft"]["kl"]
-    for view in ("ghost_tail_ft", "ghost_norms_ft"):  # they trained
+    for view in ("ghost_tail_ft", "ghost_norms_ft", "ghost_lora_ft"):  # they trained
         assert history[-1][view]["kl"] != history[0][view]["kl"], view
 
 
