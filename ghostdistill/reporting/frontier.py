@@ -89,6 +89,30 @@ def _fmt(v, digits: int) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+def pivot(rows: list[dict], source: str) -> list[str]:
+    """One line per depth, one column per view and criterion: its perplexity and the blocks it removes
+    (first–last), the lowest of the depth in bold. The frontier at a glance."""
+    mine = [r for r in rows if r["source"] == source and r["view"] != "dense"]
+    columns = list(dict.fromkeys((r["view"], r["criterion"]) for r in mine))
+    cells = {(r["blocks_removed"], r["view"], r["criterion"]): r for r in mine}
+    lines = [
+        "| blocks removed | " + " | ".join(f"{v} ({c})" for v, c in columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for n in sorted({r["blocks_removed"] for r in mine}):
+        here = [cells.get((n, v, c)) for v, c in columns]
+        best = min(r["ppl"] for r in here if r is not None)
+        texts = []
+        for r in here:
+            if r is None:
+                texts.append("-")
+                continue
+            text = f"{r['ppl']:.2f} ({r['removed'] or '-'})"
+            texts.append(f"**{text}**" if r["ppl"] == best else text)
+        lines.append(f"| {n} | " + " | ".join(texts) + " |")
+    return lines
+
+
 def markdown(points: list[dict], spec: dict) -> str:
     rows = flat_rows(points)
     sources = list(dict.fromkeys(r["source"] for r in rows))
@@ -102,7 +126,12 @@ def markdown(points: list[dict], spec: dict) -> str:
         "",
     ]
     for source in sources:
+        dense = next((r["ppl"] for r in rows if r["source"] == source and r["view"] == "dense"), None)
         lines += [
+            f"## {source}: perplexity by depth" + (f" (dense {dense:.2f})" if dense is not None else ""),
+            "",
+            *pivot(rows, source),
+            "",
             f"## {source}",
             "",
             "| blocks removed | criterion | view | removed | params | PPL | KL | top-1 | selection KL |",

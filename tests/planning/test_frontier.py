@@ -46,6 +46,18 @@ def test_the_frontier_reports_every_view_and_criterion_per_depth_and_resumes(
         assert len([r for r in point["rows"] if r["view"] == "dense"]) == 1
     md = (root / "frontier.md").read_text()
     assert "| blocks removed | criterion | view |" in md and (root / "frontier.png").is_file()
+    # The summary: a line per depth, a column per view and criterion, each cell the perplexity and the blocks.
+    flat = [r for r in report["rows"] if r["view"] != "dense"]
+    header = "| blocks removed | " + " | ".join(
+        f"{v} ({c})" for v, c in dict.fromkeys((r["view"], r["criterion"]) for r in flat)
+    )
+    assert header + " |" in md
+    for n in (1, 2):
+        line = next(x for x in md.splitlines() if x.startswith(f"| {n} | ") and x.count("|") == 8)
+        mine = [r for r in flat if r["blocks_removed"] == n]
+        best = min(mine, key=lambda r: r["ppl"])
+        assert f"**{best['ppl']:.2f} ({best['removed']})**" in line, line
+        assert all(f"{r['ppl']:.2f} ({r['removed']})" in line for r in mine), line
     assert len((root / "frontier.csv").read_text().splitlines()) == 1 + 1 + 2 * 6
 
     # Resumed: every depth is read back, none computed again.
