@@ -93,7 +93,9 @@ def pivot(rows: list[dict], source: str) -> list[str]:
     """One line per depth, one column per view and criterion: its perplexity and the blocks it removes
     (first–last), the lowest of the depth in bold. The frontier at a glance."""
     mine = [r for r in rows if r["source"] == source and r["view"] != "dense"]
-    columns = list(dict.fromkeys((r["view"], r["criterion"]) for r in mine))
+    present = {(r["view"], r["criterion"]) for r in mine}
+    views = dict.fromkeys(r["view"] for r in mine)  # pruned, then the recovery entries in the config's order
+    columns = [(v, c) for v in views for c in CRITERIA if (v, c) in present]
     cells = {(r["blocks_removed"], r["view"], r["criterion"]): r for r in mine}
     lines = [
         "| blocks removed | " + " | ".join(f"{v} ({c})" for v, c in columns) + " |",
