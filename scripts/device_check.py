@@ -164,8 +164,39 @@ def skip_plots_without_matplotlib() -> bool:
     return True
 
 
-LLAMA3_11_STUDENTS = ("operators", "operators", "lora")  # ghost_ft, linearpatch_ft, ghost_lora_ft
-FAIR_PAIR = ("operators", "operators")  # ghost_ft, linearpatch_ft
+LLAMA3_11 = Path(__file__).resolve().parents[1] / "configs" / "llama3_11.yaml"
+
+
+def config_students(path: Path = LLAMA3_11, extra: bool = True) -> dict[str, str]:
+    """A config's students, name → the kind `flops_per_token` prices ("lora" when adapters train, else
+    "operators"), resolved as `fit` resolves them (`DistillConfig.specs`); `extra=False` keeps the
+    `methods` shorthand only (what `--model.distill.students []` leaves: the fair pair)."""
+    import yaml
+
+    from ghostdistill.distill.config import DistillConfig, StudentConfig
+
+    distill = yaml.safe_load(path.read_text())["model"]["distill"]
+    cfg = DistillConfig(
+        methods=list(distill.get("methods") or []),
+        train=list(distill.get("train") or ["operators"]),
+        students=[
+            StudentConfig(name=s["name"], method=s["method"], train=s.get("train"))
+            for s in (distill.get("students") or [] if extra else [])
+        ],
+    )
+    kinds = {}
+    for student in cfg.specs():
+        if not set(student.train) <= {"operators", "lora"}:
+            raise ValueError(
+                f"{path.name}: student {student.name} trains {list(student.train)}; the sizing prices "
+                "operators and LoRA only: extend flops_per_token first"
+            )
+        kinds[student.name] = "lora" if "lora" in student.train else "operators"
+    return kinds
+
+
+LLAMA3_11_STUDENTS = tuple(config_students().values())  # run A: ghost_ft, linearpatch_ft, ghost_lora_ft
+FAIR_PAIR = tuple(config_students(extra=False).values())  # run B: ghost_ft, linearpatch_ft
 
 
 def flops_per_token(shape: dict, num_layers: int, layers: list[int], seq_len: int, students=LLAMA3_11_STUDENTS):

@@ -54,6 +54,25 @@ def test_flops_per_token_are_the_docstrings(device_check):
     assert steps["tokens_per_s_per_student"] == 8192 and steps["students"] == 3
 
 
+def test_the_sized_students_are_read_from_the_config(device_check, tmp_path):
+    """The sizing prices configs/llama3_11.yaml's students as `fit` resolves them, so editing the config
+    changes the check; a student the arithmetic cannot price is named, not priced as operators."""
+    assert device_check.config_students() == {
+        "ghost_ft": "operators",
+        "linearpatch_ft": "operators",
+        "ghost_lora_ft": "lora",
+    }
+    assert device_check.config_students(extra=False) == {"ghost_ft": "operators", "linearpatch_ft": "operators"}
+    config = tmp_path / "tail.yaml"
+    config.write_text(
+        "model:\n  distill:\n    methods: [ghost]\n    train: [lora]\n"
+        "    students:\n      - {name: ghost_tail_ft, method: ghost, train: [operators, tail]}\n"
+    )
+    with pytest.raises(ValueError, match=r"student ghost_tail_ft trains \['operators', 'tail'\]"):
+        device_check.config_students(config)
+    assert device_check.config_students(config, extra=False) == {"ghost_ft": "lora"}
+
+
 def test_tiny_device_check_runs_every_phase(tmp_path):
     out = tmp_path / "device_check.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
