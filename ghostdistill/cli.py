@@ -188,12 +188,15 @@ def run_compare(argv: list[str]) -> Path:
         run_dir = root / compare.plan_name(plan)
         results = run_dir / "results.json"
         if not results.is_file():
+            # A greedy plan starts from the steps of a finished one of the same settings (fit checks them).
+            source = compare.greedy_source(plan, [p for p, _ in runs])
+            given = {"greedy_from": str(root / compare.plan_name(source))} if source else {}
             run_fit(
                 [
                     "--config",
                     spec["base"],
                     *ns.overrides,
-                    *compare.plan_args(plan),
+                    *compare.plan_args({**plan, **given}),
                     "--trainer.default_root_dir",
                     str(run_dir),
                 ]

@@ -12,7 +12,9 @@ CriterionName = Literal[
 REPAIR_CRITERIA = ("repair", "repair_greedy")
 # PlanConfig keys added after run folders were fingerprinted: left out of a digest while unset (None), so
 # the statistics saved before they existed keep their key.
-LATER_KEYS = ("repair_method", "repair_chunk")
+LATER_KEYS = ("repair_method", "repair_chunk", "greedy_from")
+# Keys that change what a plan costs, never which plan it is: no part of a fingerprint.
+COST_KEYS = ("repair_chunk", "greedy_from")
 
 
 @dataclass
@@ -52,6 +54,11 @@ class PlanConfig:
             first `recovery` entry. ``none`` scores the pruned model itself.
         repair_chunk: (``repair``) candidates whose statistics are held at once (one dense calibration
             pass per chunk); default all of them, in one pass. Only memory depends on it, not the plan.
+        greedy_from: (``repair_greedy``) a finished ``repair_greedy`` run (its folder or results.json)
+            made with this run's settings but another `num_layers`: its steps are this run's first
+            steps (the greedy is deterministic), so they are taken from its report and the search goes
+            on from there; checked by fingerprint, so a run with other settings is refused by name.
+            Only time depends on it, not the plan. `compare` sets it between its own greedy plans.
     """
 
     layers: list[int] | None = None
@@ -63,6 +70,7 @@ class PlanConfig:
     criterion_samples: int | None = None
     repair_method: str | None = None
     repair_chunk: int | None = None
+    greedy_from: str | None = None
 
     def validate(self) -> None:
         """The checks the values alone decide, run before the model is loaded (depth-dependent checks:
@@ -107,15 +115,21 @@ class PlanConfig:
                     f"{self.criterion!r}{', with explicit plan.layers' if self.layers is not None else ''}): "
                     f"remove plan.{key}"
                 )
+        if self.greedy_from is not None and self.criterion != "repair_greedy":
+            raise ValueError(
+                f"plan.greedy_from names a repair_greedy run to take steps from, and plan.criterion is "
+                f"{self.criterion!r}: set plan.criterion repair_greedy or remove plan.greedy_from"
+            )
 
     def repair_aware(self) -> bool:
         """Whether a repair-aware criterion chooses the plan (it reads `data.selection`)."""
         return self.layers is None and self.criterion in REPAIR_CRITERIA
 
     def digest_dict(self) -> dict:
-        """The settings that decide the plan, for a fingerprint: `repair_chunk` changes only memory, and
-        keys added later are left out while unset (earlier run folders keep their fingerprints)."""
-        out = {k: v for k, v in asdict(self).items() if k != "repair_chunk"}
+        """The settings that decide the plan, for a fingerprint: `repair_chunk` and `greedy_from` change only
+        memory and time, and keys added later are left out while unset (earlier run folders keep their
+        fingerprints)."""
+        out = {k: v for k, v in asdict(self).items() if k not in COST_KEYS}
         return {k: v for k, v in out.items() if k not in LATER_KEYS or v is not None}
 
 

@@ -21,7 +21,7 @@ from ..methods.base import flat_settings
 from ..pipeline.calibrate import calibrate, calibration_summary
 from ..pipeline.evaluate import analysis, view_digests, zeroshot
 from ..pipeline.export import export_views
-from ..pipeline.state import STATE_FILE, open_state
+from ..pipeline.state import STATE_FILE, greedy_steps, open_state
 from ..pipeline.train import build_students
 from ..reporting.results import markdown_table, write_report
 from .module import NO_DISTILL_METHODS, GhostDistill
@@ -85,6 +85,8 @@ class Calibration(Callback):
         # The repair-aware criteria score candidates on held-out windows (read before any statistics).
         selection = data.selection_batches() if cfg.plan.repair_aware() else None
         key, saved = open_state(run_dir, cfg, llm, rank_zero_warn, rank_zero_info)
+        # repair_greedy's first steps from an earlier run of these settings (checked before any pass).
+        taken = greedy_steps(cfg, llm) if saved is None else None
         cal = calibrate(
             llm,
             cfg.plan,
@@ -98,6 +100,7 @@ class Calibration(Callback):
             progress=self._bar,
             log=rank_zero_info,
             selection=selection,
+            taken=taken,
         )
         report.timings.update(cal.seconds)
         report.plan = cal.plan.to_dict()

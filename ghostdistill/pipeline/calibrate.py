@@ -69,14 +69,18 @@ def choose(
     *,
     recovery: list[RecoveryConfig] | None = None,
     selection: list[Batch] | None = None,
+    taken: list[dict] | None = None,
 ) -> PruningPlan:
     """The layers to remove: the explicit list, or the criterion's choice on the calibration batches (the
-    repair-aware criteria also fit `recovery`'s repair method per candidate and score it on `selection`)."""
+    repair-aware criteria also fit `recovery`'s repair method per candidate and score it on `selection`;
+    `taken`: ``repair_greedy``'s steps from `plan.greedy_from`, `state.greedy_steps`)."""
     explicit = check_plan(plan_cfg, len(decoder_stack(llm).layers))
     if explicit is not None:
         return explicit
     if plan_cfg.criterion in REPAIR_CRITERIA:
-        return choose_repaired(plan_cfg, recovery or [], llm, decoder_stack(llm), batches, selection, progress)
+        return choose_repaired(
+            plan_cfg, recovery or [], llm, decoder_stack(llm), batches, selection, progress, taken or ()
+        )
     return choose_plan(plan_cfg, llm, decoder_stack(llm), progress(batches, f"criterion {plan_cfg.criterion}"))
 
 
@@ -161,10 +165,12 @@ def calibrate(
     progress: Progress = no_progress,
     log: Callable[[str], None] = print,
     selection: list[Batch] | None = None,
+    taken: list[dict] | None = None,
 ) -> Calibrated:
     """plan → statistics → operators. With `state_path`, the statistics are saved there every
     `checkpoint_every` batches and at the end (by rank 0), under `state_key`; `saved` resumes them.
-    `selection`: the held-out windows the repair-aware criteria score candidates on."""
+    `selection`: the held-out windows the repair-aware criteria score candidates on; `taken`: the steps
+    ``repair_greedy`` starts after (`plan.greedy_from`)."""
     import time
 
     llm.eval()
@@ -178,7 +184,7 @@ def calibrate(
     plan = (
         saved.plan
         if saved is not None
-        else choose(plan_cfg, llm, batches, progress, recovery=recovery, selection=selection)
+        else choose(plan_cfg, llm, batches, progress, recovery=recovery, selection=selection, taken=taken)
     )
     seconds["plan_s"] = round(time.perf_counter() - start, 2)
     log(f"pruning plan ({plan.chosen_by}): remove layers {list(plan.removed)}, gaps {[g.key for g in plan.gaps]}")

@@ -8,9 +8,10 @@ of other settings or of another layout is never reinterpreted: it is reported an
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -175,6 +176,18 @@ def to_device(state: dict, device) -> dict:
     }
 
 
+def run_key(cfg, llm: nn.Module) -> str:
+    """The fingerprint of a run's statistics (`cfg`: its `pipeline.config.RunConfig`); results.json's
+    `calibration.fingerprint`."""
+    methods = {r.method for r in cfg.recovery}
+    calibration = asdict(cfg.data.calibration)
+    if cfg.plan.repair_aware():
+        # The plan these statistics belong to was chosen on the selection windows (and its repair method).
+        calibration["selection"] = asdict(cfg.data.selection)
+        calibration["repair_method"] = repair_config(cfg.plan, cfg.recovery).settings()
+    return fingerprint(cfg.model, llm, cfg.plan, calibration, cfg.data.batch_size, methods, recovery=cfg.recovery)
+
+
 def open_state(
     run_dir: Path,
     cfg,
@@ -182,13 +195,39 @@ def open_state(
     warn: Callable[[str], None] | None = None,
     info: Callable[[str], None] = lambda message: None,
 ) -> tuple[str, SavedState | None]:
-    """The fingerprint of a run (`cfg`: its `pipeline.config.RunConfig`) and its usable saved state, if any,
-    in `run_dir`; its collectors are sized to the run's recovery entries."""
+    """The fingerprint of a run (`run_key`) and its usable saved state, if any, in `run_dir`; its
+    collectors are sized to the run's recovery entries."""
+    key = run_key(cfg, llm)
     methods = {r.method for r in cfg.recovery}
-    calibration = asdict(cfg.data.calibration)
-    if cfg.plan.repair_aware():
-        # The plan these statistics belong to was chosen on the selection windows (and its repair method).
-        calibration["selection"] = asdict(cfg.data.selection)
-        calibration["repair_method"] = repair_config(cfg.plan, cfg.recovery).settings()
-    key = fingerprint(cfg.model, llm, cfg.plan, calibration, cfg.data.batch_size, methods, recovery=cfg.recovery)
     return key, load_state(Path(run_dir) / STATE_FILE, key, methods, hidden_size(llm), warn, info, cfg.recovery)
+
+
+def greedy_steps(cfg, llm: nn.Module) -> list[dict]:
+    """The steps of the ``repair_greedy`` run that `cfg.plan.greedy_from` names (none when unset), in order.
+    That run's fingerprint must be the one this run would have at its `num_layers`: the same model, data,
+    selection, recovery, batch size and plan keys, so that its steps are this run's first ones."""
+    source = cfg.plan.greedy_from
+    if source is None:
+        return []
+    results = Path(source) / "results.json" if Path(source).is_dir() else Path(source)
+    if not results.is_file():
+        raise FileNotFoundError(
+            f"plan.greedy_from {source!r}: {results} does not exist; name the folder (or results.json) of a "
+            "finished repair_greedy run"
+        )
+    report = json.loads(results.read_text())
+    plan = report.get("plan") or {}
+    steps = plan.get("candidates") or {}
+    if not str(plan.get("chosen_by", "")).startswith("repair_greedy") or not steps:
+        raise ValueError(
+            f"plan.greedy_from {source!r}: its plan was chosen by {plan.get('chosen_by')!r}, not repair_greedy; "
+            "name a finished repair_greedy run"
+        )
+    earlier = replace(cfg, plan=replace(cfg.plan, num_layers=len(plan["removed"]), greedy_from=None))
+    if (report.get("calibration") or {}).get("fingerprint") != run_key(earlier, llm):
+        raise ValueError(
+            f"plan.greedy_from {source!r} was run with other settings than this run (model, calibration, "
+            "selection, recovery, batch size or plan keys besides num_layers): its steps need not be this "
+            "run's; remove plan.greedy_from, or name a repair_greedy run of these settings"
+        )
+    return [steps[f"step {t}"] for t in range(1, len(steps) + 1)]

@@ -41,8 +41,9 @@ __all__ = [
 ]
 
 
-def choose_repaired(plan_cfg, recovery, model, stack, batches, selection, progress=lambda it, desc: it):
-    """The plan of a repair-aware criterion (`plan_cfg.criterion` ``repair`` or ``repair_greedy``)."""
+def choose_repaired(plan_cfg, recovery, model, stack, batches, selection, progress=lambda it, desc: it, taken=()):
+    """The plan of a repair-aware criterion (`plan_cfg.criterion` ``repair`` or ``repair_greedy``; `taken`:
+    the steps of an earlier ``repair_greedy`` search of these settings, its first)."""
     cfg = repair_config(plan_cfg, recovery)
     if not selection:
         raise ValueError(
@@ -53,5 +54,6 @@ def choose_repaired(plan_cfg, recovery, model, stack, batches, selection, progre
     if plan_cfg.criterion_samples is not None:
         # The candidates' statistics from the first windows only (the chosen plan's fits read them all).
         batches = list(first_windows(batches, plan_cfg.criterion_samples))
-    choose = repair_plan if plan_cfg.criterion == "repair" else repair_greedy_plan
-    return choose(plan_cfg, cfg, model, stack, batches, selection, progress)
+    if plan_cfg.criterion == "repair":
+        return repair_plan(plan_cfg, cfg, model, stack, batches, selection, progress)
+    return repair_greedy_plan(plan_cfg, cfg, model, stack, batches, selection, progress, taken)

@@ -12,6 +12,10 @@ of the repaired candidate over the selection windows each: Σ_t (r − t) = n·r
 and with `order: sequential` one student pass over the calibration windows per gap at or after the
 changed one (at most k_t − 1 per candidate, k_t ≤ t + 1 gaps): at most Σ_t (r − t)·t student passes,
 O(n²·L). Plans that stay contiguous (one gap) cost no student pass.
+
+The search is deterministic, so a run with the same settings and another n has taken the same first
+steps: `taken` (its report's steps, `plan.greedy_from`) starts the search after them, at the cost of one
+dense pass for the kept plan's first gap; with n no more than the steps taken, nothing is searched.
 """
 
 from __future__ import annotations
@@ -40,18 +44,27 @@ def repair_greedy_plan(
     batches: Sequence[Batch],
     selection: Sequence[Batch],
     progress: Callable[[Iterable, str], Iterable] = lambda it, desc: it,
+    taken: Sequence[dict] = (),
 ) -> PruningPlan:
     """The plan ``criterion: repair_greedy`` chooses; `candidates` holds per step the KL of every block
-    tried ("step t": {block: KL}, and the block kept), `costs` the seconds and passes."""
+    tried ("step t": {block: KL}, and the block kept), `costs` the seconds and passes. `taken`: the steps
+    of an earlier search with these settings (each {"kept", "kl", "tried"}), the first of this one; they
+    are marked ``reused`` and cost nothing here."""
     n, num_layers = plan_cfg.num_layers, len(stack.layers)
     keep_first, keep_last = protected_edges(plan_cfg)
     blocks = candidate_blocks(num_layers, n, keep_first, keep_last)
     start = time.perf_counter()
     scorer = SelectionScorer(model, selection, starts=blocks)
     fitter = RepairFitter(model, [cfg], batches, progress)
-    removed: list[int] = []
-    steps: dict[str, dict] = {}
-    for t in range(n):
+    removed = [int(step["kept"]) for step in taken[:n]]
+    steps = {f"step {t + 1}": {**step, "reused": True} for t, step in enumerate(taken[:n])}
+    if removed and len(removed) < n:
+        # The kept plan's fits are made afresh (its first gap's dense statistics: one pass); the later
+        # gaps' sequential fits are made by the first candidate that needs them, as in any step.
+        kept = PruningPlan.from_layers(sorted(removed), num_layers, allow_edges=True)
+        fitter.collect_dense(fitter.needed(kept), "repair_greedy statistics (the steps taken)")
+        fitter.keep_only(kept.gaps)
+    for t in range(len(removed), n):
         plans = {
             b: PruningPlan.from_layers(sorted([*removed, b]), num_layers, allow_edges=True)
             for b in blocks
@@ -85,5 +98,6 @@ def repair_greedy_plan(
             "dense_passes": fitter.passes["dense"],
             "student_passes": fitter.passes["student"],
             "selection_forwards": scorer.forwards,
+            "reused_steps": len(taken[:n]),
         },
     )

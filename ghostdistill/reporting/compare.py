@@ -35,6 +35,7 @@ PLAN_KEYS = {
     "criterion_samples",
     "repair_method",
     "repair_chunk",
+    "greedy_from",
 }
 
 
@@ -80,7 +81,7 @@ _NAME_TAGS = {
     "repair_method": "by_",
 }
 # Keys that change what a run costs, not what it computes: set on every plan, never in its name.
-_UNNAMED_DEFAULTS = {"repair_chunk": None}
+_UNNAMED_DEFAULTS = {"repair_chunk": None, "greedy_from": None}
 
 
 def plan_name(plan: dict) -> str:
@@ -95,6 +96,22 @@ def plan_name(plan: dict) -> str:
         if value != default:
             name += f"_{_NAME_TAGS[key]}" + ("" if isinstance(value, bool) else str(value))
     return name
+
+
+def greedy_source(plan: dict, finished: list[dict]) -> dict | None:
+    """The finished plan whose ``repair_greedy`` steps `plan` can start from (`plan.greedy_from`): the
+    same keys but `num_layers` (and what only costs); of several, the one that leaves the fewest steps to
+    search, and of those the shortest. None when `plan` is no greedy plan or sets `greedy_from` itself."""
+    if plan.get("criterion") != "repair_greedy" or plan.get("greedy_from") is not None:
+        return None
+
+    def settings(p: dict) -> dict:
+        full = {**_NAME_DEFAULTS, **p}
+        return {k: v for k, v in full.items() if k not in ("num_layers", *_UNNAMED_DEFAULTS)}
+
+    n = plan["num_layers"]
+    same = [p for p in finished if settings(p) == settings(plan) and p["num_layers"] != n]
+    return min(same, key=lambda p: (-min(p["num_layers"], n), p["num_layers"]), default=None)
 
 
 def plan_args(plan: dict) -> list[str]:

@@ -41,11 +41,14 @@ def plan_section(report: dict) -> str:
         for step, row in candidates.items():
             tried = sorted(row["tried"].items(), key=lambda kv: kv[1])
             runner = f"{tried[1][0]} ({tried[1][1]:.4f})" if len(tried) > 1 else "-"
-            lines.append(f"| {step.removeprefix('step ')} | {row['kept']} | {row['kl']:.4f} | {runner} |")
+            taken = " (taken)" if row.get("reused") else ""
+            lines.append(f"| {step.removeprefix('step ')}{taken} | {row['kept']} | {row['kl']:.4f} | {runner} |")
         if costs:
+            reused = costs.get("reused_steps") or 0
             lines += [
                 "",
-                f"{costs.get('dense_passes')} dense and {costs.get('student_passes')} student passes of statistics, "
+                (f"Steps 1–{reused} taken from plan.greedy_from's run (searched there); here: " if reused else "")
+                + f"{costs.get('dense_passes')} dense and {costs.get('student_passes')} student passes of statistics, "
                 f"{costs.get('selection_forwards')} candidate forwards over the selection windows; "
                 f"{costs.get('total_s', 0):.1f} s.",
             ]

@@ -126,6 +126,39 @@ def test_greedy_builds_a_plan_block_by_block_and_reuses_fits():
     assert plan.costs["selection_forwards"] == 5 + 4 + 3
 
 
+def test_greedy_from_the_steps_of_another_depth_is_the_search_from_scratch():
+    """The search is deterministic, so the steps of a shallower run are a deeper run's first ones: starting
+    after them gives the plan and the later steps' KLs of the search from scratch, searching only the rest;
+    the steps of a deeper run give a shallower plan with no search at all."""
+    model = built_model()
+    batches, selection = random_batches(n=2), selection_batches()
+    cfg = PlanConfig(criterion="repair_greedy", num_layers=3)
+    scratch = repair_greedy_plan(cfg, PLAIN, model, model.model, batches, selection)
+    two = repair_greedy_plan(
+        PlanConfig(criterion="repair_greedy", num_layers=2), PLAIN, model, model.model, batches, selection
+    )
+    taken = [two.candidates["step 1"], two.candidates["step 2"]]
+    resumed = repair_greedy_plan(cfg, PLAIN, model, model.model, batches, selection, taken=taken)
+    assert resumed.removed == scratch.removed
+    assert resumed.candidates["step 3"]["kept"] == scratch.candidates["step 3"]["kept"]
+    for block, kl in scratch.candidates["step 3"]["tried"].items():
+        assert resumed.candidates["step 3"]["tried"][block] == pytest.approx(kl, rel=1e-6, abs=1e-9)
+    assert [resumed.candidates[f"step {t}"].get("reused", False) for t in (1, 2, 3)] == [True, True, False]
+    assert resumed.costs["reused_steps"] == 2
+    assert resumed.costs["selection_forwards"] == 3  # step 3 alone: 5 removable blocks less the 2 taken
+    shallow = repair_greedy_plan(
+        PlanConfig(criterion="repair_greedy", num_layers=2),
+        PLAIN,
+        model,
+        model.model,
+        batches,
+        selection,
+        taken=[scratch.candidates[f"step {t}"] for t in (1, 2, 3)],
+    )
+    assert shallow.removed == two.removed
+    assert shallow.costs["selection_forwards"] == 0 and shallow.costs["dense_passes"] == 0
+
+
 def test_candidate_statistics_are_a_single_plan_calibrations():
     model = tiny_model("llama", num_layers=6)
     batches = random_batches(n=3)
@@ -239,10 +272,15 @@ def test_plan_fingerprints_of_other_criteria_are_unchanged_by_the_repair_keys():
     from dataclasses import asdict
 
     cfg = PlanConfig(num_layers=7)
-    old = {k: v for k, v in asdict(cfg).items() if k not in ("repair_method", "repair_chunk")}
+    old = {k: v for k, v in asdict(cfg).items() if k not in ("repair_method", "repair_chunk", "greedy_from")}
     assert cfg.digest_dict() == old
     repair = PlanConfig(criterion="repair", num_layers=7, repair_method="ghost", repair_chunk=4)
     assert repair.digest_dict()["repair_method"] == "ghost" and "repair_chunk" not in repair.digest_dict()
+    # Where a greedy search takes its first steps from changes its time, not its plan.
+    greedy = PlanConfig(criterion="repair_greedy", num_layers=7, greedy_from="runs/repair_greedy_5")
+    assert greedy.digest_dict() == PlanConfig(criterion="repair_greedy", num_layers=7).digest_dict()
+    with pytest.raises(ValueError, match="plan.greedy_from names a repair_greedy run .* plan.criterion is 'repair'"):
+        PlanConfig(criterion="repair", num_layers=7, greedy_from="runs/x").validate()
 
 
 def test_starting_candidates_at_their_gap_scores_as_full_forwards():

@@ -58,6 +58,43 @@ def test_a_greedy_plan_reports_its_steps(tiny_dir, text_files, tmp_path):
     assert "| step | block kept |" in (tmp_path / "run" / "results.md").read_text()
 
 
+def test_a_greedy_run_takes_its_first_steps_from_a_run_of_the_same_settings(tiny_dir, text_files, tmp_path):
+    """`plan.greedy_from`: a deeper greedy run starts after a shallower one's steps and chooses what the
+    search from scratch chooses; a run of other settings, or of another criterion, is refused by name."""
+    main(repair_args(tiny_dir, text_files, tmp_path / "one", criterion="repair_greedy"))
+    deeper = ["--model.plan.num_layers", "2"]
+    main(repair_args(tiny_dir, text_files, tmp_path / "scratch", *deeper, criterion="repair_greedy"))
+    from_one = [*deeper, "--model.plan.greedy_from", str(tmp_path / "one")]
+    main(repair_args(tiny_dir, text_files, tmp_path / "taken", *from_one, criterion="repair_greedy"))
+    scratch, taken, one = (
+        json.loads((tmp_path / name / "results.json").read_text())["plan"] for name in ("scratch", "taken", "one")
+    )
+    assert taken["removed"] == scratch["removed"]
+    assert taken["candidates"]["step 1"] == {**one["candidates"]["step 1"], "reused": True}
+    assert taken["candidates"]["step 2"]["kept"] == scratch["candidates"]["step 2"]["kept"]
+    assert taken["costs"]["reused_steps"] == 1 and taken["costs"]["selection_forwards"] == 3
+    assert "| 1 (taken) |" in (tmp_path / "taken" / "results.md").read_text()
+    other = [*from_one, "--model.plan.criterion_samples", "2"]
+    with pytest.raises(ValueError, match="was run with other settings than this run"):
+        main(repair_args(tiny_dir, text_files, tmp_path / "other", *other, criterion="repair_greedy"))
+    main(repair_args(tiny_dir, text_files, tmp_path / "contiguous"))
+    not_greedy = [*deeper, "--model.plan.greedy_from", str(tmp_path / "contiguous" / "results.json")]
+    with pytest.raises(ValueError, match=r"its plan was chosen by 'repair \(ghost\)', not repair_greedy"):
+        main(repair_args(tiny_dir, text_files, tmp_path / "bad", *not_greedy, criterion="repair_greedy"))
+    with pytest.raises(FileNotFoundError, match="name the folder .* of a finished repair_greedy run"):
+        main(
+            repair_args(
+                tiny_dir,
+                text_files,
+                tmp_path / "bad",
+                *deeper,
+                "--model.plan.greedy_from",
+                str(tmp_path / "none"),
+                criterion="repair_greedy",
+            )
+        )
+
+
 def test_repair_without_selection_windows_fails_before_the_model_loads(tiny_dir, text_files, tmp_path):
     with pytest.raises(ValueError, match="set data.selection.source"):
         main(repair_args(tiny_dir, text_files, tmp_path / "run", selection=False))

@@ -35,6 +35,7 @@ def test_compare_plan_names_tell_every_plan_key_apart():
             "criterion_samples",
             "repair_method",
             "repair_chunk",
+            "greedy_from",
         )
     }
     # The repair method is in the folder name (each method's own best plan); the chunk size is not (memory only).
@@ -42,7 +43,29 @@ def test_compare_plan_names_tell_every_plan_key_apart():
         plan_name({"criterion": "repair", "num_layers": 7, "repair_method": "linearpatch"}) == "repair_7_by_linearpatch"
     )
     assert plan_name({"criterion": "repair", "num_layers": 7, "repair_chunk": 4}) == "repair_7"
+    assert plan_name({"criterion": "repair_greedy", "num_layers": 7, "greedy_from": "x"}) == "repair_greedy_7"
     assert args[args.index("--model.plan.num_layers") + 1] == "null"
+
+
+def test_a_greedy_plan_starts_from_the_finished_greedy_plan_of_its_settings_that_leaves_least_to_search():
+    from ghostdistill.reporting.compare import greedy_source
+
+    def greedy(n, **kw):
+        return {"criterion": "repair_greedy", "num_layers": n, "repair_method": "ghost", **kw}
+
+    finished = [
+        greedy(3),
+        greedy(5),
+        greedy(9, criterion_samples=8),  # other settings
+        {"criterion": "block_influence", "num_layers": 6},
+        greedy(6, keep_first=1, repair_chunk=4),  # the defaults and what only costs do not matter
+    ]
+    assert greedy_source(greedy(7), finished) == finished[4]
+    assert greedy_source(greedy(4), finished) == greedy(5)  # a deeper run's first steps: no search at all
+    assert greedy_source(greedy(11, criterion_samples=8), finished) == finished[2]
+    assert greedy_source(greedy(7, criterion_samples=4), finished) is None
+    assert greedy_source(greedy(7, greedy_from="mine"), finished) is None  # the user's own choice stands
+    assert greedy_source({"criterion": "repair", "num_layers": 3}, finished) is None
 
 
 def test_compare_rejects_bad_files(tmp_path):
