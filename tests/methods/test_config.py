@@ -60,6 +60,17 @@ def shipped_entries() -> list[tuple[str, list[dict]]]:
     return out
 
 
+# The fit configs; the compare and frontier files name a base config (`base:`) instead of recovery entries.
+FIT_CONFIGS = [p for p in SHIPPED if p.name in dict(shipped_entries())]
+
+
+def test_every_shipped_file_is_a_fit_config_with_recovery_entries_or_names_a_base():
+    others = [p.name for p in SHIPPED if p not in FIT_CONFIGS]
+    assert FIT_CONFIGS and all("base" in yaml.safe_load((ROOT / "configs" / name).read_text()) for name in others), (
+        others
+    )
+
+
 def test_every_method_declares_its_keys():
     assert FLAT_DEFAULTS == OLD_DEFAULTS
     assert set(KEYS) <= set(registered())
@@ -203,11 +214,9 @@ def test_a_method_without_keys_reads_order_only_and_bad_keys_fail_at_registratio
     assert "no_keys" not in registered()
 
 
-@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", FIT_CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_passes_validate_recovery(path):
-    entries = dict(shipped_entries()).get(path.name)
-    if entries is None:
-        pytest.skip(f"{path.name} has no model.recovery (a compare file names a base config)")
+    entries = dict(shipped_entries())[path.name]
     cfgs = [RecoveryConfig(**entry) for entry in entries]
     validate_recovery(cfgs)
     distill = ((yaml.safe_load(path.read_text()).get("model") or {}).get("distill") or {}).get("methods") or []
@@ -218,14 +227,12 @@ def test_every_shipped_config_passes_validate_recovery(path):
         assert cfg.settings() == {"name": cfg.name, "method": cfg.method, **{k: old[k] for k in KEYS[cfg.method]}}
 
 
-@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", FIT_CONFIGS, ids=lambda p: p.name)
 def test_configs_written_by_the_flat_version_still_load_and_digest_as_before(path):
     """A run folder's config.yaml from before the split lists every key of every entry (the flat defaults
     where unset): `drop_flat_defaults` makes it validate to the same settings, and `flat_settings` gives
     the dict (and so the digest of saved scores) `asdict` gave then."""
-    entries = dict(shipped_entries()).get(path.name)
-    if entries is None:
-        pytest.skip(f"{path.name} has no model.recovery")
+    entries = dict(shipped_entries())[path.name]
     for entry in entries:
         written = {"method": "ghost", **FLAT_DEFAULTS, **entry}  # what the flat version wrote for it
         cfg = RecoveryConfig(**entry)
