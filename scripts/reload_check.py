@@ -1,10 +1,11 @@
 """Load an exported folder as a user would, where ghostdistill cannot be imported, and measure it.
 
-Reads `inputs.pt` ({"ids", "mask"}: prompts, left-padded; {"windows", "batch_size"}: evaluation windows;
-"new": tokens to generate), loads the folder with `AutoModelForCausalLM.from_pretrained(folder,
-trust_remote_code=True)` and writes `out.pt`: the greedy continuation of the prompts (`generate`, KV cache,
-batched) and the perplexity over the windows (mean next-token NLL over every position but the last of
-each window, as `fit` evaluates). Run as its own process:
+Reads `inputs.pt` ({"ids", "mask"}: prompts, left-padded; "prompts": a list of unpadded prompts (token id
+lists), each continued alone; {"windows", "batch_size"}: evaluation windows; "new": tokens to generate),
+loads the folder with `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` and writes
+`out.pt`: the greedy continuation of the prompts (`generate`, KV cache; batched for "ids", under "tokens";
+one by one for "prompts", under "prompt_tokens") and the perplexity over the windows (mean next-token NLL
+over every position but the last of each window, as `fit` evaluates). Run as its own process:
 
     python scripts/reload_check.py <folder> inputs.pt out.pt
 """
@@ -34,6 +35,15 @@ def main(folder: str, inputs: str, out: str) -> None:
             max_new_tokens=x["new"],
             do_sample=False,
         )
+    if "prompts" in x:
+        # eos_token_id=None: every prompt gets `new` tokens, an end-of-text one included, as vLLM's
+        # ignore_eos and llama.cpp's fixed-length decoding give them.
+        result["prompt_tokens"] = [
+            model.generate(input_ids=torch.tensor([p]), max_new_tokens=x["new"], do_sample=False, eos_token_id=None)[
+                0, len(p) :
+            ].tolist()
+            for p in x["prompts"]
+        ]
     if "windows" in x:
         nll, count = 0.0, 0
         for chunk in x["windows"].split(x["batch_size"]):

@@ -35,8 +35,10 @@ from ..methods import GapFit, get_method
 from . import fold as residual_fold
 from .card import model_card
 
+# AutoModel is what vLLM's Transformers backend builds (the base model; vLLM adds its own head).
 WRAPPER_AUTO_MAP = {
     "AutoConfig": "modeling_ghostdistill.GhostPrunedConfig",
+    "AutoModel": "modeling_ghostdistill.GhostPrunedModel",
     "AutoModelForCausalLM": "modeling_ghostdistill.GhostPrunedForCausalLM",
 }
 

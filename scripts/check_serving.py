@@ -1,0 +1,230 @@
+"""Serve the views of a finished run in every stack and check them against transformers, token for token.
+
+1. The run is rebuilt from its folder (`ghostdistill export`'s path) and each view is exported to `--dir`
+   as a Hugging Face folder.
+2. transformers: each folder is loaded in a fresh process where ghostdistill cannot be imported
+   (`scripts/reload_check.py`, `trust_remote_code=True`); it continues the prompts greedily (each alone, KV
+   cache, a fixed number of tokens) and scores the run's own evaluation windows. Its tokens are the
+   reference; its perplexity is checked against the run's results.json.
+3. vLLM (`--stacks vllm`): `scripts/serving/vllm_check.py` in the environment that has vLLM
+   (`--vllm-python`, default `.venv-serve/bin/python`, which `bash scripts/setup.sh --serve` makes): the
+   same prompts (as token ids) and windows (perplexity from prompt log-probabilities, within 0.5% of
+   transformers'); with `--throughput`, prefill and decode tokens per second of ghost beside pruned, in
+   interleaved repeats.
+
+Prints one table (a row per view, a column per stack: tokens identical ✔/✗ and the perplexity there) and
+writes everything measured to `--json`; `--markdown` writes the table.
+
+    .venv-serve/bin/python scripts/check_serving.py runs/smollm2_serving --dir runs/smollm2_serving/served \
+        --stacks transformers vllm --throughput --json runs/smollm2_serving/serving.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ghostdistill.cli import load_run_config
+from ghostdistill.pipeline.export import export_views, load_run
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [
+    "The capital of France is",
+    "In 1969, the first humans",
+    "A layer-pruned language model is",
+    "Once upon a time",
+]
+# Relative perplexity tolerances against transformers' figure on the same windows.
+VLLM_TOLERANCE = 0.005
+
+
+def fresh_transformers(folder: Path, inputs: Path, out: Path, tmp: Path) -> dict:
+    """`scripts/reload_check.py` on `folder` in a process where ghostdistill cannot be imported."""
+    env = {**os.environ, "PYTHONPATH": "", "HF_MODULES_CACHE": str(tmp / "modules")}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "reload_check.py"), str(folder.resolve()), str(inputs), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp,
+        check=False,
+    )
+    if done.returncode:
+        raise SystemExit(f"{folder}: transformers failed in a fresh process:\n{done.stderr[-3000:]}")
+    return torch.load(out)
+
+
+def run_vllm(python: str, request: dict, tmp: Path) -> dict:
+    """`scripts/serving/vllm_check.py` under `python` (an environment with vLLM)."""
+    path, out = tmp / "vllm_request.pt", tmp / "vllm.json"
+    torch.save(request, path)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    done = subprocess.run(
+        [python, str(ROOT / "scripts" / "serving" / "vllm_check.py"), str(path), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp,
+        check=False,
+    )
+    if done.returncode:
+        raise SystemExit(f"vLLM failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def table(report: dict, stacks: list[str]) -> str:
+    """One row per view, one column per stack: ✔/✗ (greedy tokens identical to transformers') and the
+    perplexity measured there."""
+    head = ["view", "kind", "transformers"] + [s for s in stacks if s != "transformers"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for view, r in report["views"].items():
+        t = r["transformers"]
+        cells = [
+            view,
+            r["kind"],
+            f"{'✔' if t['same_tokens_as_run'] else '✗'} {t['ppl']:.2f} (run {r['ppl_run']:.2f})",
+        ]
+        for stack in head[3:]:
+            s = r.get(stack)
+            if s is None:
+                cells.append("–")
+            elif "refused" in s:
+                cells.append(f"refused: {s['refused']}")
+            else:
+                cells.append(f"{'✔' if s['same_tokens'] else '✗'} {s['ppl']:.2f} ({100 * s['rel_diff']:+.3f}%)")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", help="a finished run folder")
+    parser.add_argument("--views", nargs="+", default=None, help="default: every view but dense")
+    parser.add_argument("--dir", required=True, help="where the exported folders go")
+    parser.add_argument("--stacks", nargs="+", default=["transformers", "vllm"], choices=["transformers", "vllm"])
+    parser.add_argument("--new", type=int, default=20, help="tokens to generate per prompt")
+    parser.add_argument("--vllm-python", default=str(ROOT / ".venv-serve" / "bin" / "python"))
+    parser.add_argument("--vllm-compile", action="store_true", help="let vLLM compile the model (default: eager)")
+    parser.add_argument("--throughput", action="store_true", help="vLLM prefill / decode of ghost beside pruned")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved throughput repeats")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--markdown", default=None)
+    args = parser.parse_args()
+    run = Path(args.run)
+    cfg, seed = load_run_config(run)
+    views = args.views or [v for v in cfg.views() if v != "dense"]
+    if "vllm" in args.stacks and not Path(args.vllm_python).is_file():
+        raise SystemExit(
+            f"{args.vllm_python} does not exist: run `bash scripts/setup.sh --serve`, or name --vllm-python"
+        )
+    loaded = load_run(run, cfg, views)
+    folders = dict(
+        zip(
+            views,
+            export_views(
+                loaded.pruned, loaded.tokenizer, loaded.report, cfg, views, Path(args.dir), overwrite=True, seed=seed
+            ),
+        )
+    )
+    source = cfg.data.evaluation.sources[0]
+    windows = loaded.data.eval_ids(source)
+    prompts = [loaded.tokenizer(p).input_ids for p in PROMPTS]
+    report: dict = {"run": str(run), "prompts": PROMPTS, "new": args.new, "source": source.label, "views": {}}
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        inputs = tmp / "inputs.pt"
+        torch.save({"prompts": prompts, "new": args.new, "windows": windows, "batch_size": cfg.data.batch_size}, inputs)
+        for view, folder in folders.items():
+            with torch.no_grad(), loaded.pruned.use(view) as model:
+                expected = [
+                    model.generate(
+                        input_ids=torch.tensor([p]), max_new_tokens=args.new, do_sample=False, eos_token_id=None
+                    )[0, len(p) :].tolist()
+                    for p in prompts
+                ]
+            got = fresh_transformers(folder, inputs, tmp / f"{view}.pt", tmp)
+            kind = "operators" if (folder / "modeling_ghostdistill.py").is_file() else "plain"
+            report["views"][view] = {
+                "folder": str(folder),
+                "kind": kind,
+                "ppl_run": loaded.report["views"][view]["metrics"][source.label]["ppl"],
+                "transformers": {
+                    "tokens": got["prompt_tokens"],
+                    "same_tokens_as_run": got["prompt_tokens"] == expected,
+                    "ppl": got["ppl"],
+                    "class": got["class"],
+                },
+            }
+            print(
+                f"transformers {view}: tokens as the run's view {got['prompt_tokens'] == expected}, PPL {got['ppl']:.4f}",
+                flush=True,
+            )
+        if "vllm" in args.stacks:
+            request = {
+                "views": {v: str(Path(f).resolve()) for v, f in folders.items()},
+                "prompts": prompts,
+                "new": args.new,
+                "windows": windows,
+                "dtype": cfg.model.dtype,
+                "eager": not args.vllm_compile,
+                "throughput": None,
+            }
+            if args.throughput:
+                if not {"ghost", "pruned"} <= set(folders):
+                    raise SystemExit(
+                        "--throughput measures ghost beside pruned: export both (--views ... ghost pruned)"
+                    )
+                request["throughput"] = {
+                    # pruned twice: through vLLM's own Llama and through the Transformers backend that serves
+                    # ghost, so the operator's cost is told apart from the backend's.
+                    "variants": {
+                        "ghost": ["ghost", "transformers"],
+                        "pruned_backend": ["pruned", "transformers"],
+                        "pruned": ["pruned", "auto"],
+                    },
+                    "repeats": args.repeats,
+                    "prefill": [16, 512],
+                    "decode": [16, 16, 128],
+                }
+            served = run_vllm(args.vllm_python, request, tmp)
+            for view, entry in served["views"].items():
+                ref = report["views"][view]["transformers"]
+                report["views"][view]["vllm"] = {
+                    "same_tokens": entry["tokens"] == ref["tokens"],
+                    "tokens": entry["tokens"],
+                    "ppl": entry["ppl"],
+                    "rel_diff": (entry["ppl"] - ref["ppl"]) / ref["ppl"],
+                    "within_tolerance": abs(entry["ppl"] - ref["ppl"]) / ref["ppl"] <= VLLM_TOLERANCE,
+                    "load_s": entry["load_s"],
+                }
+            report["vllm"] = {
+                "version": served["vllm"],
+                "eager": served["eager"],
+                "throughput": served.get("throughput"),
+            }
+    text = table(report, args.stacks)
+    print("\n" + text)
+    tp = (report.get("vllm") or {}).get("throughput")
+    if tp:
+        for what in ("prefill_tok_s", "decode_tok_s"):
+            print(
+                f"vLLM {what}: ghost {tp['ghost'][what]:.1f}, pruned through the same backend "
+                f"{tp['pruned_backend'][what]:.1f} (ratio {tp['ghost'][what] / tp['pruned_backend'][what]:.3f}), "
+                f"pruned through vLLM's own model {tp['pruned'][what]:.1f}"
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

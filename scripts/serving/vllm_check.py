@@ -1,0 +1,147 @@
+"""Serve exported folders with vLLM and measure what `scripts/check_serving.py` compares: greedy tokens,
+perplexity from prompt log-probabilities, and prefill / decode throughput.
+
+Runs in an environment with vLLM (`bash scripts/setup.sh --serve` makes `.venv-serve`, which holds
+ghostdistill and vLLM together; ghostdistill itself is not imported here). Reads one `torch.save`d request:
+
+    {"views": {name: folder}, "prompts": [[token ids], ...], "new": tokens to generate,
+     "windows": LongTensor [n, seq_len] (the run's evaluation windows), "dtype": "float32",
+     "throughput": {"variants": {name: [view, model_impl]}, "repeats": 5, "prefill": [prompts, tokens],
+     "decode": [prompts, prompt tokens, new tokens]} or None, "eager": true}
+
+and writes JSON: per view the greedy continuation of every prompt (token ids), the perplexity over the windows
+(mean next-token NLL over every position but the last of each window, as `fit` evaluates), the load time;
+and, with `throughput`, tokens per second of each view in interleaved repeats (a, b, a, b, ...).
+
+Every prompt is passed as token ids (`TokensPrompt`), so no stack's tokenizer decides what the model sees.
+vLLM packs the sequences of a batch into one row; the exported operator decides the first position from the
+position ids, which is what the token comparison checks. A folder with operators is loaded through its
+`modeling_ghostdistill.py` (`trust_remote_code=True`, vLLM's Transformers backend); a plain folder through
+vLLM's own model of its family.
+
+    VLLM_CPU_KVCACHE_SPACE=1 .venv-serve/bin/python scripts/serving/vllm_check.py request.pt out.json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+
+def load(folder: str, dtype: str, max_len: int, eager: bool, impl: str = "auto"):
+    """`impl`: vLLM's `model_impl` (``auto``: its own model of the family where it has one, else the
+    Transformers backend; ``transformers``: the Transformers backend always)."""
+    from vllm import LLM
+
+    start = time.perf_counter()
+    llm = LLM(
+        model=folder,
+        dtype=dtype,
+        trust_remote_code=os.path.isfile(os.path.join(folder, "modeling_ghostdistill.py")),
+        max_model_len=max_len,
+        enforce_eager=eager,
+        model_impl=impl,
+        seed=0,
+    )
+    return llm, time.perf_counter() - start
+
+
+def greedy(llm, prompts: list[list[int]], new: int) -> list[list[int]]:
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def perplexity(llm, windows: list[list[int]]) -> dict:
+    """exp(mean NLL) of every token after the first of each window, from vLLM's prompt log-probabilities."""
+    from vllm import SamplingParams, TokensPrompt
+
+    # prompt_logprobs=0: each position's log-probability of the token that is there (no top-k beside it).
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in windows], params, use_tqdm=False)
+    nll, count = 0.0, 0
+    for window, out in zip(windows, outs):
+        for token, entry in zip(window[1:], out.prompt_logprobs[1:]):
+            nll -= entry[token].logprob
+            count += 1
+    return {"ppl": math.exp(nll / count), "nll": nll / count, "scored": count}
+
+
+def throughput(llms: dict, spec: dict) -> dict:
+    """Prefill and decode tokens per second of each view, in interleaved repeats (a, b, a, b, ...), so that
+    what the machine does meanwhile falls on both alike; the first round warms up and is not counted."""
+    from vllm import SamplingParams, TokensPrompt
+
+    n_pre, len_pre = spec["prefill"]
+    n_dec, len_dec, new = spec["decode"]
+    vocab = 1000  # ids well inside every vocabulary; what they say does not matter for the time
+    prefill_prompts = [
+        TokensPrompt(prompt_token_ids=[(7 * i + 13 * j) % vocab + 10 for j in range(len_pre)]) for i in range(n_pre)
+    ]
+    decode_prompts = [
+        TokensPrompt(prompt_token_ids=[(11 * i + 3 * j) % vocab + 10 for j in range(len_dec)]) for i in range(n_dec)
+    ]
+    prefill_params = SamplingParams(temperature=0.0, max_tokens=1)
+    decode_params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    times: dict = {v: {"prefill": [], "decode": []} for v in llms}
+    for repeat in range(spec["repeats"] + 1):
+        for view, llm in llms.items():
+            start = time.perf_counter()
+            llm.generate(prefill_prompts, prefill_params, use_tqdm=False)
+            prefill_s = time.perf_counter() - start
+            start = time.perf_counter()
+            llm.generate(decode_prompts, decode_params, use_tqdm=False)
+            decode_s = time.perf_counter() - start
+            if repeat:  # round 0 warms up
+                times[view]["prefill"].append(n_pre * len_pre / prefill_s)
+                times[view]["decode"].append(n_dec * new / decode_s)
+    return {
+        view: {
+            "prefill_tok_s": statistics.median(t["prefill"]),
+            "decode_tok_s": statistics.median(t["decode"]),
+            "prefill_all": t["prefill"],
+            "decode_all": t["decode"],
+        }
+        for view, t in times.items()
+    } | {"spec": spec}
+
+
+def main(request_path: str, out_path: str) -> None:
+    import torch
+
+    request = torch.load(request_path, weights_only=True)
+    windows = request["windows"].tolist() if request.get("windows") is not None else []
+    max_len = max([len(p) + request["new"] for p in request["prompts"]] + [len(w) for w in windows] + [1024])
+    eager = bool(request.get("eager", True))
+    result: dict = {"vllm": __import__("vllm").__version__, "eager": eager, "views": {}}
+    dtype = request.get("dtype", "float32")
+    for view, folder in request["views"].items():
+        llm, load_s = load(folder, dtype, max_len, eager)
+        entry = {"load_s": load_s, "tokens": greedy(llm, request["prompts"], request["new"])}
+        if windows:
+            entry.update(perplexity(llm, windows))
+        result["views"][view] = entry
+        print(f"vllm {view}: {json.dumps({k: v for k, v in entry.items() if k != 'tokens'})}", flush=True)
+        del llm
+    spec = request.get("throughput")
+    if spec:
+        # Each entry {name: [view, model_impl]}: a view through vLLM's own model and through the
+        # Transformers backend tells the backend's cost apart from the operator's.
+        llms = {
+            name: load(request["views"][view], dtype, max_len, eager, impl)[0]
+            for name, (view, impl) in spec["variants"].items()
+        }
+        result["throughput"] = throughput(llms, spec)
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":  # vLLM starts worker processes, which import this file again
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,85 @@
+"""What serving stacks read of a folder with operators: a flat config with the base family's keys, the base
+model class vLLM's Transformers backend builds (`auto_map.AutoModel`), and folders written before the
+config was flat."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import fit_all, tiny_model
+
+from ghostdistill.core.plan import PruningPlan
+from ghostdistill.export import export_view, load_exported
+from ghostdistill.methods import RecoveryConfig
+
+
+@pytest.fixture(scope="module")
+def ghost_folder(tmp_path_factory, tiny_tokenizer):
+    torch.manual_seed(0)
+    pm, _ = fit_all(tiny_model("llama"), PruningPlan.from_layers([2, 3], 6), [RecoveryConfig(name="ghost")])
+    with torch.no_grad():  # a first-position shift large enough that treating the wrong token as first shows
+        pm.operators["ghost"]["2-3"].first_shift.normal_(0, 2.0)
+    folder = export_view(pm, "ghost", tmp_path_factory.mktemp("g") / "ghost", method="ghost", tokenizer=tiny_tokenizer)
+    return pm, folder
+
+
+def _ids(seed: int = 3) -> torch.Tensor:
+    return torch.randint(2, 512, (2, 10), generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_config_is_flat_with_the_base_familys_keys(ghost_folder):
+    """vLLM takes a text model whose config nests another for a multimodal one: the family's keys sit at
+    the top, `num_hidden_layers` the surviving blocks, and `auto_map` names the base model class too."""
+    pm, folder = ghost_folder
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "ghostdistill" and config["base_model_type"] == "llama"
+    assert "text_config" not in config
+    assert config["num_hidden_layers"] == 4 and config["hidden_size"] == pm.config.hidden_size
+    assert config["num_attention_heads"] == pm.config.num_attention_heads
+    assert config["architectures"] == ["GhostPrunedForCausalLM"]
+    assert config["auto_map"]["AutoModel"] == "modeling_ghostdistill.GhostPrunedModel"
+
+
+@torch.no_grad()
+def test_the_base_model_class_gives_the_views_hidden_states(ghost_folder):
+    """`AutoModel` (what vLLM builds, adding its own head) loads the same checkpoint: its last hidden states
+    through the view's head are the view's logits, the first-position map included."""
+    from transformers import AutoModel
+
+    from ghostdistill.core.modeling_ghostdistill import GhostPrunedModel, register_auto_classes
+
+    pm, folder = ghost_folder
+    register_auto_classes()
+    base = AutoModel.from_pretrained(folder).eval()
+    assert isinstance(base, GhostPrunedModel)
+    ids = _ids()
+    hidden = base(input_ids=ids).last_hidden_state
+    with pm.use("ghost") as model:
+        expected = model(input_ids=ids).logits
+        torch.testing.assert_close(model.get_output_embeddings()(hidden), expected, atol=2e-5, rtol=1e-5)
+    # The first position is read from the position ids: numbering the same tokens from 1 changes the output.
+    shifted = base(input_ids=ids, position_ids=torch.arange(1, 11).expand(2, 10)).last_hidden_state
+    assert (shifted[:, 0] - hidden[:, 0]).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_a_folder_with_a_nested_config_still_loads(ghost_folder, tmp_path):
+    """Folders exported before the config was flat hold the base config nested under `text_config`."""
+    import shutil
+
+    pm, folder = ghost_folder
+    old = tmp_path / "old"
+    shutil.copytree(folder, old)
+    config = json.loads((old / "config.json").read_text())
+    own = ("model_type", "gaps", "layers_path", "ghostdistill", "architectures", "auto_map", "transformers_version")
+    nested = {k: v for k, v in config.items() if k not in (*own, "base_model_type")}
+    nested["model_type"] = config["base_model_type"]
+    (old / "config.json").write_text(
+        json.dumps({**{k: config[k] for k in own if k in config}, "text_config": nested}, indent=2)
+    )
+    ids = _ids(4)
+    with pm.use("ghost") as model:
+        expected = model(input_ids=ids).logits
+    torch.testing.assert_close(load_exported(old)(input_ids=ids).logits, expected, atol=2e-5, rtol=1e-5)
