@@ -120,11 +120,9 @@ def _view_state(pruned: PrunedModel, view: str, method: str | None, info: dict):
     if changed:
         # Changed blocks are copies: the shared blocks serve every other view (and the teacher).
         layers = [copy_block(b) for b in layers]
-    if adapted:
+    if changed:
         for block in layers:
-            for m in block.modules():
-                if view in getattr(m, "lora_A", {}):
-                    m.merge(adapter_names=[view])
+            _merge_and_unwrap(block, view)
     kept = list(plan.kept) if view != DENSE else list(range(plan.num_layers))
     if folds:
         by_dense: list[nn.Module | None] = [None] * plan.num_layers
@@ -181,6 +179,20 @@ def _view_state(pruned: PrunedModel, view: str, method: str | None, info: dict):
         return state, config, "operators"
     text.ghostdistill = info
     return state, text, "plain"
+
+
+def _merge_and_unwrap(block: nn.Module, view: str) -> None:
+    """In a copied block, merge `view`'s LoRA adapter into the weight it adapts and put every adapted linear's
+    plain base layer back in its place (the other views' adapters go): a fold then sees the block's own
+    `nn.Linear`s, as in a run without students."""
+    for name, module in list(block.named_modules()):
+        base = getattr(module, "base_layer", None)
+        if base is None or not hasattr(module, "lora_A"):
+            continue
+        if view in module.lora_A:
+            module.merge(adapter_names=[view])
+        parent, _, attr = name.rpartition(".")
+        setattr(block.get_submodule(parent) if parent else block, attr, base)
 
 
 def _clean(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

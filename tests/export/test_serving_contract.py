@@ -83,3 +83,31 @@ def test_a_folder_with_a_nested_config_still_loads(ghost_folder, tmp_path):
     with pm.use("ghost") as model:
         expected = model(input_ids=ids).logits
     torch.testing.assert_close(load_exported(old)(input_ids=ids).logits, expected, atol=2e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_a_folding_view_exports_beside_a_lora_student(tmp_path):
+    """LoRA students wrap the shared blocks' linears in adapter layers; a view that folds into those linears
+    (magnitude, rotation_through) still exports as the plain architecture, without any adapter, and computes
+    what the view computes; the student's own folder has its adapter merged."""
+    from transformers import AutoModelForCausalLM
+
+    from ghostdistill.distill.config import DistillConfig, StudentConfig
+    from ghostdistill.pipeline.train import build_students
+
+    torch.manual_seed(0)
+    recovery = [RecoveryConfig(name="mag", method="magnitude"), RecoveryConfig(name="rot", method="rotation_through")]
+    pm, _ = fit_all(tiny_model("llama"), PruningPlan.from_layers([2, 3], 6), recovery)
+    students = build_students(
+        pm, DistillConfig(methods=[], students=[StudentConfig(name="rot_lora_ft", method="rot", train=["lora"])])
+    )
+    for p in students.params["rot_lora_ft"].all():
+        p.normal_(0, 0.05)  # an adapter that changes the outputs
+    ids = _ids(5)
+    for view, method in (("mag", "magnitude"), ("rot", "rotation_through"), ("rot_lora_ft", "rotation_through")):
+        folder = export_view(pm, view, tmp_path / view, method=method)
+        plain = AutoModelForCausalLM.from_pretrained(folder).eval()
+        assert not any("lora" in name for name, _ in plain.named_parameters())
+        with pm.use(view) as model:
+            expected = model(input_ids=ids).logits
+        torch.testing.assert_close(plain(input_ids=ids).logits, expected, atol=1e-4, rtol=1e-4)
