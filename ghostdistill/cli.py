@@ -30,8 +30,7 @@ from .lit.checkpoint import LastCheckpoint, resolve_ckpt_path
 from .lit.datamodule import GhostDataModule
 from .lit.interrupts import terminate_on_sigterm
 from .lit.module import GhostDistill
-from .methods import RecoveryConfig
-from .methods.base import drop_flat_defaults
+from .methods import RecoveryConfig, drop_flat_defaults
 from .reporting import compare
 
 COMMANDS = {

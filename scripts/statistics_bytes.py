@@ -17,8 +17,7 @@ import json
 
 import torch
 
-from ghostdistill.methods import GapTaps, RecoveryConfig, make_collectors, validate_recovery
-from ghostdistill.methods.base import statistics_layout
+from ghostdistill.methods import GapTaps, RecoveryConfig, make_collectors, statistics_layout, validate_recovery
 
 VARIANTS = ("first_weighted", "first", "first_normed", "plain", "weighted")
 CASES: dict[str, list[RecoveryConfig]] = {

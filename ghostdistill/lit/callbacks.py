@@ -17,7 +17,7 @@ from ..core.views import DENSE
 from ..criteria import check_plan
 from ..distill.config import DistillConfig
 from ..evaluation.scores import ScoreStore
-from ..methods.base import flat_settings
+from ..methods import flat_settings
 from ..pipeline.calibrate import calibrate, calibration_summary
 from ..pipeline.evaluate import analysis, view_digests, zeroshot
 from ..pipeline.export import export_views

@@ -24,7 +24,11 @@ it); a recovery entry setting a key its method does not read is rejected (`valid
 | `replaceme`       | solver (ridge), ridge (1e-4), order (sequential)                                     |
 | `magnitude`       | order (sequential)                                                                   |
 
-Adding a method: a new module that calls `register(...)` on an object implementing `base.Method`,
+The package's one public entry point is this module (`ghostdistill.methods`): the interface, the
+configuration and the registry (`interface.py`), and what a run does with them (`config.py`). Method
+modules import from `interface` only.
+
+Adding a method: a new module that calls `register(...)` on an object implementing `Method`,
 and its name in the import line below. The object's `keys` names the `RecoveryConfig` fields its fit
 reads, each with its default (e.g. ``keys = {"variant": "rotate", **ORDER_KEYS}``; without `keys` it
 reads `order` only); a setting no field holds yet is a new `RecoveryConfig` field defaulting to None
@@ -32,32 +36,49 @@ reads `order` only); a setting no field holds yet is a new `RecoveryConfig` fiel
 """
 
 from . import ghost, ghost_symmetric, linearpatch, magnitude, none, replaceme, rotation  # noqa: F401  (the registry)
-from .base import (
+from .config import (
+    FLAT_DEFAULTS,
+    FT_SUFFIX,
+    RESERVED_NAMES,
+    drop_flat_defaults,
+    fit_gap,
+    flat_settings,
+    identity_fit,
+    make_collectors,
+    needs_mlp,
+    statistics_layout,
+    validate_recovery,
+)
+from .interface import (
+    ORDER_KEYS,
+    SOLVE_KEYS,
     Collector,
     GapFit,
     GapTaps,
     Method,
+    NoFold,
     RecoveryConfig,
-    drop_flat_defaults,
-    fit_gap,
-    flat_settings,
     get_method,
-    identity_fit,
-    make_collectors,
     method_keys,
-    needs_mlp,
     register,
     registered,
+    residual_identity,
+    setting_keys,
     unregister,
-    validate_recovery,
 )
 
 __all__ = [
     "Collector",
+    "FLAT_DEFAULTS",
+    "FT_SUFFIX",
     "GapFit",
     "GapTaps",
     "Method",
+    "NoFold",
+    "ORDER_KEYS",
+    "RESERVED_NAMES",
     "RecoveryConfig",
+    "SOLVE_KEYS",
     "drop_flat_defaults",
     "fit_gap",
     "flat_settings",
@@ -68,6 +89,9 @@ __all__ = [
     "needs_mlp",
     "register",
     "registered",
+    "residual_identity",
+    "setting_keys",
+    "statistics_layout",
     "unregister",
     "validate_recovery",
 ]

@@ -1,78 +1,18 @@
-"""The configuration of a recovery entry (`RecoveryConfig`: each method reads only its own keys) and the
-registry of methods (`register`, `get_method`, `make_collectors`, `validate_recovery`)."""
+"""What a run does with the registered methods: validating recovery entries (`validate_recovery`), the
+flat settings of older run folders, fitting a gap (`fit_gap`) and sizing the statistics collectors
+(`make_collectors`, `statistics_layout`). The configuration and the registry themselves are
+`methods.interface`'s."""
 
 from __future__ import annotations
 
 import types
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import torch
 
 from ..core.plan import Gap
-from ..core.solver import SolverName
-from .interface import Collector, GapFit, Method
-
-# The keys of `RecoveryConfig` beyond `name` and `method`: each method reads some of them (its `keys`).
-ORDER_KEYS: dict[str, Any] = {"order": "sequential"}
-SOLVE_KEYS: dict[str, Any] = {"solver": "ridge", "ridge": 1e-4}
-
-
-@dataclass
-class RecoveryConfig:
-    """One recovery method, evaluated (and later fine-tuned) beside the others.
-
-    Every key but `name` and `method` belongs to the methods that read it (in parentheses below; each
-    method lists them, with their defaults, in its `keys`). Unset (None) means the method's default, filled
-    in when the config is made (`resolved`); a key the chosen method does not read stays None, and setting
-    it is an error (`validate_recovery`) that names the key and the method's keys.
-
-    Args:
-        name: label in results; also the view name (`dense`, `pruned` and names ending in ``_ft``, the
-            fine-tuned views, are reserved).
-        method: a registered method: ``none`` (reads no other key), ``ghost``, ``ghost_symmetric``,
-            ``linearpatch``, ``replaceme``, ``magnitude``, ``rotation``, ``rotation_through``.
-        fit: (ghost, ghost_symmetric) token groups and weighting: ``first_weighted`` (default),
-            ``first_normed``, ``first``, ``plain`` (the paper) or ``weighted``; see `ghostdistill.methods.ghost`.
-        bias: (ghost, ghost_symmetric) fit an affine map x + x·M + c for ordinary tokens (C more
-            parameters); default false.
-        scale: (ghost, ghost_symmetric) ``none`` (default), or ``norm``: rescale W so that the fitted
-            tokens' mean ‖x·W‖² equals their mean ‖x_post‖² (undoes least squares' shrinkage).
-        solver: (ghost, replaceme) ``ridge`` (regularised normal equations; default) or ``lstsq``
-            (minimum norm). ``ghost_symmetric`` always solves its Lyapunov equation and does not read it.
-        ridge: (ghost, ghost_symmetric, replaceme) relative regulariser; ε = ridge · tr(XᵀX)/C; default 1e-4.
-        variant: (linearpatch) ``rotate`` (Hadamard; default) or ``diag`` (per-channel scaling only).
-        order: (every method with statistics: all but ``none``) with several gaps, ``sequential``
-            (default) fits each gap on the activations the repaired student really feeds it (earlier gaps
-            already repaired); ``independent`` fits every gap on the dense model's activations.
-    """
-
-    name: str = "ghost"
-    method: str = "ghost"
-    fit: Literal["first", "plain", "weighted", "first_weighted", "first_normed"] | None = None
-    bias: bool | None = None
-    scale: Literal["none", "norm"] | None = None
-    solver: SolverName | None = None
-    ridge: float | None = None
-    variant: Literal["rotate", "diag"] | None = None
-    order: Literal["sequential", "independent"] | None = None
-
-    def __post_init__(self) -> None:
-        _fill_defaults(self)
-
-    def resolved(self) -> RecoveryConfig:
-        """A copy with every key the method reads set: its default where unset. Configs are resolved
-        when made; this is for one whose `method` changed since (or was registered after it was made)."""
-        out = replace(self)
-        _fill_defaults(out)
-        return out
-
-    def settings(self) -> dict[str, Any]:
-        """`name`, `method` and the resolved value of every key the method reads (what its fit sees)."""
-        cfg = self.resolved()
-        keys = method_keys(get_method(self.method))
-        return {"name": cfg.name, "method": cfg.method, **{k: getattr(cfg, k) for k in keys}}
-
+from .interface import Collector, GapFit, Method, RecoveryConfig, get_method, method_keys, registered, setting_keys
 
 # The defaults of the flat config, before each method read only its own keys: every entry carried every
 # key. Run folders written then hold them all in their config.yaml, and digests were made of them.
@@ -99,71 +39,11 @@ def drop_flat_defaults(entry: dict[str, Any]) -> dict[str, Any]:
     """A recovery entry of a config written by the flat version (a run folder's config.yaml lists every
     key of every entry) without the keys its method does not read where they hold the flat default, so
     it validates as it ran. Any other value of an unread key stays (and is rejected: it never applied)."""
-    method = _REGISTRY.get(entry.get("method", "ghost"))
-    if method is None:
+    name = entry.get("method", "ghost")
+    if name not in registered():
         return dict(entry)
-    keys = method_keys(method)
+    keys = method_keys(get_method(name))
     return {k: v for k, v in entry.items() if k in keys or k not in FLAT_DEFAULTS or v != FLAT_DEFAULTS[k]}
-
-
-def setting_keys() -> tuple[str, ...]:
-    """The method-specific keys of `RecoveryConfig`, in field order."""
-    return tuple(f.name for f in fields(RecoveryConfig) if f.name not in ("name", "method"))
-
-
-def method_keys(method: Method) -> dict[str, Any]:
-    """The `RecoveryConfig` keys `method` reads, with their defaults, in field order. A method that
-    declares no `keys` reads `order` only (every method with statistics can be fitted sequentially)."""
-    keys = getattr(method, "keys", None)
-    keys = dict(ORDER_KEYS) if keys is None else keys
-    return {k: keys[k] for k in setting_keys() if k in keys}
-
-
-def _fill_defaults(cfg: RecoveryConfig) -> None:
-    method = _REGISTRY.get(cfg.method)
-    if method is None:
-        return  # `validate_recovery` names the unknown method
-    for key, default in method_keys(method).items():
-        if getattr(cfg, key) is None:
-            setattr(cfg, key, default)
-
-
-_REGISTRY: dict[str, Method] = {}
-
-
-def register(method: Method) -> Method:
-    """Make `method` available as `recovery[].method: <method.name>`; returns it (usable as a decorator
-    on an instance-making class call)."""
-    if not isinstance(method, Method):
-        raise TypeError(f"{method!r} does not implement ghostdistill.methods.Method")
-    if not method.name or not method.name.isidentifier():
-        raise ValueError(f"method name {method.name!r} must be a Python identifier")
-    keys = getattr(method, "keys", None)
-    if keys is not None:
-        unknown = [k for k in keys if k not in setting_keys()]
-        if unknown:
-            raise ValueError(
-                f"method {method.name!r}: keys {unknown} are not RecoveryConfig keys; choose from {list(setting_keys())}"
-            )
-        unset = [k for k, v in keys.items() if v is None]
-        if unset:
-            raise ValueError(f"method {method.name!r}: keys {unset} need a default (None means 'unset')")
-    _REGISTRY[method.name] = method
-    return method
-
-
-def unregister(name: str) -> None:
-    _REGISTRY.pop(name, None)
-
-
-def registered() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
-
-
-def get_method(name: str) -> Method:
-    if name not in _REGISTRY:
-        raise ValueError(f"recovery method {name!r} is not known; choose one of {list(_REGISTRY)}")
-    return _REGISTRY[name]
 
 
 def fit_gap(cfg: RecoveryConfig, gap: Gap, stats: Collector | None, hidden_size: int) -> GapFit:

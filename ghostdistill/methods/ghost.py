@@ -41,7 +41,7 @@ import torch
 from ..core.operator import GhostOperator
 from ..core.plan import Gap
 from ..core.solver import solve, solve_symmetric
-from .base import ORDER_KEYS, SOLVE_KEYS, GapFit, GapTaps, NoFold, RecoveryConfig, register, residual_identity
+from .interface import ORDER_KEYS, SOLVE_KEYS, GapFit, GapTaps, NoFold, RecoveryConfig, register, residual_identity
 
 
 @dataclass

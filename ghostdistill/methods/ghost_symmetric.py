@@ -12,8 +12,8 @@ read, and so rejected (the ridge applies, 0 gives the minimum-norm symmetric sol
 from __future__ import annotations
 
 from ..core.plan import Gap
-from .base import GapFit, NoFold, RecoveryConfig, register, residual_identity
 from .ghost import GHOST_KEYS, GhostCollectorMixin, GhostStatistics, fit_ghost
+from .interface import GapFit, NoFold, RecoveryConfig, register, residual_identity
 
 
 class GhostSymmetric(GhostCollectorMixin, NoFold):

@@ -14,8 +14,8 @@ import torch
 
 from ..core.operator import GhostOperator
 from ..core.plan import Gap
-from .base import ORDER_KEYS, GapFit, GapTaps, NoFold, RecoveryConfig, register, residual_identity
 from .hadamard import hadamard_matrix, has_hadamard
+from .interface import ORDER_KEYS, GapFit, GapTaps, NoFold, RecoveryConfig, register, residual_identity
 
 
 @functools.lru_cache(maxsize=2)

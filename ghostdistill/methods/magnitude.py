@@ -14,7 +14,7 @@ from torch import nn
 from ..core.model import ATTN_OUT, MLP_OUT, last_linear, mlp_module
 from ..core.operator import GhostOperator
 from ..core.plan import Gap
-from .base import ORDER_KEYS, GapFit, GapTaps, RecoveryConfig, register, residual_identity
+from .interface import ORDER_KEYS, GapFit, GapTaps, RecoveryConfig, register, residual_identity
 
 
 class MagnitudeStatistics:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..core.plan import Gap
-from .base import GapFit, NoFold, RecoveryConfig, register
+from .interface import GapFit, NoFold, RecoveryConfig, register
 
 
 class NoRecovery(NoFold):

@@ -15,7 +15,7 @@ from ..core.model import MLP_OUT, last_linear, mlp_module
 from ..core.operator import GhostOperator
 from ..core.plan import Gap
 from ..core.solver import solve
-from .base import ORDER_KEYS, SOLVE_KEYS, GapFit, GapTaps, RecoveryConfig, register
+from .interface import ORDER_KEYS, SOLVE_KEYS, GapFit, GapTaps, RecoveryConfig, register
 
 
 class ReplaceMeStatistics:

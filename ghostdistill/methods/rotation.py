@@ -31,8 +31,8 @@ from torch import nn
 
 from ..core.operator import GhostOperator
 from ..core.plan import Gap
-from .base import ORDER_KEYS, GapFit, NoFold, RecoveryConfig, register, residual_identity
 from .ghost import GhostStatistics
+from .interface import ORDER_KEYS, GapFit, NoFold, RecoveryConfig, register, residual_identity
 from .magnitude import fold_residual_scale
 
 

@@ -20,8 +20,7 @@ from torch import nn
 from ..core.io import atomic_torch_save, json_digest
 from ..core.model import ModelConfig, decoder_stack, hidden_size
 from ..core.plan import PlanConfig, PruningPlan
-from ..methods import Collector, RecoveryConfig, make_collectors
-from ..methods.base import statistics_layout
+from ..methods import Collector, RecoveryConfig, make_collectors, statistics_layout
 from ..planning import repair_config
 
 STATE_FILE = "calibration_state.pt"

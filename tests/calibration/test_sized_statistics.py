@@ -13,8 +13,7 @@ from ghostdistill.calibration.fit import fit_methods
 from ghostdistill.calibration.stream import accumulate
 from ghostdistill.core.plan import PruningPlan
 from ghostdistill.core.views import PrunedModel
-from ghostdistill.methods import RecoveryConfig, fit_gap, make_collectors, validate_recovery
-from ghostdistill.methods.base import statistics_layout
+from ghostdistill.methods import RecoveryConfig, fit_gap, make_collectors, statistics_layout, validate_recovery
 from ghostdistill.methods.ghost import GhostStatistics, fit_groups
 from ghostdistill.pipeline.state import load_state, save_state
 

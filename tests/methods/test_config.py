@@ -19,15 +19,19 @@ from ghostdistill.core.plan import PruningPlan
 from ghostdistill.core.views import PrunedModel
 from ghostdistill.distill.config import DistillConfig
 from ghostdistill.methods import (
+    FLAT_DEFAULTS,
     RecoveryConfig,
+    drop_flat_defaults,
+    flat_settings,
     get_method,
     make_collectors,
     method_keys,
     register,
     registered,
+    setting_keys,
     unregister,
+    validate_recovery,
 )
-from ghostdistill.methods.base import FLAT_DEFAULTS, drop_flat_defaults, flat_settings, setting_keys, validate_recovery
 
 ROOT = Path(__file__).resolve().parents[2]
 C = 64

@@ -13,8 +13,18 @@ from tiny_run import tiny_run_args
 from ghostdistill.cli import main
 from ghostdistill.core.operator import GhostOperator
 from ghostdistill.core.plan import Gap
-from ghostdistill.methods import GapFit, GapTaps, Method, RecoveryConfig, get_method, register, registered, unregister
-from ghostdistill.methods.base import NoFold, validate_recovery
+from ghostdistill.methods import (
+    GapFit,
+    GapTaps,
+    Method,
+    NoFold,
+    RecoveryConfig,
+    get_method,
+    register,
+    registered,
+    unregister,
+    validate_recovery,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
