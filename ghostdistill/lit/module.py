@@ -20,15 +20,16 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ..core.model import ModelConfig, load_model, load_tokenizer
 from ..core.plan import PlanConfig
-from ..core.views import PrunedModel
+from ..core.views import DENSE, PrunedModel
 from ..distill.config import DistillConfig
 from ..distill.optim import clip_per_student, make_optimizer
 from ..distill.parallel import ranks_agree
 from ..distill.students import Students
+from ..evaluation.tally import ViewTally
 from ..methods import RecoveryConfig
 from ..pipeline.calibrate import Dist
 from ..pipeline.config import EvalConfig, RunConfig
-from ..pipeline.evaluate import Tally, score_views, views_to_evaluate
+from ..pipeline.evaluate import score_views, view_results, views_to_evaluate
 from ..pipeline.train import BestSteps, check_checkpoint_keys, checkpoint_extras, distill_step, validate
 from ..reporting.report import RunReport
 
@@ -78,7 +79,7 @@ class GhostDistill(LightningModule):
         self.students: Students | None = None
         self.report = RunReport(model=asdict(model))
         self.tracker = BestSteps()
-        self.tally: Tally | None = None
+        self.tally: ViewTally | None = None
         self._last_validated: int | None = None
         # FSDP2 leaves the LoRA adapters whole on every rank; their gradients are averaged here.
         self._replicated: tuple[list, object] | None = None
@@ -228,7 +229,8 @@ class GhostDistill(LightningModule):
         return views_to_evaluate(self.pruned.views if self.pruned is not None else [], self.cfg.evaluation.views)
 
     def on_test_start(self) -> None:
-        self.tally = Tally(self.views, [s.label for s in self.trainer.datamodule.cfg.evaluation.sources])
+        sources = [s.label for s in self.trainer.datamodule.cfg.evaluation.sources]
+        self.tally = ViewTally(self.views, sources, reference=DENSE).to(self.device)
 
     @torch.no_grad()
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -238,9 +240,9 @@ class GhostDistill(LightningModule):
         chunk, counted = self.cfg.evaluation.logit_chunk, batch.get("counted")
         scores = score_views(self.pruned, ids, mask, self.tally.views, chunk=chunk, counted=counted)
         for view in self.tally.views:
-            self.tally.add(view, dataloader_idx, scores[view])
+            self.tally.update(view, dataloader_idx, scores[view])
 
     def on_test_epoch_end(self) -> None:
-        dist = self.dist()
+        # `compute` adds the ranks' sums (torchmetrics' all-reduce, `dist_reduce_fx="sum"`) before the means.
         methods = {view: self.cfg.method_of(view) for view in self.tally.views}
-        self.report.views = self.tally.results(self.pruned, dist.reduce if dist.world > 1 else None, methods)
+        self.report.views = view_results(self.tally, self.pruned, methods)

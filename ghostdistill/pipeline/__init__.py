@@ -8,7 +8,7 @@ In the order `python -m ghostdistill fit` runs them:
                                           resumable through `state`) → `fit` every method's gaps
 4. `train.build_students`                 the `<method>_ft` students from their closed forms (distillation)
 5. `train.distill_step`, `train.validate` one step of every student on one teacher pass; held-out KL
-6. `evaluate.evaluate` (`score_views`, `Tally`)   perplexity, KL and top-1 of every view
+6. `evaluate.evaluate` (`score_views`, `ViewTally`)   perplexity, KL and top-1 of every view
 7. `evaluate.zeroshot`, `evaluate.analysis`       lm-eval accuracy; operator anatomy and alignment
 8. `reporting.write_report(RunReport)`    results.json, results.md and the plots
 9. `export.export_views` / `export.export_run`    Hugging Face folders, from memory or a run folder

@@ -1,8 +1,8 @@
 """Evaluate: perplexity and teacher fidelity of every view, the analyses, zero-shot.
 
 scores = score_views(pruned, ids, mask, views)     one batch: NLL, KL(dense ‖ view), top-1 per token
-tally.add(view, source, scores[view])              sums over batches (and ranks)
-results = tally.results(pruned)                    the report's `views` section
+tally.update(view, source, scores[view])           float64 sums over batches (`evaluation.tally.ViewTally`)
+results = view_results(tally, pruned)              the report's `views` section, summed over ranks
 evaluate(pruned, views, windows)                   the three above over whole sources, in one call
 analysis(pruned, views, windows, calibration)      anatomy and held-out alignment (`ghostdistill.analysis`)
 zeroshot(pruned, tokenizer, views, cfg, ...)       lm-eval accuracy per view and task, resumable
@@ -22,6 +22,7 @@ from ..core.views import DENSE, PRUNED, PrunedModel, view_parameter_count
 from ..data.windows import shared_ngrams
 from ..evaluation.metrics import TokenScores, next_token_targets, score_hidden
 from ..evaluation.scores import ScoreStore, score_key
+from ..evaluation.tally import ViewTally
 from ..evaluation.zeroshot import average_scores, task_limits
 from ..methods import get_method
 from ..reporting.report import SourceMetrics, ViewResult
@@ -62,47 +63,17 @@ def views_to_evaluate(available: list[str], wanted: list[str]) -> list[str]:
     return [v for v in available if v in (wanted or available)]
 
 
-class Tally:
-    """Per (view, source) sums of NLL, tokens, KL and top-1 matches, in float64; `reduce` (a sum over
-    processes) makes the result that of all ranks together."""
-
-    def __init__(self, views: list[str], sources: list[str]) -> None:
-        self.views, self.sources = list(views), list(sources)
-        self.sums = torch.zeros(len(views), len(sources), 4, dtype=torch.float64)  # nll, tokens, kl, top1
-
-    def add(self, view: str, source: int, scores: TokenScores) -> None:
-        row = self.sums[self.views.index(view), source]
-        row[0] += float(scores.nll.double().sum())
-        row[1] += scores.nll.numel()
-        if scores.kl is not None:
-            row[2] += float(scores.kl.double().sum())
-            row[3] += float(scores.top1.double().sum())
-
-    def results(
-        self,
-        pruned: PrunedModel,
-        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        methods: dict[str, str | None] | None = None,
-    ) -> dict[str, ViewResult]:
-        device = next(pruned.model.parameters()).device  # NCCL reduces only device tensors
-        sums = reduce(self.sums.to(device)).cpu() if reduce is not None else self.sums
-        out = {}
-        for vi, view in enumerate(self.views):
-            metrics = {}
-            for si, source in enumerate(self.sources):
-                nll, tokens, kl, top1 = (float(x) for x in sums[vi, si])
-                n = max(tokens, 1.0)
-                compared = view != DENSE
-                metrics[source] = SourceMetrics(
-                    ppl=float(torch.exp(torch.tensor(nll / n))),
-                    tokens=int(tokens),
-                    kl=kl / n if compared else None,
-                    top1=top1 / n if compared else None,
-                )
-            out[view] = ViewResult(
-                params=inference_parameters(pruned, view, (methods or {}).get(view)), metrics=metrics
-            )
-        return out
+def view_results(
+    tally: ViewTally, pruned: PrunedModel, methods: dict[str, str | None] | None = None
+) -> dict[str, ViewResult]:
+    """The report's `views` section from a complete tally (`compute` sums it over the ranks first)."""
+    return {
+        view: ViewResult(
+            params=inference_parameters(pruned, view, (methods or {}).get(view)),
+            metrics={source: SourceMetrics(**m) for source, m in per_source.items()},
+        )
+        for view, per_source in tally.compute().items()
+    }
 
 
 def inference_parameters(pruned: PrunedModel, view: str, method: str | None = None) -> int:
@@ -127,15 +98,15 @@ def evaluate(
 ) -> dict[str, ViewResult]:
     """Every view on every source's windows, in one process (the Lightning test loop does the same per batch);
     `methods`: the method behind each view (`RunConfig.method_of`), for its parameter count."""
-    tally = Tally(views, list(windows))
     device = next(pruned.model.parameters()).device
+    tally = ViewTally(views, list(windows), reference=DENSE).to(device)
     for si, ids in enumerate(windows.values()):
         for part in ids.split(batch_size):
             part = part.to(device)
             scores = score_views(pruned, part, torch.ones_like(part), views, chunk=chunk)
             for view in views:
-                tally.add(view, si, scores[view])
-    return tally.results(pruned, methods=methods)
+                tally.update(view, si, scores[view])
+    return view_results(tally, pruned, methods)
 
 
 @torch.no_grad()
