@@ -31,6 +31,7 @@ from .lit.datamodule import GhostDataModule
 from .lit.interrupts import terminate_on_sigterm
 from .lit.module import GhostDistill
 from .methods import RecoveryConfig, drop_flat_defaults
+from .planning import check_selection
 from .reporting import compare
 
 COMMANDS = {
@@ -229,7 +230,7 @@ def run_frontier_command(argv: list[str]) -> Path:
     cfg = module.cfg
     cfg.data = dm.cfg
     cfg.validate()
-    cfg.check_selection("frontier")
+    check_selection(cfg.data, "frontier")
     module.configure_model()
     llm = module.llm.to(cli.trainer.strategy.root_device)
     data = dm.bind(module.tokenizer, root, dense=lambda: nullcontext(llm), model_key=asdict(cfg.model))

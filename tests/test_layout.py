@@ -18,7 +18,6 @@ LAYERS = [
     "methods",
     "data",
     "evaluation",
-    "criteria",
     "calibration",
     "planning",
     "analysis",

@@ -11,7 +11,6 @@ from tiny_run import tiny_run_args
 
 from ghostdistill.cli import main
 from ghostdistill.core.model import ModelConfig, load_model, load_tokenizer
-from ghostdistill.core.plan import PlanConfig
 from ghostdistill.data import TextSource
 from ghostdistill.distill.config import DistillConfig
 from ghostdistill.distill.optim import make_optimizer
@@ -23,6 +22,7 @@ from ghostdistill.pipeline.data import CalibrationData, DataConfig, EvaluationDa
 from ghostdistill.pipeline.evaluate import evaluate
 from ghostdistill.pipeline.export import export_views
 from ghostdistill.pipeline.train import BestSteps, build_students, distill_step, validate
+from ghostdistill.planning import PlanConfig
 from ghostdistill.reporting.report import RunReport
 from ghostdistill.reporting.results import write_report
 

@@ -14,15 +14,15 @@ from tqdm.auto import tqdm
 
 from ..core.model import decoder_stack
 from ..core.views import DENSE
-from ..criteria import check_plan
 from ..distill.config import DistillConfig
 from ..evaluation.scores import ScoreStore
 from ..methods import flat_settings
 from ..pipeline.calibrate import calibrate, calibration_summary
 from ..pipeline.evaluate import analysis, view_digests, zeroshot
 from ..pipeline.export import export_views
-from ..pipeline.state import STATE_FILE, greedy_steps, open_state
+from ..pipeline.state import STATE_FILE, open_state, run_key
 from ..pipeline.train import build_students
+from ..planning import check_plan, greedy_steps
 from ..reporting.results import markdown_table, write_report
 from .module import NO_DISTILL_METHODS, GhostDistill
 
@@ -86,7 +86,7 @@ class Calibration(Callback):
         selection = data.selection_batches() if cfg.plan.repair_aware() else None
         key, saved = open_state(run_dir, cfg, llm, rank_zero_warn, rank_zero_info)
         # repair_greedy's first steps from an earlier run of these settings (checked before any pass).
-        taken = greedy_steps(cfg, llm) if saved is None else None
+        taken = greedy_steps(cfg.plan, lambda n: run_key(cfg.at_depth(n), llm)) if saved is None else None
         cal = calibrate(
             llm,
             cfg.plan,

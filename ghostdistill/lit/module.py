@@ -19,7 +19,6 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..core.model import ModelConfig, load_model, load_tokenizer
-from ..core.plan import PlanConfig
 from ..core.views import DENSE, PrunedModel
 from ..distill.config import DistillConfig
 from ..distill.optim import clip_per_student, make_optimizer
@@ -31,6 +30,7 @@ from ..pipeline.calibrate import Dist
 from ..pipeline.config import EvalConfig, RunConfig
 from ..pipeline.evaluate import score_views, view_results, views_to_evaluate
 from ..pipeline.train import BestSteps, check_checkpoint_keys, checkpoint_extras, distill_step, validate
+from ..planning import PlanConfig
 from ..reporting.report import RunReport
 
 NO_DISTILL_METHODS = (

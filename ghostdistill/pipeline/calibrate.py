@@ -1,6 +1,6 @@
 """Calibrate: choose the plan, collect every method's statistics in one dense pass, fit every gap.
 
-    plan = choose(...)                     explicit layers, or a criterion on the calibration batches
+    plan = planning.choose(...)            explicit layers, or a criterion on the calibration batches
     stats, tokens = collect_statistics(...)    one dense pass, float64 sums, resumable from a saved state
     fits = fit(...)                        the closed-form solves (sequential gaps: a student pass each)
 
@@ -11,7 +11,7 @@ rank solves the same operators as one process would.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,16 +21,14 @@ from torch import nn
 from ..calibration.distributed import shard, sum_collectors
 from ..calibration.fit import fit_methods
 from ..calibration.stream import accumulate
-from ..core.model import decoder_stack, hidden_size
-from ..core.plan import REPAIR_CRITERIA, PlanConfig, PruningPlan
+from ..core.model import hidden_size
+from ..core.plan import PruningPlan
 from ..core.views import PrunedModel
-from ..criteria import check_plan, choose_plan
 from ..methods import RecoveryConfig, make_collectors
-from ..planning import choose_repaired
+from ..planning import PlanConfig, Progress, choose, no_progress
 from .state import SavedState, Statistics, save_state, to_device
 
 Batch = dict[str, torch.Tensor]
-Progress = Callable[[Iterable, str], Iterable]
 
 
 @dataclass
@@ -55,33 +53,6 @@ class Calibrated:
     tokens: int
     fits: dict[str, dict]
     seconds: dict[str, float] = field(default_factory=dict)
-
-
-def no_progress(items: Iterable, desc: str) -> Iterable:
-    return items
-
-
-def choose(
-    plan_cfg: PlanConfig,
-    llm: nn.Module,
-    batches: list[Batch],
-    progress: Progress = no_progress,
-    *,
-    recovery: list[RecoveryConfig] | None = None,
-    selection: list[Batch] | None = None,
-    taken: list[dict] | None = None,
-) -> PruningPlan:
-    """The layers to remove: the explicit list, or the criterion's choice on the calibration batches (the
-    repair-aware criteria also fit `recovery`'s repair method per candidate and score it on `selection`;
-    `taken`: ``repair_greedy``'s steps from `plan.greedy_from`, `state.greedy_steps`)."""
-    explicit = check_plan(plan_cfg, len(decoder_stack(llm).layers))
-    if explicit is not None:
-        return explicit
-    if plan_cfg.criterion in REPAIR_CRITERIA:
-        return choose_repaired(
-            plan_cfg, recovery or [], llm, decoder_stack(llm), batches, selection, progress, taken or ()
-        )
-    return choose_plan(plan_cfg, llm, decoder_stack(llm), progress(batches, f"criterion {plan_cfg.criterion}"))
 
 
 def collect_statistics(

@@ -3,16 +3,14 @@ evaluation, distill, data); `EvalConfig` and `ZeroShotConfig` are what the evalu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..core.model import ModelConfig
-from ..core.plan import PlanConfig
 from ..core.views import DENSE, PRUNED
-from ..data import GENERATE
 from ..distill.config import DistillConfig
 from ..evaluation.zeroshot import PAPER_TASKS, check_offline_tasks, task_limits
 from ..methods import RecoveryConfig, validate_recovery
-from ..planning import repair_config
+from ..planning import PlanConfig, check_selection, repair_config
 from .data import DataConfig
 
 
@@ -107,17 +105,12 @@ class RunConfig:
             return
         self.data.validate()
         if self.plan.repair_aware():
-            self.check_selection(f"plan.criterion {self.plan.criterion!r}")
+            check_selection(self.data, f"plan.criterion {self.plan.criterion!r}")
 
-    def check_selection(self, who: str) -> None:
-        """The repair-aware plans are scored on held-out windows: a text calibration source needs
-        `data.selection.source` (self-generated calibration generates them)."""
-        if self.data.selection.source is None and self.data.calibration.source.source != GENERATE:
-            raise ValueError(
-                f"{who} scores every repaired candidate on held-out windows: set data.selection.source "
-                "(disjoint from calibration and evaluation, e.g. the calibration text's later documents with "
-                "first_document)"
-            )
+    def at_depth(self, num_layers: int) -> RunConfig:
+        """This run's config at another depth (its criterion removing `num_layers` blocks), as a run of that
+        depth would have made it: what `plan.greedy_from` checks an earlier run's fingerprint against."""
+        return replace(self, plan=replace(self.plan, num_layers=num_layers, greedy_from=None))
 
     def views(self) -> list[str]:
         """Every view a run has: the baselines, each recovery method and each fine-tuned method."""

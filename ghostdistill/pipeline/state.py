@@ -8,10 +8,9 @@ of other settings or of another layout is never reinterpreted: it is reported an
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -19,9 +18,9 @@ from torch import nn
 
 from ..core.io import atomic_torch_save, json_digest
 from ..core.model import ModelConfig, decoder_stack, hidden_size
-from ..core.plan import PlanConfig, PruningPlan
+from ..core.plan import PruningPlan
 from ..methods import Collector, RecoveryConfig, make_collectors, statistics_layout
-from ..planning import repair_config
+from ..planning import PlanConfig, repair_config
 
 STATE_FILE = "calibration_state.pt"
 # Version of `calibration_state.pt`; a file of another version is recomputed, never reinterpreted.
@@ -199,34 +198,3 @@ def open_state(
     key = run_key(cfg, llm)
     methods = {r.method for r in cfg.recovery}
     return key, load_state(Path(run_dir) / STATE_FILE, key, methods, hidden_size(llm), warn, info, cfg.recovery)
-
-
-def greedy_steps(cfg, llm: nn.Module) -> list[dict]:
-    """The steps of the ``repair_greedy`` run that `cfg.plan.greedy_from` names (none when unset), in order.
-    That run's fingerprint must be the one this run would have at its `num_layers`: the same model, data,
-    selection, recovery, batch size and plan keys, so that its steps are this run's first ones."""
-    source = cfg.plan.greedy_from
-    if source is None:
-        return []
-    results = Path(source) / "results.json" if Path(source).is_dir() else Path(source)
-    if not results.is_file():
-        raise FileNotFoundError(
-            f"plan.greedy_from {source!r}: {results} does not exist; name the folder (or results.json) of a "
-            "finished repair_greedy run"
-        )
-    report = json.loads(results.read_text())
-    plan = report.get("plan") or {}
-    steps = plan.get("candidates") or {}
-    if not str(plan.get("chosen_by", "")).startswith("repair_greedy") or not steps:
-        raise ValueError(
-            f"plan.greedy_from {source!r}: its plan was chosen by {plan.get('chosen_by')!r}, not repair_greedy; "
-            "name a finished repair_greedy run"
-        )
-    earlier = replace(cfg, plan=replace(cfg.plan, num_layers=len(plan["removed"]), greedy_from=None))
-    if (report.get("calibration") or {}).get("fingerprint") != run_key(earlier, llm):
-        raise ValueError(
-            f"plan.greedy_from {source!r} was run with other settings than this run (model, calibration, "
-            "selection, recovery, batch size or plan keys besides num_layers): its steps need not be this "
-            "run's; remove plan.greedy_from, or name a repair_greedy run of these settings"
-        )
-    return [steps[f"step {t}"] for t in range(1, len(steps) + 1)]

@@ -1,5 +1,47 @@
-"""Repair-aware planning: remove the blocks whose gap the closed-form repair fixes best.
+"""Planning: which blocks to remove. One package, one registry of criteria (`interface.py`: `PlanConfig`,
+`PlanInputs`, the `Criterion` protocol, `register`), one module per family of criteria:
 
+| criterion | removes | module |
+|---|---|---|
+| ``streamline``, ``angular``, ``angular_last`` | the most similar run of `num_layers` blocks | `similarity.py` |
+| ``block_influence`` | the blocks that change the stream least (ShortGPT) | `similarity.py` |
+| ``ppl`` | the blocks whose removal costs the least perplexity (Shortened LLaMA) | `perplexity.py` |
+| ``taylor`` | the blocks of least Σ|W·∂L/∂W| (Shortened LLaMA) | `taylor.py` |
+| ``repair`` | the run whose *repaired* model is closest to the dense one | `repair.py` |
+| ``repair_greedy`` | one block at a time, any block, by the same score | `greedy.py` |
+
+    check_plan(cfg, num_layers)           before any data: the explicit plan, or the candidate counts
+    check_selection(data, who)            a repair-aware criterion has held-out windows to score on
+    greedy_steps(cfg, fingerprint_at)     `plan.greedy_from`'s steps, checked by fingerprint
+    choose(cfg, model, batches, ...)      the plan: the explicit list, or the criterion's choice
+
+Adding a criterion: one module defining an object with the `Criterion` members, passed to `register`,
+and its name in the import line below (`PerBlock` in `candidates.py` makes a per-block one from a score
+function). A run's `plan.criterion` is checked against the registry when the config is made.
+
+The pre-repair criteria
+-----------------------
+Contiguous criteria score every run of `n` blocks at once: ``streamline`` (cosine between the run's
+input and output), ``angular`` and ``angular_last`` (Gromov et al. 2024, "The Unreasonable
+Ineffectiveness of the Deeper Layers"). Per-block criteria score each block on its own and remove the
+`n` least important, wherever they are:
+
+- ``block_influence``: ShortGPT (Men et al. 2024, "ShortGPT: Layers in Large Language Models are More
+  Redundant Than You Expect"), BI_i = 1 - cos(input of block i, output of block i).
+- ``ppl`` and ``taylor``: Shortened LLaMA (Kim et al. 2024, "Shortened LLaMA: Depth Pruning for Large
+  Language Models with Comparison of Retraining Methods"): the perplexity of the model without block i,
+  and the first-order Taylor importance sum |W * dL/dW| over the block's weights.
+
+All similarity criteria compare hidden vectors along the channel axis, per token, with padding masked,
+and are accumulated over batches (one forward pass, every candidate block at once). `keep_first` and
+`keep_last` protect the first and last blocks from every criterion.
+
+The repair-aware criteria ``repair`` (contiguous) and ``repair_greedy`` (any blocks) fit a repair for
+every candidate and score the repaired model; they read the methods and the calibration pass, and `check_plan` checks their candidate counts like the
+others'.
+
+The repair-aware criteria
+-------------------------
 The pre-repair criteria (`ghostdistill.criteria`) rank blocks by how little the residual stream changes
 across them; the repair is then fitted to whatever was chosen. The question a user asks is about the
 model after repair, so these criteria answer it directly. For a candidate plan P with gaps g₁ … g_k:
@@ -21,39 +63,140 @@ either: on some families the best-repaired block has near-zero cosine similarity
   `repair_chunk` candidates when they do not fit in memory at once.
 - `greedy.repair_greedy_plan` (``criterion: repair_greedy``): one block at a time, any block.
 - `fitting.RepairFitter`: the statistics and fits with their caches; `scoring.SelectionScorer`: the KL.
+
+The repair-aware plan's candidates are written into results.md by `ghostdistill.reporting.planning`: this
+package decides, reporting presents (it sits above every phase and writes files).
 """
 
-from ..criteria import first_windows
+from __future__ import annotations
+
+from torch import nn
+
+from ..core.model import decoder_stack
+from ..core.plan import PruningPlan
+from ..data.sources import GENERATE
+from ..methods import RecoveryConfig
+
+# The registry, in the order of the table above (`criteria()` and error messages list them so).
+# isort: off
+from . import similarity, perplexity, taylor, repair, greedy  # noqa: F401
+
+# isort: on
+from .candidates import PerBlock, candidate_blocks, candidate_starts, first_windows, lowest, protected_edges
 from .fitting import RepairFitter, repair_config
-from .greedy import repair_greedy_plan
+from .greedy import greedy_steps, repair_greedy_plan
+from .interface import (
+    COST_KEYS,
+    LATER_KEYS,
+    Batch,
+    Criterion,
+    PlanConfig,
+    PlanInputs,
+    Progress,
+    criteria,
+    get_criterion,
+    no_progress,
+    register,
+    unregister,
+)
+from .perplexity import removal_perplexity
 from .repair import Runs, repair_plan, score_runs
 from .scoring import SelectionScorer
+from .similarity import block_influence, block_similarity
+from .taylor import taylor_importance
 
 __all__ = [
+    "COST_KEYS",
+    "LATER_KEYS",
+    "Batch",
+    "Criterion",
+    "PerBlock",
+    "PlanConfig",
+    "PlanInputs",
+    "Progress",
     "RepairFitter",
     "Runs",
     "SelectionScorer",
-    "choose_repaired",
+    "block_influence",
+    "block_similarity",
+    "candidate_blocks",
+    "candidate_starts",
+    "check_plan",
+    "check_selection",
+    "choose",
+    "choose_plan",
+    "criteria",
+    "first_windows",
+    "get_criterion",
+    "greedy_steps",
+    "lowest",
+    "no_progress",
+    "protected_edges",
+    "register",
+    "removal_perplexity",
     "repair_config",
     "repair_greedy_plan",
     "repair_plan",
     "score_runs",
+    "taylor_importance",
+    "unregister",
 ]
 
 
-def choose_repaired(plan_cfg, recovery, model, stack, batches, selection, progress=lambda it, desc: it, taken=()):
-    """The plan of a repair-aware criterion (`plan_cfg.criterion` ``repair`` or ``repair_greedy``; `taken`:
-    the steps of an earlier ``repair_greedy`` search of these settings, its first)."""
-    cfg = repair_config(plan_cfg, recovery)
-    if not selection:
+def check_plan(cfg: PlanConfig, num_layers: int) -> PruningPlan | None:
+    """Everything about the plan that the model's depth decides, before any data is read: the explicit plan
+    (out-of-range or edge layers, removing them all), or whether `cfg.criterion` may remove `cfg.num_layers`
+    of `num_layers` blocks with its protected edges. Returns the explicit plan, or None for a criterion."""
+    cfg.validate()
+    if cfg.layers is not None:
+        return PruningPlan.from_layers(cfg.layers, num_layers, allow_edges=cfg.allow_edges)
+    criterion = get_criterion(cfg.criterion)
+    keep_first, keep_last = protected_edges(cfg)
+    try:
+        if criterion.contiguous:
+            candidate_starts(num_layers, cfg.num_layers, keep_first=keep_first, keep_last=keep_last)
+        else:
+            candidate_blocks(num_layers, cfg.num_layers, keep_first, keep_last)
+    except ValueError as err:
+        raise ValueError(f"plan.num_layers {cfg.num_layers} with plan.criterion {cfg.criterion!r}: {err}") from None
+    return None
+
+
+def check_selection(data, who: str) -> None:
+    """The repair-aware plans are scored on held-out windows: a text calibration source needs
+    `data.selection.source` (self-generated calibration generates them). `data`: the run's data sections."""
+    if data.selection.source is None and data.calibration.source.source != GENERATE:
         raise ValueError(
-            f"plan.criterion {plan_cfg.criterion!r} scores each repaired candidate on held-out windows, and "
-            "there are none: set data.selection (a source and num_windows, disjoint from calibration and "
-            "evaluation)"
+            f"{who} scores every repaired candidate on held-out windows: set data.selection.source "
+            "(disjoint from calibration and evaluation, e.g. the calibration text's later documents with "
+            "first_document)"
         )
-    if plan_cfg.criterion_samples is not None:
-        # The candidates' statistics from the first windows only (the chosen plan's fits read them all).
-        batches = list(first_windows(batches, plan_cfg.criterion_samples))
-    if plan_cfg.criterion == "repair":
-        return repair_plan(plan_cfg, cfg, model, stack, batches, selection, progress)
-    return repair_greedy_plan(plan_cfg, cfg, model, stack, batches, selection, progress, taken)
+
+
+def choose_plan(cfg: PlanConfig, inputs: PlanInputs) -> PruningPlan:
+    """The criterion's plan (`cfg.criterion`, `cfg.num_layers` blocks); `PruningPlan.scores` holds its
+    scores, keyed "i-j" for runs and "i" for single blocks."""
+    if cfg.num_layers is None:
+        raise ValueError(f"plan.criterion={cfg.criterion!r} needs plan.num_layers (how many layers to remove)")
+    return get_criterion(cfg.criterion).choose(cfg, inputs)
+
+
+def choose(
+    cfg: PlanConfig,
+    model: nn.Module,
+    batches: list[Batch],
+    progress: Progress = no_progress,
+    *,
+    recovery: list[RecoveryConfig] | None = None,
+    selection: list[Batch] | None = None,
+    taken: list[dict] | None = None,
+) -> PruningPlan:
+    """The layers to remove: the explicit list, or the criterion's choice on the calibration batches (the
+    repair-aware criteria also fit `recovery`'s repair method per candidate and score it on `selection`;
+    `taken`: ``repair_greedy``'s steps from `plan.greedy_from`, `greedy_steps`)."""
+    stack = decoder_stack(model)
+    explicit = check_plan(cfg, len(stack.layers))
+    if explicit is not None:
+        return explicit
+    inputs = PlanInputs(model, stack, batches, progress, recovery or (), selection, taken or ())
+    return choose_plan(cfg, inputs)

@@ -20,11 +20,11 @@ from torch import nn
 from ..calibration.fit import register_view
 from ..calibration.stream import accumulate, accumulate_students
 from ..core.model import decoder_stack, hidden_size
-from ..core.plan import Gap, PlanConfig, PruningPlan
+from ..core.plan import Gap, PruningPlan
 from ..core.views import PrunedModel
 from ..methods import Collector, GapFit, RecoveryConfig, get_method, make_collectors, registered
-
-Batch = dict[str, torch.Tensor]
+from .candidates import first_windows
+from .interface import Batch, PlanConfig, PlanInputs
 
 
 def repair_config(plan_cfg: PlanConfig, recovery: Sequence[RecoveryConfig]) -> RecoveryConfig:
@@ -44,6 +44,20 @@ def repair_config(plan_cfg: PlanConfig, recovery: Sequence[RecoveryConfig]) -> R
         f"plan.repair_method {name!r} is neither a recovery entry ({', '.join(c.name for c in recovery)}) nor a "
         f"registered method ({', '.join(registered())})"
     )
+
+
+def repair_inputs(cfg: PlanConfig, inputs: PlanInputs) -> tuple[RecoveryConfig, list[Batch]]:
+    """What a repair-aware criterion starts from: the entry that repairs every candidate, and the
+    calibration batches its candidates' statistics read (the first `criterion_samples` windows; the chosen
+    plan's fits read them all). Refuses a run without selection windows, where the candidates are scored."""
+    entry = repair_config(cfg, inputs.recovery)
+    if not inputs.selection:
+        raise ValueError(
+            f"plan.criterion {cfg.criterion!r} scores each repaired candidate on held-out windows, and "
+            "there are none: set data.selection (a source and num_windows, disjoint from calibration and "
+            "evaluation)"
+        )
+    return entry, list(first_windows(inputs.batches, cfg.criterion_samples))
 
 
 def _key(gaps: Sequence[Gap]) -> tuple[tuple[int, int], ...]:

@@ -20,20 +20,20 @@ dense pass for the kept plan's first gap; with n no more than the steps taken, n
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 
-import torch
 from torch import nn
 
 from ..core.model import DecoderStack
-from ..core.plan import PlanConfig, PruningPlan
-from ..criteria import candidate_blocks, protected_edges
+from ..core.plan import PruningPlan
 from ..methods import RecoveryConfig
-from .fitting import RepairFitter
+from .candidates import candidate_blocks, protected_edges
+from .fitting import RepairFitter, repair_inputs
+from .interface import Batch, PlanConfig, PlanInputs, register
 from .scoring import SelectionScorer
-
-Batch = dict[str, torch.Tensor]
 
 
 def repair_greedy_plan(
@@ -101,3 +101,53 @@ def repair_greedy_plan(
             "reused_steps": len(taken[:n]),
         },
     )
+
+
+def greedy_steps(plan_cfg: PlanConfig, fingerprint_at: Callable[[int], str]) -> list[dict]:
+    """The steps of the ``repair_greedy`` run that `plan_cfg.greedy_from` names (none when unset), in order.
+    That run's fingerprint must be `fingerprint_at(its num_layers)`, the one this run would have at that
+    depth (the same model, data, selection, recovery, batch size and plan keys), so that its steps are this
+    run's first ones."""
+    source = plan_cfg.greedy_from
+    if source is None:
+        return []
+    results = Path(source) / "results.json" if Path(source).is_dir() else Path(source)
+    if not results.is_file():
+        raise FileNotFoundError(
+            f"plan.greedy_from {source!r}: {results} does not exist; name the folder (or results.json) of a "
+            "finished repair_greedy run"
+        )
+    report = json.loads(results.read_text())
+    plan = report.get("plan") or {}
+    steps = plan.get("candidates") or {}
+    if not str(plan.get("chosen_by", "")).startswith("repair_greedy") or not steps:
+        raise ValueError(
+            f"plan.greedy_from {source!r}: its plan was chosen by {plan.get('chosen_by')!r}, not repair_greedy; "
+            "name a finished repair_greedy run"
+        )
+    if (report.get("calibration") or {}).get("fingerprint") != fingerprint_at(len(plan["removed"])):
+        raise ValueError(
+            f"plan.greedy_from {source!r} was run with other settings than this run (model, calibration, "
+            "selection, recovery, batch size or plan keys besides num_layers): its steps need not be this "
+            "run's; remove plan.greedy_from, or name a repair_greedy run of these settings"
+        )
+    return [steps[f"step {t}"] for t in range(1, len(steps) + 1)]
+
+
+class RepairGreedy:
+    """``criterion: repair_greedy``: one block at a time, any block, each step keeping the removal whose
+    repaired model is closest to the dense one on the selection windows."""
+
+    name = "repair_greedy"
+    contiguous = False
+    costly = True
+    repair_aware = True
+
+    def choose(self, cfg: PlanConfig, inputs: PlanInputs) -> PruningPlan:
+        entry, batches = repair_inputs(cfg, inputs)
+        return repair_greedy_plan(
+            cfg, entry, inputs.model, inputs.stack, batches, inputs.selection, inputs.progress, inputs.taken
+        )
+
+
+register(RepairGreedy())

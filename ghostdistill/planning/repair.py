@@ -22,18 +22,17 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 from ..core.model import DecoderStack
-from ..core.plan import Gap, PlanConfig, PruningPlan
+from ..core.plan import Gap, PruningPlan
 from ..core.views import PRUNED
-from ..criteria import block_similarity, protected_edges
 from ..methods import GapFit, RecoveryConfig
-from .fitting import RepairFitter
+from .candidates import protected_edges
+from .fitting import RepairFitter, repair_inputs
+from .interface import Batch, PlanConfig, PlanInputs, register
 from .scoring import SelectionScorer
-
-Batch = dict[str, torch.Tensor]
+from .similarity import block_similarity
 
 
 @dataclass
@@ -161,3 +160,20 @@ def repair_plan(
         candidates=rows,
         costs=runs.costs,
     )
+
+
+class Repair:
+    """``criterion: repair``: every contiguous run of `num_layers` blocks, repaired from one dense pass and
+    scored on the selection windows; the run with the lowest KL goes."""
+
+    name = "repair"
+    contiguous = True
+    costly = True
+    repair_aware = True
+
+    def choose(self, cfg: PlanConfig, inputs: PlanInputs) -> PruningPlan:
+        entry, batches = repair_inputs(cfg, inputs)
+        return repair_plan(cfg, entry, inputs.model, inputs.stack, batches, inputs.selection, inputs.progress)
+
+
+register(Repair())

@@ -186,8 +186,8 @@ def test_saved_state_resumes_only_into_its_own_layout(tmp_path):
 
 def test_fingerprint_names_a_sized_layout_only():
     from ghostdistill.core.model import ModelConfig
-    from ghostdistill.core.plan import PlanConfig
     from ghostdistill.pipeline.state import fingerprint
+    from ghostdistill.planning import PlanConfig
 
     model = tiny_model("llama", num_layers=4)
     key = lambda methods, recovery=None: fingerprint(ModelConfig(), model, PlanConfig(), {}, 4, methods, recovery)  # noqa: E731

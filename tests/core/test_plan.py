@@ -52,7 +52,7 @@ def test_edges_allowed_when_insisted():
     ],
 )
 def test_plan_values_are_checked_without_a_model(cfg, match):
-    from ghostdistill.core.plan import PlanConfig
+    from ghostdistill.planning import PlanConfig
 
     with pytest.raises(ValueError, match=match):
         PlanConfig(**cfg).validate()
@@ -61,8 +61,8 @@ def test_plan_values_are_checked_without_a_model(cfg, match):
 def test_bad_plan_fails_before_the_model_or_tokenizer_is_loaded():
     """The module checks its plan first: a nonexistent model source is never reached."""
     from ghostdistill.core.model import ModelConfig
-    from ghostdistill.core.plan import PlanConfig
     from ghostdistill.lit.module import GhostDistill
+    from ghostdistill.planning import PlanConfig
 
     with pytest.raises(ValueError, match="twice"):
         GhostDistill(model=ModelConfig(source="/nonexistent/model"), plan=PlanConfig(layers=[2, 2]))
@@ -87,16 +87,14 @@ def test_bad_plan_fails_before_the_model_or_tokenizer_is_loaded():
     ],
 )
 def test_depth_checks_name_the_value_and_the_valid_range(cfg, match):
-    from ghostdistill.core.plan import PlanConfig
-    from ghostdistill.criteria import check_plan
+    from ghostdistill.planning import PlanConfig, check_plan
 
     with pytest.raises(ValueError, match=match):
         check_plan(PlanConfig(**cfg), 6)
 
 
 def test_check_plan_returns_the_explicit_plan_or_none():
-    from ghostdistill.core.plan import PlanConfig
-    from ghostdistill.criteria import check_plan
+    from ghostdistill.planning import PlanConfig, check_plan
 
     assert check_plan(PlanConfig(layers=[2, 3]), 6).removed == (2, 3)
     assert check_plan(PlanConfig(num_layers=4), 6) is None

@@ -10,10 +10,11 @@ from tiny_run import tiny_run_args
 
 from ghostdistill.cli import main
 from ghostdistill.core.model import ModelConfig
-from ghostdistill.core.plan import PlanConfig, PruningPlan
+from ghostdistill.core.plan import PruningPlan
 from ghostdistill.core.views import PrunedModel
 from ghostdistill.lit.module import GhostDistill
 from ghostdistill.methods import RecoveryConfig, identity_fit
+from ghostdistill.planning import PlanConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,9 +11,8 @@ from conftest import random_batches, tiny_model
 from test_repair_run import repair_args
 
 from ghostdistill.cli import main
-from ghostdistill.core.plan import PlanConfig
 from ghostdistill.methods import RecoveryConfig
-from ghostdistill.planning import score_runs
+from ghostdistill.planning import PlanConfig, score_runs
 
 
 def frontier_file(tmp_path, tiny_dir, text_files, depths):

@@ -12,14 +12,17 @@ from conftest import random_batches, tiny_model
 from torch import nn
 
 from ghostdistill.calibration.stream import accumulate
-from ghostdistill.core.plan import PlanConfig, PruningPlan
+from ghostdistill.core.plan import PruningPlan
 from ghostdistill.core.views import PRUNED, PrunedModel
-from ghostdistill.criteria import check_plan, choose_plan
 from ghostdistill.methods import RecoveryConfig, make_collectors
 from ghostdistill.planning import (
+    PlanConfig,
+    PlanInputs,
     RepairFitter,
     SelectionScorer,
-    choose_repaired,
+    check_plan,
+    choose,
+    choose_plan,
     repair_config,
     repair_greedy_plan,
     repair_plan,
@@ -63,10 +66,10 @@ def selection_batches():
 def test_repair_chooses_the_exactly_repairable_block_and_streamline_the_most_similar():
     model = built_model()
     batches = random_batches(n=4)
-    streamline = choose_plan(PlanConfig(num_layers=1), model, model.model, batches)
+    streamline = choose(PlanConfig(num_layers=1), model, batches)
     assert streamline.removed == (4,)
     cfg = PlanConfig(criterion="repair", num_layers=1, repair_method="ghost_paper")
-    plan = choose_repaired(cfg, [PLAIN], model, model.model, batches, selection_batches())
+    plan = choose(cfg, model, batches, recovery=[PLAIN], selection=selection_batches())
     assert plan.removed == (2,)
     rows = plan.candidates
     assert set(rows) == {f"{i}-{i}" for i in range(1, 6)}  # keep_first = keep_last = 1
@@ -84,7 +87,7 @@ def test_repair_with_no_recovery_method_scores_the_pruned_model():
     model = built_model()
     batches = random_batches(n=2)
     cfg = PlanConfig(criterion="repair", num_layers=1, repair_method="none")
-    plan = choose_repaired(cfg, [PLAIN], model, model.model, batches, selection_batches())
+    plan = choose(cfg, model, batches, recovery=[PLAIN], selection=selection_batches())
     rows = plan.candidates
     for row in rows.values():
         assert row["repaired_kl"] == pytest.approx(row["pruned_kl"], rel=1e-6)
@@ -224,7 +227,7 @@ def test_candidate_models_leave_the_dense_model_as_it_was():
     with torch.no_grad():
         before = model(input_ids=ids).logits
     cfg = PlanConfig(criterion="repair", num_layers=2, repair_method="ghost_paper")
-    choose_repaired(cfg, [PLAIN], model, model.model, random_batches(n=2), selection_batches())
+    choose(cfg, model, random_batches(n=2), recovery=[PLAIN], selection=selection_batches())
     with torch.no_grad():
         after = model(input_ids=ids).logits
     assert len(model.model.layers) == 7 and torch.equal(before, after)
@@ -235,8 +238,6 @@ def test_plan_checks_and_bad_settings():
     assert check_plan(PlanConfig(criterion="repair_greedy", num_layers=3), 7) is None
     with pytest.raises(ValueError, match="cannot remove 6 contiguous"):
         check_plan(PlanConfig(criterion="repair", num_layers=6), 7)
-    with pytest.raises(ValueError, match="choose_repaired"):
-        choose_plan(PlanConfig(criterion="repair", num_layers=1), None, None, [])
     with pytest.raises(ValueError, match="plan.repair_method is read only by"):
         PlanConfig(num_layers=2, repair_method="ghost").validate()
     with pytest.raises(ValueError, match="plan.repair_chunk must be >= 1"):
@@ -247,7 +248,7 @@ def test_plan_checks_and_bad_settings():
     lp = repair_config(PlanConfig(criterion="repair", num_layers=2, repair_method="linearpatch"), [PLAIN])
     assert lp.method == "linearpatch" and lp.variant == "rotate"
     with pytest.raises(ValueError, match="data.selection"):
-        choose_repaired(PlanConfig(criterion="repair", num_layers=1), [PLAIN], None, None, [], [])
+        choose_plan(PlanConfig(criterion="repair", num_layers=1), PlanInputs(None, None, [], recovery=[PLAIN]))
 
 
 def test_chunked_candidates_choose_the_same_plan():
@@ -324,13 +325,13 @@ def test_criterion_samples_caps_the_windows_the_candidates_are_fitted_on():
     model = built_model()
     batches = random_batches(n=4)
     capped = PlanConfig(criterion="repair", num_layers=1, repair_method="ghost_paper", criterion_samples=8)
-    a = choose_repaired(capped, [PLAIN], model, model.model, batches, selection_batches())
-    b = choose_repaired(
+    a = choose(capped, model, batches, recovery=[PLAIN], selection=selection_batches())
+    b = choose(
         PlanConfig(criterion="repair", num_layers=1, repair_method="ghost_paper"),
-        [PLAIN],
         model,
-        model.model,
-        batches[:2],  # 2 batches of 4 windows: the first 8 windows
-        selection_batches(),
+        batches[:2],
+        recovery=[PLAIN],
+        # 2 batches of 4 windows: the first 8 windows
+        selection=selection_batches(),
     )
     assert a.candidates == b.candidates

@@ -9,7 +9,8 @@ from torch import nn
 
 from ..core.model import DecoderStack, model_inputs
 from ..evaluation.metrics import next_token_nll
-from .candidates import Batch
+from .candidates import PerBlock
+from .interface import Batch, register
 
 
 def taylor_importance(
@@ -66,3 +67,6 @@ def taylor_importance(
         for m, training in saved_training.items():
             m.training = training
     return scores
+
+
+register(PerBlock("taylor", taylor_importance, costly=True))

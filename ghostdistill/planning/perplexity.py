@@ -12,7 +12,8 @@ from ..core.model import DecoderStack, model_inputs
 from ..core.plan import PruningPlan
 from ..core.views import PRUNED, PrunedModel
 from ..evaluation.metrics import next_token_nll
-from .candidates import Batch
+from .candidates import PerBlock
+from .interface import Batch, register
 
 
 @torch.no_grad()
@@ -45,3 +46,6 @@ def removal_perplexity(
         raise ValueError("the criterion saw no tokens: the calibration data is empty (or one token per window)")
     # Cap the exponent: a wrecked model's perplexity overflows a float, and the ranking only needs order.
     return {i: math.exp(min(nll[i] / tokens, 700.0)) for i in blocks}
+
+
+register(PerBlock("ppl", removal_perplexity, costly=True))

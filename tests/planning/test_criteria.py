@@ -3,13 +3,13 @@ import torch
 from conftest import tiny_model
 
 from ghostdistill.core.model import decoder_stack
-from ghostdistill.core.plan import PlanConfig
-from ghostdistill.criteria import (
+from ghostdistill.planning import (
+    PlanConfig,
     block_influence,
     block_similarity,
     candidate_blocks,
     candidate_starts,
-    choose_plan,
+    choose,
     protected_edges,
     removal_perplexity,
 )
@@ -33,7 +33,7 @@ def _batches():
 @pytest.mark.parametrize("criterion", ["streamline", "angular", "angular_last"])
 def test_criteria_find_the_blocks_that_do_nothing(criterion):
     model = _identity_blocks(tiny_model("llama", num_layers=8), [4, 5])
-    plan = choose_plan(PlanConfig(criterion=criterion, num_layers=2), model, decoder_stack(model), _batches())
+    plan = choose(PlanConfig(criterion=criterion, num_layers=2), model, _batches())
     assert plan.removed == (4, 5)
     assert plan.chosen_by == criterion
     assert plan.scores["4-5"] == pytest.approx(1.0 if criterion == "streamline" else 0.0, abs=1e-3)
@@ -43,9 +43,9 @@ def test_edges_are_protected_unless_allowed():
     assert candidate_starts(8, 2, allow_edges=False) == [1, 2, 3, 4, 5]
     assert candidate_starts(8, 2, allow_edges=True) == list(range(7))
     model = _identity_blocks(tiny_model("llama", num_layers=8), [0, 1])
-    plan = choose_plan(PlanConfig(num_layers=2), model, decoder_stack(model), _batches())
+    plan = choose(PlanConfig(num_layers=2), model, _batches())
     assert 0 not in plan.removed and 7 not in plan.removed
-    plan = choose_plan(PlanConfig(num_layers=2, allow_edges=True), model, decoder_stack(model), _batches())
+    plan = choose(PlanConfig(num_layers=2, allow_edges=True), model, _batches())
     assert plan.removed == (0, 1)
     with pytest.raises(ValueError, match="cannot remove 7"):
         candidate_starts(8, 7, allow_edges=False)
@@ -72,7 +72,7 @@ def test_padding_is_masked_per_token():
 def test_criterion_needs_num_layers():
     model = tiny_model("llama", num_layers=6)
     with pytest.raises(ValueError, match="num_layers"):
-        choose_plan(PlanConfig(criterion="streamline"), model, decoder_stack(model), _batches())
+        choose(PlanConfig(criterion="streamline"), model, _batches())
 
 
 # ---------------------------------------------------------------- per-block criteria (ShortGPT, Shortened LLaMA)
@@ -109,8 +109,7 @@ def _identity_model_and_text():
 @pytest.mark.parametrize("criterion", PER_BLOCK)
 def test_per_block_criteria_find_non_contiguous_blocks_and_respect_keep(criterion):
     model, batches = _identity_model_and_text()
-    stack = decoder_stack(model)
-    plan = choose_plan(PlanConfig(criterion=criterion, num_layers=3), model, stack, batches)
+    plan = choose(PlanConfig(criterion=criterion, num_layers=3), model, batches)
     assert plan.removed == (1, 3, 5)
     assert [g.key for g in plan.gaps] == ["1-1", "3-3", "5-5"]
     assert plan.chosen_by == criterion
@@ -125,15 +124,14 @@ def test_per_block_criteria_find_non_contiguous_blocks_and_respect_keep(criterio
         assert max(plan.scores[k] for k in ("1", "3", "5")) == pytest.approx(0.0, abs=1e-5)
         assert real > 1e-3
     # keep_first=2 protects identity block 1, keep_last=2 identity block 5.
-    plan = choose_plan(PlanConfig(criterion=criterion, num_layers=1, keep_first=2, keep_last=2), model, stack, batches)
+    plan = choose(PlanConfig(criterion=criterion, num_layers=1, keep_first=2, keep_last=2), model, batches)
     assert plan.removed == (3,)
     assert sorted(plan.scores) == ["2", "3", "4"]
 
 
 def test_keep_first_and_keep_last_apply_to_contiguous_criteria():
     model, batches = _identity_model_and_text()
-    stack = decoder_stack(model)
-    plan = choose_plan(PlanConfig(num_layers=1, keep_first=2, keep_last=2), model, stack, batches)
+    plan = choose(PlanConfig(num_layers=1, keep_first=2, keep_last=2), model, batches)
     assert plan.removed == (3,)
     assert sorted(plan.scores) == ["2-2", "3-3", "4-4"]
 
@@ -160,19 +158,18 @@ def test_edge_options():
 def test_unprotected_first_block_can_go(edges):
     model = _identity_blocks(tiny_model("llama", num_layers=6), [0])
     cfg = PlanConfig(criterion="block_influence", num_layers=1, **edges)
-    plan = choose_plan(cfg, model, decoder_stack(model), _batches())
+    plan = choose(cfg, model, _batches())
     assert plan.removed == (0,)
 
 
 def test_clear_errors():
     model = tiny_model("llama", num_layers=6)
-    stack = decoder_stack(model)
     with pytest.raises(ValueError, match="'nope' is not known.*streamline.*block_influence, ppl, taylor"):
-        choose_plan(PlanConfig(criterion="nope", num_layers=1), model, stack, _batches())
+        choose(PlanConfig(criterion="nope", num_layers=1), model, _batches())
     with pytest.raises(ValueError, match="cannot remove 5 layers from 6 .*4 are removable"):
-        choose_plan(PlanConfig(criterion="ppl", num_layers=5), model, stack, _batches())
+        choose(PlanConfig(criterion="ppl", num_layers=5), model, _batches())
     with pytest.raises(ValueError, match="criterion_samples"):
-        choose_plan(PlanConfig(criterion="ppl", num_layers=1, criterion_samples=0), model, stack, _batches())
+        choose(PlanConfig(criterion="ppl", num_layers=1, criterion_samples=0), model, _batches())
 
 
 def test_block_influence_and_ppl_mask_padding():
@@ -197,11 +194,10 @@ def test_block_influence_and_ppl_mask_padding():
 @pytest.mark.parametrize("criterion", ["ppl", "taylor"])
 def test_criterion_samples_uses_the_first_windows(criterion):
     model = tiny_model("llama", num_layers=5)
-    stack = decoder_stack(model)
     batches = _batches()  # 2 batches of 2 windows
     first3 = [batches[0], {"input_ids": batches[1]["input_ids"][:1]}]
-    capped = choose_plan(PlanConfig(criterion=criterion, num_layers=1, criterion_samples=3), model, stack, batches)
-    direct = choose_plan(PlanConfig(criterion=criterion, num_layers=1), model, stack, first3)
+    capped = choose(PlanConfig(criterion=criterion, num_layers=1, criterion_samples=3), model, batches)
+    direct = choose(PlanConfig(criterion=criterion, num_layers=1), model, first3)
     # Were the cap ignored, `capped` would see the fourth window as well and differ from `direct`.
     assert capped.scores == pytest.approx(direct.scores, rel=1e-6)
 
@@ -218,7 +214,7 @@ def test_taylor_restores_grad_state_and_mode():
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
     grads = {n: p.grad for n, p in model.named_parameters()}
     modes = {n: m.training for n, m in model.named_modules()}
-    plan = choose_plan(PlanConfig(criterion="taylor", num_layers=1), model, stack, _batches())
+    plan = choose(PlanConfig(criterion="taylor", num_layers=1), model, _batches())
     assert set(plan.scores) == {"1", "2", "3", "4"}
     assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
     assert all(p.grad is grads[n] for n, p in model.named_parameters())
@@ -236,7 +232,7 @@ def test_ppl_leaves_the_model_as_it_was(family):
     with torch.no_grad():
         before = model(input_ids=ids).logits
     # allow_edges: removing the last block hosts the (inactive) operator hook on the one before it.
-    plan = choose_plan(PlanConfig(criterion="ppl", num_layers=2, allow_edges=True), model, stack, _batches())
+    plan = choose(PlanConfig(criterion="ppl", num_layers=2, allow_edges=True), model, _batches())
     assert len(plan.removed) == 2 and set(plan.scores) == {str(i) for i in range(6)}
     assert list(decoder_stack(model).layers) == layers
     assert model.config.num_hidden_layers == 6
@@ -245,3 +241,25 @@ def test_ppl_leaves_the_model_as_it_was(family):
     assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in layers)
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, before)
+
+
+def test_a_new_criterion_is_one_object_and_one_register_call():
+    """What adding a criterion takes: an object with the Criterion members (`PerBlock` from a score), passed
+    to `register`; the config accepts its name, `check_plan` counts its candidates, `choose` runs it."""
+    from ghostdistill.planning import PerBlock, check_plan, criteria, register, unregister
+
+    def latest_first(model, stack, batches, blocks):
+        return {b: -float(b) for b in blocks}  # the deepest removable blocks score lowest
+
+    register(PerBlock("latest", latest_first))
+    try:
+        assert "latest" in criteria()
+        cfg = PlanConfig(criterion="latest", num_layers=2)
+        cfg.validate()
+        assert check_plan(cfg, 6) is None
+        plan = choose(cfg, tiny_model("llama", num_layers=6), _batches())
+        assert plan.removed == (3, 4) and plan.chosen_by == "latest"  # keep_last = 1 protects block 5
+    finally:
+        unregister("latest")
+    with pytest.raises(ValueError, match="plan.criterion 'latest' is not known; choose one of streamline"):
+        PlanConfig(criterion="latest", num_layers=2).validate()

@@ -1,14 +1,17 @@
-"""Which blocks a criterion may remove: protected edges, candidate runs and blocks, window caps."""
+"""Which blocks a criterion may remove: protected edges, candidate runs and blocks, window caps; and
+`PerBlock`, the criteria that score each block alone and remove the lowest."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from ..core.plan import PlanConfig
-
-Batch = dict[str, torch.Tensor]
+from ..core.model import DecoderStack
+from ..core.plan import PruningPlan
+from .interface import Batch, PlanConfig, PlanInputs
 
 
 def _edge_counts(allow_edges: bool, keep_first: int | None, keep_last: int | None) -> tuple[int, int]:
@@ -91,3 +94,39 @@ def first_windows(batches: Iterable[Batch], limit: int | None) -> Iterator[Batch
         left -= min(rows, left)
         if left == 0:
             return
+
+
+def lowest(scores: dict[int, float], n: int) -> list[int]:
+    """The `n` blocks of lowest score, in order. Ties (several identity blocks score exactly alike) go to the
+    earlier block, deterministically."""
+    return sorted(sorted(scores, key=lambda i: (scores[i], i))[:n])
+
+
+@dataclass(frozen=True)
+class PerBlock:
+    """A criterion that scores every removable block on its own (`score(model, stack, batches, blocks)`:
+    {block: score}, lower is less important) and removes the `num_layers` lowest, wherever they are.
+    `costly`: `plan.criterion_samples` caps the windows it reads."""
+
+    name: str
+    score: Callable[[nn.Module, DecoderStack, Iterable[Batch], list[int]], dict[int, float]]
+    costly: bool = False
+    contiguous = False
+    repair_aware = False
+
+    def choose(self, cfg: PlanConfig, inputs: PlanInputs) -> PruningPlan:
+        n, num_layers = cfg.num_layers, len(inputs.stack.layers)
+        keep_first, keep_last = protected_edges(cfg)
+        blocks = candidate_blocks(num_layers, n, keep_first, keep_last)
+        batches = inputs.progress(inputs.batches, f"criterion {self.name}")
+        if self.costly:
+            batches = first_windows(batches, cfg.criterion_samples)
+        per_block = self.score(inputs.model, inputs.stack, batches, blocks)
+        return PruningPlan.from_layers(
+            lowest(per_block, n),
+            num_layers,
+            # The criterion already kept the protected blocks; from_layers only has to accept edges it may take.
+            allow_edges=keep_first == 0 or keep_last == 0,
+            chosen_by=self.name,
+            scores={str(i): s for i, s in per_block.items()},
+        )

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..core.capture import residual_streams
 from ..core.model import DecoderStack, model_inputs
-from .candidates import Batch, candidate_starts
+from ..core.plan import PruningPlan
+from .candidates import PerBlock, candidate_starts, protected_edges
+from .interface import Batch, PlanConfig, PlanInputs, register
 
 
 def _token_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -80,3 +83,46 @@ def block_influence(
     if count == 0:
         raise ValueError("the criterion saw no tokens: the calibration data is empty")
     return {i: 1.0 - cos_sum[i] / count for i in blocks}
+
+
+@dataclass(frozen=True)
+class RunSimilarity:
+    """A contiguous criterion: the run of `num_layers` blocks whose input and output are most alike, by
+    the highest mean cosine (``streamline``) or the lowest angular distance (``angular``, and
+    ``angular_last`` on each sequence's last token only; Gromov et al. 2024)."""
+
+    name: str
+    measure: str  # "cosine" (highest wins) or "angular" (lowest wins)
+    last_token_only: bool = False
+    contiguous = True
+    costly = False
+    repair_aware = False
+
+    def choose(self, cfg: PlanConfig, inputs: PlanInputs) -> PruningPlan:
+        n, num_layers = cfg.num_layers, len(inputs.stack.layers)
+        keep_first, keep_last = protected_edges(cfg)
+        batches = inputs.progress(inputs.batches, f"criterion {self.name}")
+        scores = block_similarity(
+            inputs.model,
+            inputs.stack,
+            batches,
+            n,
+            last_token_only=self.last_token_only,
+            keep_first=keep_first,
+            keep_last=keep_last,
+        )
+        pick = max if self.measure == "cosine" else min
+        best = pick(scores, key=lambda i: scores[i][self.measure])
+        return PruningPlan.from_layers(
+            list(range(best, best + n)),
+            num_layers,
+            allow_edges=keep_first == 0 or keep_last == 0,
+            chosen_by=self.name,
+            scores={f"{i}-{i + n - 1}": s[self.measure] for i, s in scores.items()},
+        )
+
+
+register(RunSimilarity("streamline", "cosine"))
+register(RunSimilarity("angular", "angular"))
+register(RunSimilarity("angular_last", "angular", last_token_only=True))
+register(PerBlock("block_influence", block_influence))

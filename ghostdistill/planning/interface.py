@@ -1,0 +1,223 @@
+"""The configuration of a plan (`PlanConfig`), what a criterion is given (`PlanInputs`), the `Criterion`
+protocol and the registry of criteria.
+
+A criterion chooses which `num_layers` blocks go. It is an object with
+
+- `name`: what `plan.criterion` names it by;
+- `contiguous`: it removes one run of `num_layers` blocks (its candidates are the runs' first blocks), or
+  any `num_layers` blocks (each removable block is a candidate); `check_plan` counts the candidates of
+  either kind before any data is read;
+- `costly`: its cost grows with the data by more than one forward per batch, so `plan.criterion_samples`
+  caps the windows it reads (the chosen plan's fits always read them all);
+- `repair_aware`: it fits a repair for every candidate and scores the repaired model on the held-out
+  `data.selection` windows, so it needs the recovery entries and those windows;
+- `choose(cfg, inputs) -> PruningPlan`: the plan, with its scores (and for the repair-aware ones, the
+  candidates' rows and the costs).
+
+Adding a criterion: one module in this package that defines such an object and passes it to `register`,
+and its name in the import line of `planning/__init__.py`.
+
+The config, the protocol and the registry share this module because a config is checked against the
+registry (`PlanConfig.validate`, `repair_aware`) and a criterion takes a config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from ..core.model import DecoderStack
+from ..core.plan import PruningPlan
+from ..methods import RecoveryConfig
+
+Batch = dict[str, torch.Tensor]
+Progress = Callable[[Iterable, str], Iterable]
+
+
+def no_progress(items: Iterable, desc: str) -> Iterable:
+    return items
+
+
+# PlanConfig keys added after run folders were fingerprinted: left out of a digest while unset (None), so
+# the statistics saved before they existed keep their key.
+LATER_KEYS = ("repair_method", "repair_chunk", "greedy_from")
+# Keys that change what a plan costs, never which plan it is: no part of a fingerprint.
+COST_KEYS = ("repair_chunk", "greedy_from")
+
+
+@dataclass
+class PlanConfig:
+    """Either an explicit list of layers to remove, or a criterion that picks `num_layers` of them.
+
+    Args:
+        layers: 0-based indices of the blocks to remove; several gaps are allowed. Only `allow_edges`
+            constrains an explicit list (`keep_first`/`keep_last` apply to criteria).
+        criterion: how to choose the blocks when `layers` is not given. Contiguous run of `num_layers`:
+            ``streamline`` (the run whose input and output are most cosine-similar, averaged over all
+            non-padding tokens), ``angular`` (Gromov et al. 2024 angular distance over all tokens) or
+            ``angular_last`` (same, last non-padding token of each sequence only). Any `num_layers`
+            blocks, possibly non-contiguous, ranked one by one: ``block_influence`` (ShortGPT, Men et al.
+            2024: 1 - cosine between a block's input and output; one forward pass per batch), ``ppl``
+            (Shortened LLaMA, Kim et al. 2024: perplexity of the model with only that block removed;
+            one forward pass per candidate block per batch) or ``taylor`` (Shortened LLaMA: sum of
+            |weight x gradient of the next-token loss| over the block's parameters; one forward and
+            backward pass per batch, plus a gradient's worth of memory for the candidate blocks).
+            Repair-aware (ghostdistill's own; `ghostdistill.planning`): ``repair`` fits `repair_method`'s
+            closed form for every contiguous run of `num_layers` blocks from one dense pass and keeps the
+            run whose repaired model has the lowest KL(dense ‖ repaired) on `data.selection`'s held-out
+            windows; ``repair_greedy`` removes one block at a time, any block, each step keeping the
+            block whose removal (every gap repaired) gives the lowest KL.
+        num_layers: how many blocks the criterion removes.
+        allow_edges: permit removing the first or the last block (off: both carry outsized roles).
+            For criteria, true means ``keep_first: 0, keep_last: 0`` (any other keep_first/keep_last
+            than the defaults 1/1 or 0/0 alongside it is rejected as a contradiction).
+        keep_first: how many of the first blocks a criterion may never remove.
+        keep_last: how many of the last blocks a criterion may never remove. Shortened LLaMA's
+            Taylor+ is ``criterion: taylor, keep_first: 4, keep_last: 2``.
+        criterion_samples: when set, the criteria that cost many passes (``ppl``, ``taylor``, and the
+            candidates' statistics of ``repair`` and ``repair_greedy``) read only the first this many
+            calibration windows; the others always use them all, and the chosen plan's fits read them all.
+        repair_method: (``repair``, ``repair_greedy``) whose closed form repairs each candidate: the name
+            of a `recovery` entry (its settings), or a registered method (its defaults); default the
+            first `recovery` entry. ``none`` scores the pruned model itself.
+        repair_chunk: (``repair``) candidates whose statistics are held at once (one dense calibration
+            pass per chunk); default all of them, in one pass. Only memory depends on it, not the plan.
+        greedy_from: (``repair_greedy``) a finished ``repair_greedy`` run (its folder or results.json)
+            made with this run's settings but another `num_layers`: its steps are this run's first
+            steps (the greedy is deterministic), so they are taken from its report and the search goes
+            on from there; checked by fingerprint, so a run with other settings is refused by name.
+            Only time depends on it, not the plan. `compare` sets it between its own greedy plans.
+    """
+
+    layers: list[int] | None = None
+    criterion: str = "streamline"
+    num_layers: int | None = None
+    allow_edges: bool = False
+    keep_first: int = 1
+    keep_last: int = 1
+    criterion_samples: int | None = None
+    repair_method: str | None = None
+    repair_chunk: int | None = None
+    greedy_from: str | None = None
+
+    def validate(self) -> None:
+        """The checks the values alone decide, run before the model is loaded (depth-dependent checks:
+        `PruningPlan.from_layers` and the criteria's candidate counts, right after loading)."""
+        if self.layers is not None and self.num_layers is not None:
+            raise ValueError(
+                f"plan.layers {self.layers} and plan.num_layers {self.num_layers} are both set: an explicit list "
+                "removes exactly its layers; set plan.num_layers to null (--model.plan.num_layers null), or drop "
+                "plan.layers to let plan.criterion choose num_layers layers"
+            )
+        if self.layers is None and self.criterion not in _REGISTRY:
+            raise ValueError(f"plan.criterion {self.criterion!r} is not known; choose one of {', '.join(_REGISTRY)}")
+        if self.layers is None and self.num_layers is None:
+            raise ValueError("plan needs either layers (explicit list) or num_layers (for the criterion)")
+        if self.layers is not None:
+            if not self.layers:
+                raise ValueError("plan.layers is empty: name at least one layer to remove (0-based block indices)")
+            negative = [i for i in self.layers if i < 0]
+            if negative:
+                raise ValueError(f"plan.layers {negative} out of range: layers are 0-based indices, 0..num_layers-1")
+            twice = sorted({i for i in self.layers if self.layers.count(i) > 1})
+            if twice:
+                raise ValueError(f"plan.layers {self.layers} lists layer(s) {twice} twice; each layer can go once")
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ValueError(
+                f"plan.num_layers must be >= 1 (how many layers the criterion removes), got {self.num_layers}"
+            )
+        if self.keep_first < 0 or self.keep_last < 0:
+            raise ValueError(
+                f"plan.keep_first and plan.keep_last must be >= 0, got {self.keep_first} and {self.keep_last}"
+            )
+        if self.criterion_samples is not None and self.criterion_samples < 1:
+            raise ValueError(
+                f"plan.criterion_samples must be >= 1 (or null for all windows), got {self.criterion_samples}"
+            )
+        if self.repair_chunk is not None and self.repair_chunk < 1:
+            raise ValueError(
+                f"plan.repair_chunk must be >= 1 (or null: every candidate at once), got {self.repair_chunk}"
+            )
+        for key in LATER_KEYS:
+            if getattr(self, key) is not None and not self.repair_aware():
+                raise ValueError(
+                    f"plan.{key} is read only by plan.criterion repair or repair_greedy (criterion: "
+                    f"{self.criterion!r}{', with explicit plan.layers' if self.layers is not None else ''}): "
+                    f"remove plan.{key}"
+                )
+        if self.greedy_from is not None and self.criterion != "repair_greedy":
+            raise ValueError(
+                f"plan.greedy_from names a repair_greedy run to take steps from, and plan.criterion is "
+                f"{self.criterion!r}: set plan.criterion repair_greedy or remove plan.greedy_from"
+            )
+
+    def repair_aware(self) -> bool:
+        """Whether a repair-aware criterion chooses the plan (it reads `data.selection`)."""
+        return self.layers is None and self.criterion in _REGISTRY and _REGISTRY[self.criterion].repair_aware
+
+    def digest_dict(self) -> dict:
+        """The settings that decide the plan, for a fingerprint: `repair_chunk` and `greedy_from` change only
+        memory and time, and keys added later are left out while unset (earlier run folders keep their
+        fingerprints)."""
+        out = {k: v for k, v in asdict(self).items() if k not in COST_KEYS}
+        return {k: v for k, v in out.items() if k not in LATER_KEYS or v is not None}
+
+
+@dataclass
+class PlanInputs:
+    """What a criterion reads: the dense model and its decoder stack, the calibration batches, a progress
+    wrapper, and for the repair-aware criteria the recovery entries (whose closed form repairs each
+    candidate), the selection windows (where it is scored) and `taken`, the steps of an earlier
+    ``repair_greedy`` search of these settings (`plan.greedy_from`)."""
+
+    model: nn.Module
+    stack: DecoderStack
+    batches: Sequence[Batch]
+    progress: Progress = no_progress
+    recovery: Sequence[RecoveryConfig] = ()
+    selection: Sequence[Batch] | None = None
+    taken: Sequence[dict] = field(default_factory=tuple)
+
+
+@runtime_checkable
+class Criterion(Protocol):
+    """A way of choosing the blocks to remove; see the module docstring for each member."""
+
+    name: str
+    contiguous: bool
+    costly: bool
+    repair_aware: bool
+
+    def choose(self, cfg: PlanConfig, inputs: PlanInputs) -> PruningPlan: ...
+
+
+_REGISTRY: dict[str, Criterion] = {}
+
+
+def register(criterion: Criterion) -> Criterion:
+    """Make `criterion` available as `plan.criterion: <criterion.name>`; returns it."""
+    if not isinstance(criterion, Criterion):
+        raise TypeError(f"{criterion!r} does not implement ghostdistill.planning.Criterion")
+    if not criterion.name or not criterion.name.isidentifier():
+        raise ValueError(f"criterion name {criterion.name!r} must be a Python identifier")
+    _REGISTRY[criterion.name] = criterion
+    return criterion
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def criteria() -> tuple[str, ...]:
+    """The registered criteria's names, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def get_criterion(name: str) -> Criterion:
+    if name not in _REGISTRY:
+        raise ValueError(f"plan.criterion {name!r} is not known; choose one of {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
