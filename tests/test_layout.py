@@ -86,7 +86,7 @@ def layer(module: str) -> str | None:
 def test_the_graph_sees_imports():
     assert "ghostdistill.core.model" in GRAPH["ghostdistill.core.views"]
     assert "ghostdistill.methods.base" in GRAPH["ghostdistill.methods.ghost"]
-    assert "ghostdistill.lit.callbacks" in GRAPH["ghostdistill.cli"]
+    assert "ghostdistill.lit.callbacks" in GRAPH["ghostdistill.cli.fit"]
 
 
 def test_no_two_modules_import_each_other_directly_or_in_a_circle():

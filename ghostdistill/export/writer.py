@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..core import modeling_ghostdistill
+from ..core.io import publish_permissions
 from ..core.modeling_ghostdistill import GhostPrunedConfig
 from ..core.views import _ADAPTER_PARTS, DENSE, PRUNED, PrunedModel, copy_block
 from ..methods import GapFit, get_method
@@ -96,7 +97,7 @@ def export_view(
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / "README.md").write_text(model_card(info, kind))
-        _publish_permissions(tmp)
+        publish_permissions(tmp)  # what save_pretrained gives in place; a serving user must read it
         _replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -225,25 +226,6 @@ def _save_weights(model: nn.Module, state: dict[str, torch.Tensor], folder: Path
             del state[t]
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     save_torch_state_dict(tensors, folder, max_shard_size="5GB")
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
-    os.umask(mask)
-    return mask
-
-
-def _publish_permissions(folder: Path) -> None:
-    """What a folder written in place by `save_pretrained` gets: directories 0o777 and files 0o666 less the
-    umask. `tempfile.mkdtemp` creates 0o700 and safetensors' temporary files are 0o600, which a serving
-    process running as another user cannot read."""
-    mask = _umask()
-    for root, _dirs, files in os.walk(folder):
-        os.chmod(root, 0o777 & ~mask)
-        for name in files:
-            path = os.path.join(root, name)
-            if not os.path.islink(path):
-                os.chmod(path, 0o666 & ~mask)
 
 
 def _replace(tmp: Path, target: Path) -> None:

@@ -1,0 +1,152 @@
+"""`fit`: a LightningCLI (YAML configs, `--print_config`, dotted overrides) built without its own
+subcommands: the run is `run_fit`, which calls `Trainer.fit` only when there are steps to take, then
+`Trainer.test`. `build_fit` is the parser and what it instantiates, which `compare`, `frontier` and `export`
+reuse."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Optional
+
+from lightning.pytorch.cli import LightningCLI
+
+from ..lit.callbacks import Calibration, Export, Report
+from ..lit.checkpoint import LastCheckpoint, resolve_ckpt_path
+from ..lit.datamodule import GhostDataModule
+from ..lit.interrupts import terminate_on_sigterm
+from ..lit.module import GhostDistill
+from ..methods import RecoveryConfig
+
+
+class _DropTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip")
+
+
+def quiet_console() -> None:
+    """A run's console shows the plan, progress, the result table and where files went, not library chatter:
+    Lightning's advertising tip, a deprecation inside Lightning's own pytree helper, and LightningCLI's note on
+    `args` (calls of `main` from Python pass their own arguments on purpose)."""
+    # rank_zero_info logs through this logger (a filter on a logger sees only its own records).
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropTips())
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+
+
+quiet_console()
+
+
+class GhostDistillCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_lightning_class_args(Calibration, "calibration")
+        parser.add_lightning_class_args(Export, "export")
+        parser.add_argument(
+            "--ckpt_path",
+            type=Optional[str],
+            default=None,
+            help="resume distillation: `last` (<run>/checkpoints/last.ckpt) or a checkpoint path",
+        )
+        parser.set_defaults(
+            {
+                "trainer.max_steps": 0,
+                "trainer.logger": False,
+                "trainer.enable_checkpointing": False,
+                "trainer.enable_model_summary": False,
+                "trainer.num_sanity_val_steps": 0,
+                "trainer.default_root_dir": "runs/default",
+                "trainer.devices": 1,
+                "model.recovery": [{"name": "ghost", "method": "ghost"}],
+            }
+        )
+
+    def parse_arguments(self, parser, args) -> None:
+        """As LightningCLI parses, except that a `--model.recovery` list given on the command line replaces the
+        config file's list: jsonargparse merges two lists of the same length entry by entry, which would give
+        each entry keys of the file's entry at its position (keys its own method may not read)."""
+        super().parse_arguments(parser, args)
+        given = _last_value(list(args) if isinstance(args, list) else sys.argv[1:], "--model.recovery")
+        if given is not None:
+            from jsonargparse import ArgumentParser
+
+            alone = ArgumentParser(exit_on_error=False)
+            alone.add_argument("--recovery", type=list[RecoveryConfig])
+            self.config.model.recovery = alone.parse_args(["--recovery", given]).recovery
+
+    def before_instantiate_classes(self) -> None:
+        # Keep tokenizers' own thread pool from fighting the DataLoader and torch for the cores.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        check_strategy_config(self.config.get("trainer", {}).get("strategy"))
+
+    def instantiate_trainer(self, **kwargs):
+        extra = kwargs.pop("callbacks", []) or []
+        # Export writes after the report, so a failed export never costs the results.
+        callbacks = [
+            *(c for c in extra if not isinstance(c, Export)),
+            Report(),
+            *(c for c in extra if isinstance(c, Export)),
+        ]
+        steps = self.config["trainer"].get("max_steps", 0)
+        if steps and steps > 0:
+            # `<run>/checkpoints/last.ckpt` every distill.checkpoint_every steps and at the end.
+            every = self.config["model"]["distill"]["checkpoint_every"] or steps
+            callbacks.append(LastCheckpoint(Path(self.config["trainer"]["default_root_dir"]) / "checkpoints", every))
+        return super().instantiate_trainer(callbacks=callbacks, **kwargs)
+
+
+def _last_value(args: list[str], key: str) -> str | None:
+    value = None
+    for i, arg in enumerate(args):
+        if arg == key and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(key + "="):
+            value = arg[len(key) + 1 :]
+    return value
+
+
+def check_strategy_config(strategy) -> None:
+    """FSDP2 checkpoints must be whole: they hold only what trains, and a sharded one must hold every weight."""
+    if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith("ModelParallelStrategy"):
+        if (strategy.get("init_args") or {}).get("save_distributed_checkpoint", True):
+            raise ValueError(
+                "ModelParallelStrategy: set init_args.save_distributed_checkpoint: false. Checkpoints hold only what "
+                "trains, and a sharded checkpoint must hold every weight of the model to load"
+            )
+
+
+def build_fit(args: list[str] | dict, **kwargs) -> GhostDistillCLI:
+    """The `fit` parser and what it instantiates (module, data module, trainer); nothing runs yet."""
+    return GhostDistillCLI(
+        GhostDistill,
+        GhostDataModule,
+        seed_everything_default=0,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+        run=False,
+        # allow_abbrev off: argparse would otherwise take a misspelt prefix (`--trainer.max_step`) for the key it
+        # abbreviates, where an unknown key must be rejected by name.
+        parser_kwargs={"allow_abbrev": False, "default_config_files": [], "prog": "ghostdistill fit"},
+        **kwargs,
+    )
+
+
+def run_fit(args: list[str]) -> GhostDistillCLI:
+    """`fit`: distil when there are steps to take (resuming from `--ckpt_path`), then evaluate every view.
+    SIGTERM stops it in every phase (`lit.interrupts`)."""
+    with terminate_on_sigterm():
+        cli = build_fit(args)
+        trainer, model, data = cli.trainer, cli.model, cli.datamodule
+        if trainer.max_steps != 0:
+            ckpt = resolve_ckpt_path(
+                cli.config.get("ckpt_path"), Path(trainer.default_root_dir), trainer.is_global_zero
+            )
+            # weights_only (Lightning >= 2.6): tensors and plain data only; `resolve_ckpt_path` has already
+            # checked that `last` loads so, for older Lightning too.
+            safe = {"weights_only": True} if "weights_only" in inspect.signature(trainer.fit).parameters else {}
+            trainer.fit(model, datamodule=data, ckpt_path=ckpt, **safe)
+        trainer.test(model, datamodule=data, verbose=False)
+        return cli
