@@ -80,7 +80,9 @@ class GhostDistillCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         # Keep tokenizers' own thread pool from fighting the DataLoader and torch for the cores.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        check_strategy_config(self.config.get("trainer", {}).get("strategy"))
+        trainer = self.config.get("trainer", {})
+        check_strategy_config(trainer.get("strategy"))
+        check_run_settings(trainer.get("max_steps"), trainer.get("default_root_dir"), self.config.get("ckpt_path"))
 
     def instantiate_trainer(self, **kwargs):
         extra = kwargs.pop("callbacks", []) or []
@@ -116,6 +118,26 @@ def check_strategy_config(strategy) -> None:
                 "ModelParallelStrategy: set init_args.save_distributed_checkpoint: false. Checkpoints hold only what "
                 "trains, and a sharded checkpoint must hold every weight of the model to load"
             )
+
+
+def check_run_settings(max_steps, root_dir, ckpt_path) -> None:
+    """The trainer settings that would otherwise fail only after calibration (or as a traceback from the
+    Trainer): the step count, the run folder, the checkpoint to resume from."""
+    if max_steps is not None and max_steps < 0:
+        raise ValueError(f"trainer.max_steps {max_steps}: set 0 (training-free) or the number of distillation steps")
+    if root_dir is not None:
+        path = Path(root_dir)
+        probe = path
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        if not probe.is_dir():
+            raise NotADirectoryError(
+                f"trainer.default_root_dir {root_dir}: {probe} is a file; the run folder must be a folder (or not exist)"
+            )
+    if ckpt_path not in (None, "last") and not Path(ckpt_path).is_file():
+        raise FileNotFoundError(
+            f"--ckpt_path {ckpt_path} does not exist: give a checkpoint file, or `last` (<run>/checkpoints/last.ckpt)"
+        )
 
 
 def build_fit(args: list[str] | dict, **kwargs) -> GhostDistillCLI:
