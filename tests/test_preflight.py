@@ -62,7 +62,14 @@ def _cases(tmp_path):
             r"evaluation.views \['dnese'\] are not views of this run",
         ),
         "ckpt_path missing": (
-            ["--trainer.max_steps", "2", "--model.distill.methods", "[ghost]", "--ckpt_path", str(tmp_path / "no.ckpt")],
+            [
+                "--trainer.max_steps",
+                "2",
+                "--model.distill.methods",
+                "[ghost]",
+                "--ckpt_path",
+                str(tmp_path / "no.ckpt"),
+            ],
             FileNotFoundError,
             r"--ckpt_path .*no.ckpt does not exist",
         ),
