@@ -82,7 +82,7 @@ def _cases(tmp_path):
         "evaluation window of 1 token": (
             ["--data.evaluation.seq_len", "1"],
             ValueError,
-            r"data.evaluation.seq_len 1: a scored window must hold at least 2 tokens",
+            r"data.evaluation.seq_len 1: a scored window must hold at least 2 tokens; use 2 or more",
         ),
         "distilling without methods": (["--trainer.max_steps", "2"], RuntimeError, r"trainer.max_steps > 0 trains"),
     }

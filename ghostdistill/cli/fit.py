@@ -6,6 +6,7 @@ reuse."""
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 import sys
@@ -21,6 +22,7 @@ from ..lit.datamodule import GhostDataModule
 from ..lit.interrupts import terminate_on_sigterm
 from ..lit.module import GhostDistill
 from ..methods import RecoveryConfig
+from ..reporting.report import result_settings
 
 
 class _DropTips(logging.Filter):
@@ -140,9 +142,9 @@ def check_run_settings(max_steps, root_dir, ckpt_path) -> None:
         )
 
 
-def build_fit(args: list[str] | dict, **kwargs) -> GhostDistillCLI:
+def build_fit(args: list[str] | dict, cli_class: type = GhostDistillCLI, **kwargs) -> GhostDistillCLI:
     """The `fit` parser and what it instantiates (module, data module, trainer); nothing runs yet."""
-    return GhostDistillCLI(
+    return cli_class(
         GhostDistill,
         GhostDataModule,
         seed_everything_default=0,
@@ -156,12 +158,36 @@ def build_fit(args: list[str] | dict, **kwargs) -> GhostDistillCLI:
     )
 
 
+class _ParseOnly(GhostDistillCLI):
+    """The `fit` parser without instantiating anything (no tokenizer, no trainer)."""
+
+    def before_instantiate_classes(self) -> None:
+        pass
+
+    def instantiate_classes(self) -> None:
+        pass
+
+    def after_instantiate_classes(self) -> None:
+        pass
+
+
+def settings_of(cli: GhostDistillCLI) -> dict:
+    """The settings that decide a run's results (`reporting.report.result_settings`) of a parsed `fit`."""
+    return result_settings(json.loads(cli.parser.dump(cli.config, format="json")))
+
+
+def fit_settings(args: list[str]) -> dict:
+    """`settings_of` the fit that `args` would run, parsed only (compare checks a finished plan with it)."""
+    return settings_of(build_fit(args, cli_class=_ParseOnly))
+
+
 def run_fit(args: list[str]) -> GhostDistillCLI:
     """`fit`: distil when there are steps to take (resuming from `--ckpt_path`), then evaluate every view.
     SIGTERM stops it in every phase (`lit.interrupts`)."""
     with terminate_on_sigterm():
         cli = build_fit(args)
         trainer, model, data = cli.trainer, cli.model, cli.datamodule
+        model.report.settings = settings_of(cli)  # results.json: what compare checks before reusing it
         if trainer.max_steps != 0:
             ckpt = resolve_ckpt_path(
                 cli.config.get("ckpt_path"), Path(trainer.default_root_dir), trainer.is_global_zero

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from ..reporting import compare
-from .fit import build_fit, run_fit
+from .fit import build_fit, fit_settings, run_fit
 
 
 def run_compare(argv: list[str]) -> Path:
     """`compare <compare.yaml> [fit overrides]`: one `fit` per plan in `<root>/<plan name>/` (a finished
-    plan is not run again), then compare.json/csv/md/png in the root. The user's overrides apply to
-    every plan; each plan's own keys come last, so they win."""
+    plan is not run again when its results.json was computed with the same settings; one of other settings
+    runs again, and the console says which differ), then compare.json/csv/md/png in the root. The user's
+    overrides apply to every plan; each plan's own keys come last, so they win."""
+    from ..core.io import read_mapping
+
     parser = argparse.ArgumentParser(prog="ghostdistill compare", description=run_compare.__doc__)
     parser.add_argument("spec", help="the compare file (YAML: base config, root folder, plans)")
     parser.add_argument(
@@ -24,23 +26,28 @@ def run_compare(argv: list[str]) -> Path:
     root = Path(spec["root"])
     runs = []
     for plan in spec["plans"]:
-        run_dir = root / compare.plan_name(plan)
+        name = compare.plan_name(plan)
+        run_dir = root / name
         results = run_dir / "results.json"
-        if not results.is_file():
-            # A greedy plan starts from the steps of a finished one of the same settings (fit checks them).
-            source = compare.greedy_source(plan, [p for p, _ in runs])
-            given = {"greedy_from": str(root / compare.plan_name(source))} if source else {}
-            run_fit(
-                [
-                    "--config",
-                    spec["base"],
-                    *ns.overrides,
-                    *compare.plan_args({**plan, **given}),
-                    "--trainer.default_root_dir",
-                    str(run_dir),
-                ]
-            )
-        runs.append((plan, json.loads(results.read_text())))
+        # A greedy plan starts from the steps of a finished one of the same settings (fit checks them).
+        source = compare.greedy_source(plan, [p for p, _ in runs])
+        given = {"greedy_from": str(root / compare.plan_name(source))} if source else {}
+        args = [
+            "--config",
+            spec["base"],
+            *ns.overrides,
+            *compare.plan_args({**plan, **given}),
+            "--trainer.default_root_dir",
+            str(run_dir),
+        ]
+        why = "not run yet"
+        if results.is_file():
+            why = compare.stale_reason(read_mapping(results, "results file"), fit_settings(args))
+            if why:
+                print(f"compare: plan {name}: {why}; running it again")
+        if why:
+            run_fit(args)
+        runs.append((plan, read_mapping(results, "results file")))
     compare.write(root, compare.gather(runs, spec))
     print(f"compare report written to {root}/compare.md")
     return root

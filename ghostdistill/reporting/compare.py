@@ -10,8 +10,10 @@ A compare file names a base fit config, the plans to run and the run root:
       - {criterion: block_influence, num_layers: 7}
       - {layers: [12, 13, 14]}
 
-Each plan runs as an ordinary `fit` in `<root>/<plan>/` (so each is resumable, and a finished one is
-not run again), and the rows are gathered into compare.json, compare.csv, compare.md and compare.png.
+Each plan runs as an ordinary `fit` in `<root>/<plan>/` (so each is resumable), and the rows are gathered
+into compare.json, compare.csv, compare.md and compare.png. A finished plan is not run again when its
+results.json records the settings the fit would now run with (`settings`: methods, data, evaluation,
+seed, ...); otherwise it runs again, and the console says which settings differ (`stale_reason`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text
+from .report import settings_differences
 
 PLAN_KEYS = {
     "criterion",
@@ -129,6 +132,19 @@ def plan_args(plan: dict) -> list[str]:
     for key, value in full.items():
         args += [f"--model.plan.{key}", value if isinstance(value, str) else json.dumps(value)]
     return args
+
+
+def stale_reason(results: dict, wanted: dict) -> str | None:
+    """Why a plan's existing results.json cannot be reused under the settings `wanted` (`result_settings` of
+    the fit compare would run), or None when it was computed with exactly them."""
+    saved = results.get("settings")
+    if saved is None:
+        return "its results.json records no settings (written by an older version)"
+    diff = settings_differences(saved, wanted)
+    if not diff:
+        return None
+    more = f" and {len(diff) - 6} more" if len(diff) > 6 else ""
+    return f"its results.json was computed with other {', '.join(diff[:6])}{more}"
 
 
 def gather(runs: list[tuple[dict, dict]], spec: dict) -> dict:
