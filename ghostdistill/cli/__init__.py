@@ -90,6 +90,16 @@ def entry() -> None:
     status 2; `GHOSTDISTILL_DEBUG=1` shows the traceback instead."""
     try:
         main()
+    except KeyboardInterrupt:
+        # Lightning turns Ctrl-C inside `fit` into exit status 1 itself; elsewhere (export, compare's
+        # gathering) it would be a traceback. Every file on disk is complete (written atomically).
+        if os.environ.get("GHOSTDISTILL_DEBUG"):
+            raise
+        print(
+            "interrupted (SIGINT): stopped; files on disk are complete, rerun the same command to resume",
+            file=sys.stderr,
+        )
+        raise SystemExit(130) from None
     except USER_ERRORS as err:
         if os.environ.get("GHOSTDISTILL_DEBUG"):
             raise

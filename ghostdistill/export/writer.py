@@ -13,14 +13,17 @@ are dropped. Blocks that change (merged or folded) are copies, so the in-memory 
 every other tensor is written from the live model without a copy. `config.json` records the plan and
 what produced the view (`ghostdistill` key); the tokenizer, the generation config and a model card
 (README.md) come along. The folder is written beside the target and renamed into place; an existing
-folder is replaced only with `overwrite`. It gets the permissions `save_pretrained` would give under the
-user's umask (the temporary folder it is written in would leave it readable by its owner only).
+folder is replaced only with `overwrite`; what an export killed outright (SIGKILL, a crash) left beside
+the target is removed by the next export of it (`clean_orphans`). It gets the permissions
+`save_pretrained` would give under the user's umask (the temporary folder it is written in would leave it
+readable by its owner only).
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -83,7 +86,9 @@ def export_view(
         },
     )
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+    clean_orphans(target)
+    # The process id in the name tells a later export whether the folder is still being written.
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-{os.getpid()}-"))
     try:
         with pruned.use(view) as model:
             state, config, kind = _view_state(pruned, view, method, info)
@@ -226,6 +231,35 @@ def _save_weights(model: nn.Module, state: dict[str, torch.Tensor], folder: Path
             del state[t]
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     save_torch_state_dict(tensors, folder, max_shard_size="5GB")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def clean_orphans(target: Path) -> None:
+    """Remove what an export of `target` killed by SIGKILL or a crash left beside it: temporary folders of
+    processes that no longer run (`.<name>.tmp-<pid>-*`, and the pid-less ones of older versions), and an
+    old folder renamed away by `_replace` (put back when the new one never arrived)."""
+    prefix = f".{target.name}."
+    for path in target.parent.iterdir():
+        if not path.name.startswith(prefix) or path.is_symlink() or not path.is_dir():
+            continue
+        rest = path.name[len(prefix) :]
+        tmp, old = re.fullmatch(r"tmp-(?:(\d+)-)?.+", rest), re.fullmatch(r"old-(\d+)", rest)
+        if tmp and (tmp.group(1) is None or not _alive(int(tmp.group(1)))):
+            shutil.rmtree(path, ignore_errors=True)
+        elif old and not _alive(int(old.group(1))):
+            if target.exists():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.replace(path, target)
 
 
 def _replace(tmp: Path, target: Path) -> None:
