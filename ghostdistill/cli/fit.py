@@ -142,8 +142,11 @@ def check_run_settings(max_steps, root_dir, ckpt_path) -> None:
         )
 
 
-def build_fit(args: list[str] | dict, cli_class: type = GhostDistillCLI, **kwargs) -> GhostDistillCLI:
-    """The `fit` parser and what it instantiates (module, data module, trainer); nothing runs yet."""
+def build_fit(
+    args: list[str] | dict, cli_class: type = GhostDistillCLI, exit_on_error: bool = True, **kwargs
+) -> GhostDistillCLI:
+    """The `fit` parser and what it instantiates (module, data module, trainer); nothing runs yet.
+    `exit_on_error=False`: a bad argument raises `jsonargparse.ArgumentError` instead of printing the usage."""
     return cli_class(
         GhostDistill,
         GhostDataModule,
@@ -153,7 +156,12 @@ def build_fit(args: list[str] | dict, cli_class: type = GhostDistillCLI, **kwarg
         run=False,
         # allow_abbrev off: argparse would otherwise take a misspelt prefix (`--trainer.max_step`) for the key it
         # abbreviates, where an unknown key must be rejected by name.
-        parser_kwargs={"allow_abbrev": False, "default_config_files": [], "prog": "ghostdistill fit"},
+        parser_kwargs={
+            "allow_abbrev": False,
+            "default_config_files": [],
+            "prog": "ghostdistill fit",
+            "exit_on_error": exit_on_error,
+        },
         **kwargs,
     )
 
@@ -176,9 +184,15 @@ def settings_of(cli: GhostDistillCLI) -> dict:
     return result_settings(json.loads(cli.parser.dump(cli.config, format="json")))
 
 
-def fit_settings(args: list[str]) -> dict:
-    """`settings_of` the fit that `args` would run, parsed only (compare checks a finished plan with it)."""
-    return settings_of(build_fit(args, cli_class=_ParseOnly))
+def fit_settings(args: list[str], who: str) -> dict:
+    """`settings_of` the fit that `args` would run, parsed only (compare checks every plan with it before
+    any runs, and a finished plan's results against it); a bad argument is one line naming `who`."""
+    from jsonargparse import ArgumentError
+
+    try:
+        return settings_of(build_fit(args, cli_class=_ParseOnly, exit_on_error=False))
+    except ArgumentError as err:
+        raise ValueError(f"{who}: {' '.join(str(err).split())}") from None
 
 
 def run_fit(args: list[str]) -> GhostDistillCLI:

@@ -24,25 +24,24 @@ def run_compare(argv: list[str]) -> Path:
     ns = parser.parse_args(argv)
     spec = compare.load_spec(ns.spec)
     root = Path(spec["root"])
+
+    def fit_args(plan: dict, given: dict) -> list[str]:
+        run_dir = str(root / compare.plan_name(plan))
+        plan_args = compare.plan_args({**plan, **given})
+        return ["--config", spec["base"], *ns.overrides, *plan_args, "--trainer.default_root_dir", run_dir]
+
+    # Every plan's arguments parse before the first one runs (a bad override or plan value is one line).
+    wanted = [fit_settings(fit_args(p, {}), f"{ns.spec}: plan {compare.plan_name(p)}") for p in spec["plans"]]
     runs = []
-    for plan in spec["plans"]:
+    for plan, settings in zip(spec["plans"], wanted):
         name = compare.plan_name(plan)
-        run_dir = root / name
-        results = run_dir / "results.json"
+        results = root / name / "results.json"
         # A greedy plan starts from the steps of a finished one of the same settings (fit checks them).
         source = compare.greedy_source(plan, [p for p, _ in runs])
-        given = {"greedy_from": str(root / compare.plan_name(source))} if source else {}
-        args = [
-            "--config",
-            spec["base"],
-            *ns.overrides,
-            *compare.plan_args({**plan, **given}),
-            "--trainer.default_root_dir",
-            str(run_dir),
-        ]
+        args = fit_args(plan, {"greedy_from": str(root / compare.plan_name(source))} if source else {})
         why = "not run yet"
         if results.is_file():
-            why = compare.stale_reason(read_mapping(results, "results file"), fit_settings(args))
+            why = compare.stale_reason(read_mapping(results, "results file"), settings)
             if why:
                 print(f"compare: plan {name}: {why}; running it again")
         if why:

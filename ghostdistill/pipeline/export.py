@@ -13,7 +13,6 @@ last one).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.io import read_mapping
 from ..core.model import load_model, load_tokenizer
 from ..core.views import DENSE, PRUNED, PrunedModel
 from ..distill.config import Student
@@ -177,7 +177,7 @@ def load_run(run: Path, cfg: RunConfig, views: list[str] = (), log: Callable[[st
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: export reads a finished run folder (run `fit` first)")
     check_views(cfg, list(views), str(run))
-    report = json.loads(results.read_text())
+    report = read_mapping(results, "results file")
     llm = load_model(cfg.model)
     llm.requires_grad_(False)
     data = RunData(
