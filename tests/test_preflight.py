@@ -85,6 +85,16 @@ def _cases(tmp_path):
             r"data.evaluation.seq_len 1: a scored window must hold at least 2 tokens; use 2 or more",
         ),
         "distilling without methods": (["--trainer.max_steps", "2"], RuntimeError, r"trainer.max_steps > 0 trains"),
+        "exporting a fine-tuned view without steps": (
+            ["--model.distill.methods", "[ghost]", "--export.views", "[ghost_ft]"],
+            ValueError,
+            r"export.views \['ghost_ft'\] are fine-tuned views, which trainer.max_steps 0 does not build",
+        ),
+        "evaluating a fine-tuned view without steps": (
+            ["--model.distill.methods", "[ghost]", "--model.evaluation.views", "[ghost_ft]"],
+            ValueError,
+            r"evaluation.views \['ghost_ft'\] are fine-tuned views",
+        ),
     }
 
 
@@ -98,6 +108,8 @@ CASES = [
     "max_steps negative",
     "evaluation window of 1 token",
     "distilling without methods",
+    "exporting a fine-tuned view without steps",
+    "evaluating a fine-tuned view without steps",
 ]
 
 

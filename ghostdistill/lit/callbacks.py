@@ -125,8 +125,12 @@ def check_before_run(trainer: Trainer, pl_module: GhostDistill) -> None:
         raise ValueError(
             f"trainer.max_steps {trainer.max_steps}: set 0 (training-free) or the number of distillation steps"
         )
-    if trainer.max_steps > 0 and not pl_module.cfg.distill.views():
+    cfg = pl_module.cfg
+    if trainer.max_steps > 0 and not cfg.distill.views():
         raise RuntimeError(NO_DISTILL_METHODS)
+    unbuilt = [v for v in cfg.evaluation.views if v in cfg.distill.views() and trainer.max_steps == 0]
+    if unbuilt:
+        raise ValueError(f"evaluation.views {unbuilt} are fine-tuned views, which trainer.max_steps 0 does not build")
     for callback in trainer.callbacks:
         if isinstance(callback, Export):
             callback.check(trainer, pl_module.cfg)
@@ -244,6 +248,12 @@ class Export(Callback):
         bad = [v for v in self.views if v not in cfg.views()]
         if bad:
             raise ValueError(f"export.views {bad} are not views of this run; its views are {cfg.views()}")
+        unbuilt = [v for v in self.views if v in cfg.distill.views() and trainer.max_steps == 0]
+        if unbuilt:
+            raise ValueError(
+                f"export.views {unbuilt} are fine-tuned views, which trainer.max_steps 0 does not build: set "
+                "trainer.max_steps, or export them later from the run folder of a run that distils"
+            )
         check_targets(self.root(trainer), self.views, self.overwrite, "export.overwrite: true")
 
     def setup(self, trainer: Trainer, pl_module: GhostDistill, stage: str) -> None:
