@@ -36,7 +36,7 @@ PACKAGES = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__in
 
 
 def test_the_layout_block_is_read():
-    assert "ghostdistill/core/" in SECTIONS and "scripts/" in SECTIONS and "ghostdistill/cli.py" in SECTIONS
+    assert "ghostdistill/core/" in SECTIONS and "scripts/" in SECTIONS and "ghostdistill/cli/" in SECTIONS
 
 
 @pytest.mark.parametrize("package", PACKAGES)

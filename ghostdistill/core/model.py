@@ -10,6 +10,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -95,7 +96,29 @@ def resolve_source(cfg: ModelConfig) -> tuple[str, str | None]:
         return str(path.parent), path.name
     if cfg.source.startswith((".", "/", "~")) and not path.exists():
         raise FileNotFoundError(f"model folder {cfg.source!r} does not exist")
+    if path.is_dir() and cfg.gguf_file is None and not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model folder {cfg.source!r} holds no config.json: give a folder written by save_pretrained (config.json, "
+            "weights, tokenizer), a .gguf file (or a folder and gguf_file), or a hub id"
+        )
     return (str(path) if path.exists() else cfg.source), cfg.gguf_file
+
+
+@contextmanager
+def _readable_gguf(name: str, kwargs: dict):
+    """A GGUF file that cannot be parsed (truncated, corrupt) is named, not left to the reader's message
+    ("cannot reshape array of size ...")."""
+    try:
+        yield
+    except (ValueError, OSError, EOFError, KeyError, IndexError) as err:
+        if "gguf_file" not in kwargs:
+            raise
+        path = Path(name, kwargs["gguf_file"])
+        size = path.stat().st_size if path.is_file() else None
+        raise ValueError(
+            f"GGUF file {path} ({size} bytes) cannot be read ({type(err).__name__}: {err}): it is truncated or "
+            "corrupt; download it again"
+        ) from None
 
 
 def _gguf_cache_dir(folder: str, gguf: str, dtype: str) -> Path:
@@ -128,7 +151,8 @@ def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
     name, kwargs = _from_pretrained(cfg)
-    tok = AutoTokenizer.from_pretrained(name, **kwargs)
+    with _readable_gguf(name, kwargs):
+        tok = AutoTokenizer.from_pretrained(name, **kwargs)
     if tok.pad_token_id is None:
         # Padding is always masked out of every loss and statistic, so any id will do.
         tok.pad_token = tok.eos_token
@@ -143,7 +167,8 @@ def load_model(cfg: ModelConfig) -> nn.Module:
     kwargs["dtype"] = resolve_torch_dtype(cfg.dtype)
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    with _readable_gguf(name, kwargs):
+        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     model.eval()
     if "gguf_file" in kwargs:
         # GGUF weights arrive dequantised: drop the quantiser record so the model saves (and exports)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,8 +98,23 @@ def load_documents(src: TextSource, *, for_eval: bool) -> list[str]:
     return docs
 
 
-def _open(path: Path):
-    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+def _read(path: Path) -> str:
+    """The text of a file, gzip-compressed or not; a binary, truncated or corrupt one is a one-line error
+    that names it."""
+    gz = path.suffix == ".gz"
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") if gz else open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"text source file {path} is not UTF-8 text (byte {err.start}{' after decompressing' if gz else ''}): "
+            "give a text file (.txt/.raw, .jsonl, .json, optionally .gz) or a .parquet file"
+        ) from None
+    except (OSError, EOFError, zlib.error) as err:  # gzip.BadGzipFile is an OSError; a truncated file, EOFError
+        raise ValueError(
+            f"text source file {path} cannot be read{' as gzip' if gz else ''} ({err or type(err).__name__}): "
+            "it is truncated or corrupt; copy or download it again"
+        ) from None
 
 
 def _file_documents(src: TextSource) -> list[str]:
@@ -107,11 +123,13 @@ def _file_documents(src: TextSource) -> list[str]:
     if ".parquet" in suffixes:
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path, columns=[src.text_field])
+        try:
+            table = pq.read_table(path, columns=[src.text_field])
+        except Exception as err:  # noqa: BLE001 - pyarrow's errors (ArrowInvalid, OSError, KeyError) read alike
+            raise ValueError(f"text source file {path} cannot be read as parquet ({err})") from None
         return [t for t in table.column(src.text_field).to_pylist() if t]
     if ".jsonl" in suffixes or ".json" in suffixes:
-        with _open(path) as f:
-            text = f.read()
+        text = _read(path)
         array = text.lstrip().startswith("[")
         records, number = [], 0
         try:
@@ -135,9 +153,8 @@ def _file_documents(src: TextSource) -> list[str]:
         if not docs:
             raise ValueError(f"{path}: every record's {src.text_field!r} field is empty")
         return docs
-    with _open(path) as f:
-        # A plain text file is one document (WikiText-2 raw keeps its article structure in the text).
-        text = f.read()
+    # A plain text file is one document (WikiText-2 raw keeps its article structure in the text).
+    text = _read(path)
     if not text.strip():
         raise ValueError(f"{path} is empty (no text)")
     return [text]

@@ -13,14 +13,17 @@ are dropped. Blocks that change (merged or folded) are copies, so the in-memory 
 every other tensor is written from the live model without a copy. `config.json` records the plan and
 what produced the view (`ghostdistill` key); the tokenizer, the generation config and a model card
 (README.md) come along. The folder is written beside the target and renamed into place; an existing
-folder is replaced only with `overwrite`. It gets the permissions `save_pretrained` would give under the
-user's umask (the temporary folder it is written in would leave it readable by its owner only).
+folder is replaced only with `overwrite`; what an export killed outright (SIGKILL, a crash) left beside
+the target is removed by the next export of it (`clean_orphans`). It gets the permissions
+`save_pretrained` would give under the user's umask (the temporary folder it is written in would leave it
+readable by its owner only).
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -29,6 +32,7 @@ import torch
 from torch import nn
 
 from ..core import modeling_ghostdistill
+from ..core.io import publish_permissions
 from ..core.modeling_ghostdistill import GhostPrunedConfig
 from ..core.views import _ADAPTER_PARTS, DENSE, PRUNED, PrunedModel, copy_block
 from ..methods import GapFit, get_method
@@ -82,7 +86,9 @@ def export_view(
         },
     )
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+    clean_orphans(target)
+    # The process id in the name tells a later export whether the folder is still being written.
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-{os.getpid()}-"))
     try:
         with pruned.use(view) as model:
             state, config, kind = _view_state(pruned, view, method, info)
@@ -96,7 +102,7 @@ def export_view(
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / "README.md").write_text(model_card(info, kind))
-        _publish_permissions(tmp)
+        publish_permissions(tmp)  # what save_pretrained gives in place; a serving user must read it
         _replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -227,23 +233,33 @@ def _save_weights(model: nn.Module, state: dict[str, torch.Tensor], folder: Path
     save_torch_state_dict(tensors, folder, max_shard_size="5GB")
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
-    os.umask(mask)
-    return mask
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
-def _publish_permissions(folder: Path) -> None:
-    """What a folder written in place by `save_pretrained` gets: directories 0o777 and files 0o666 less the
-    umask. `tempfile.mkdtemp` creates 0o700 and safetensors' temporary files are 0o600, which a serving
-    process running as another user cannot read."""
-    mask = _umask()
-    for root, _dirs, files in os.walk(folder):
-        os.chmod(root, 0o777 & ~mask)
-        for name in files:
-            path = os.path.join(root, name)
-            if not os.path.islink(path):
-                os.chmod(path, 0o666 & ~mask)
+def clean_orphans(target: Path) -> None:
+    """Remove what an export of `target` killed by SIGKILL or a crash left beside it: temporary folders of
+    processes that no longer run (`.<name>.tmp-<pid>-*`, and the pid-less ones of older versions), and an
+    old folder renamed away by `_replace` (put back when the new one never arrived)."""
+    prefix = f".{target.name}."
+    for path in target.parent.iterdir():
+        if not path.name.startswith(prefix) or path.is_symlink() or not path.is_dir():
+            continue
+        rest = path.name[len(prefix) :]
+        tmp, old = re.fullmatch(r"tmp-(?:(\d+)-)?.+", rest), re.fullmatch(r"old-(\d+)", rest)
+        if tmp and (tmp.group(1) is None or not _alive(int(tmp.group(1)))):
+            shutil.rmtree(path, ignore_errors=True)
+        elif old and not _alive(int(old.group(1))):
+            if target.exists():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.replace(path, target)
 
 
 def _replace(tmp: Path, target: Path) -> None:

@@ -12,18 +12,19 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from tqdm.auto import tqdm
 
-from ..core.model import decoder_stack
+from ..core.model import decoder_stack, hidden_size
 from ..core.views import DENSE
 from ..distill.config import DistillConfig
 from ..evaluation.scores import ScoreStore
 from ..methods import flat_settings
 from ..pipeline.calibrate import calibrate, calibration_summary
+from ..pipeline.config import RunConfig
 from ..pipeline.evaluate import analysis, view_digests, zeroshot
-from ..pipeline.export import export_views
+from ..pipeline.export import check_targets, export_views
 from ..pipeline.state import STATE_FILE, open_state, run_key
 from ..pipeline.train import build_students
 from ..planning import check_plan, greedy_steps
-from ..reporting.results import markdown_table, write_report
+from ..reporting.results import check_scored, markdown_table, rank_warning, write_report
 from .module import NO_DISTILL_METHODS, GhostDistill
 
 
@@ -58,16 +59,11 @@ class Calibration(Callback):
         # windows), before the model loads.
         pl_module.cfg.data = trainer.datamodule.cfg
         pl_module.cfg.validate()
+        check_before_run(trainer, pl_module)
         pl_module.configure_model()
         # The strategy moves the module only after setup; calibrating an 8B model on the CPU would crawl.
         pl_module.to(trainer.strategy.root_device)
         check_strategy(trainer, pl_module.cfg.distill)
-        if trainer.max_steps < 0:
-            raise ValueError(
-                f"trainer.max_steps={trainer.max_steps}: set 0 (training-free) or the number of distillation steps"
-            )
-        if trainer.max_steps > 0 and not pl_module.cfg.distill.views():
-            raise RuntimeError(NO_DISTILL_METHODS)
         dm, cfg, llm, report = trainer.datamodule, pl_module.cfg, pl_module.llm, pl_module.report
         run_dir = Path(trainer.default_root_dir)
         # The plan's depth checks, then what needs only the tokenizer, before any text is generated (minutes).
@@ -107,6 +103,7 @@ class Calibration(Callback):
         report.calibration = calibration_summary(
             cal, dm.cfg.describe()["calibration"], key, len(data.calibration_ids())
         )
+        report.calibration["hidden_size"] = hidden_size(llm)  # fewer tokens: a rank-deficient fit (results.md)
         report.recovery = cal.fits
         students = None
         if pl_module.distilling:
@@ -119,6 +116,24 @@ class Calibration(Callback):
             )
         pl_module.attach(cal.pruned, students)
         self.done = True
+
+
+def check_before_run(trainer: Trainer, pl_module: GhostDistill) -> None:
+    """What the settings alone decide about the end of the run, before the model loads: the step count,
+    and the export's views and folders (the export runs last, after hours of work)."""
+    if trainer.max_steps < 0:
+        raise ValueError(
+            f"trainer.max_steps {trainer.max_steps}: set 0 (training-free) or the number of distillation steps"
+        )
+    cfg = pl_module.cfg
+    if trainer.max_steps > 0 and not cfg.distill.views():
+        raise RuntimeError(NO_DISTILL_METHODS)
+    unbuilt = [v for v in cfg.evaluation.views if v in cfg.distill.views() and trainer.max_steps == 0]
+    if unbuilt:
+        raise ValueError(f"evaluation.views {unbuilt} are fine-tuned views, which trainer.max_steps 0 does not build")
+    for callback in trainer.callbacks:
+        if isinstance(callback, Export):
+            callback.check(trainer, pl_module.cfg)
 
 
 def check_strategy(trainer: Trainer, distill: DistillConfig | None = None) -> None:
@@ -171,9 +186,11 @@ class Report(Callback):
                     pl_module.pruned, windows, dm.data.calibration_ids(), dm.batch_size, first.label
                 )
         report.evaluation = dm.data.summary()
+        check_scored(report.to_dict())
         if trainer.is_global_zero:
             paths = write_report(Path(trainer.default_root_dir), report)
-            rank_zero_info("\n" + markdown_table(report.to_dict()) + "\n")
+            warning = rank_warning(report.to_dict())
+            rank_zero_info("\n" + markdown_table(report.to_dict()) + "\n" + (f"\n{warning}\n" if warning else ""))
             rank_zero_info("results written to " + ", ".join(str(p) for p in paths))
 
     @staticmethod
@@ -223,16 +240,24 @@ class Export(Callback):
     def root(self, trainer: Trainer) -> Path:
         return Path(self.dir) if self.dir else Path(trainer.default_root_dir) / "export"
 
-    def setup(self, trainer: Trainer, pl_module: GhostDistill, stage: str) -> None:
-        """Bad view names and folders that would not be replaced fail before the run, not after it."""
+    def check(self, trainer: Trainer, cfg: RunConfig) -> None:
+        """Bad view names and folders that would not be replaced or cannot be written fail before the run
+        (`cli.run_fit` calls this before any data is read), not after it."""
         if not self.views:
             return
-        bad = [v for v in self.views if v not in pl_module.cfg.views()]
+        bad = [v for v in self.views if v not in cfg.views()]
         if bad:
-            raise ValueError(f"export.views {bad} are not views of this run; its views are {pl_module.cfg.views()}")
-        existing = [str(self.root(trainer) / v) for v in self.views if (self.root(trainer) / v).exists()]
-        if existing and not self.overwrite:
-            raise FileExistsError(f"export folders {existing} exist; set export.overwrite: true to replace them")
+            raise ValueError(f"export.views {bad} are not views of this run; its views are {cfg.views()}")
+        unbuilt = [v for v in self.views if v in cfg.distill.views() and trainer.max_steps == 0]
+        if unbuilt:
+            raise ValueError(
+                f"export.views {unbuilt} are fine-tuned views, which trainer.max_steps 0 does not build: set "
+                "trainer.max_steps, or export them later from the run folder of a run that distils"
+            )
+        check_targets(self.root(trainer), self.views, self.overwrite, "export.overwrite: true")
+
+    def setup(self, trainer: Trainer, pl_module: GhostDistill, stage: str) -> None:
+        self.check(trainer, pl_module.cfg)  # `check_before_run` has done so already when `Calibration` runs
 
     def on_test_end(self, trainer: Trainer, pl_module: GhostDistill) -> None:
         if not self.views or not trainer.is_global_zero:

@@ -98,6 +98,9 @@ class RunConfig:
         validate_recovery(self.recovery)
         self.distill.validate([r.name for r in self.recovery])
         self.evaluation.validate()
+        unknown = [v for v in self.evaluation.views if v not in self.views()]
+        if unknown:
+            raise ValueError(f"evaluation.views {unknown} are not views of this run; its views are {self.views()}")
         self.plan.validate()
         if self.plan.repair_aware():
             repair_config(self.plan, self.recovery)

@@ -120,6 +120,8 @@ class DataConfig:
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"data.{name} must be a positive integer, got {value}")
+            if value < 2 and name in ("evaluation.seq_len", "validation.seq_len", "selection.seq_len"):
+                raise ValueError(f"data.{name} {value}: a scored window must hold at least 2 tokens; use 2 or more")
         if self.evaluation.max_windows is not None and self.evaluation.max_windows < 1:
             raise ValueError(f"data.evaluation.max_windows must be >= 1 or null, got {self.evaluation.max_windows}")
         validate_source(self.calibration.source)

@@ -13,7 +13,7 @@ last one).
 
 from __future__ import annotations
 
-import json
+import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.io import read_mapping
 from ..core.model import load_model, load_tokenizer
 from ..core.views import DENSE, PRUNED, PrunedModel
 from ..distill.config import Student
@@ -78,6 +79,24 @@ def check_views(cfg: RunConfig, views: list[str], where: str = "this run") -> No
     bad = [v for v in views if v not in available]
     if bad:
         raise ValueError(f"cannot export {bad}: the views of {where} are {available}")
+
+
+def check_targets(root: Path, views: list[str], overwrite: bool, flag: str = "--overwrite") -> None:
+    """The folders `views` would be written to, checked before any work: none exists unless `overwrite`, and
+    `root` is (or can be made) a writable folder. `flag` names how the user asks to overwrite."""
+    root = Path(root)
+    existing = [str(root / v) for v in views if (root / v).exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"export folders {existing} exist; pass {flag} to replace them, or choose another dir")
+    probe = root
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise NotADirectoryError(f"export dir {root} cannot be made: {probe} is a file, not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise PermissionError(
+            f"export dir {root} cannot be written: {probe} is not writable by you; choose another dir"
+        )
 
 
 def export_views(
@@ -158,7 +177,7 @@ def load_run(run: Path, cfg: RunConfig, views: list[str] = (), log: Callable[[st
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: export reads a finished run folder (run `fit` first)")
     check_views(cfg, list(views), str(run))
-    report = json.loads(results.read_text())
+    report = read_mapping(results, "results file")
     llm = load_model(cfg.model)
     llm.requires_grad_(False)
     data = RunData(
@@ -185,7 +204,10 @@ def export_run(
     seed: int | None = None,
     log: Callable[[str], None] = print,
 ) -> list[Path]:
-    """Export views of the finished run in `run` (configured by `cfg`, its config.yaml) without a Trainer."""
+    """Export views of the finished run in `run` (configured by `cfg`, its config.yaml) without a Trainer.
+    Bad view names and target folders fail before the model loads."""
+    check_views(cfg, list(views), str(run))
+    check_targets(out or run / "export", views, overwrite)
     loaded = load_run(run, cfg, views, log)
     return export_views(
         loaded.pruned,

@@ -28,10 +28,10 @@ from torch import nn
 
 from ..calibration.fit import register_view
 from ..core.io import atomic_write_json, json_digest
-from ..core.model import decoder_stack
+from ..core.model import decoder_stack, text_config
 from ..core.plan import PruningPlan
 from ..core.views import DENSE, PRUNED, PrunedModel
-from ..planning import score_runs
+from ..planning import check_plan, score_runs
 from .config import RunConfig
 from .data import RunData
 from .evaluate import evaluate
@@ -121,6 +121,18 @@ def frontier_point(
     }
 
 
+def check_depths(cfg: RunConfig, llm: nn.Module, depths: list[int]) -> None:
+    """Every depth the model's blocks and the plan's protected edges allow, checked before any data is read
+    (a depth at or beyond the number of blocks would otherwise fail after the first depths' passes)."""
+    num_layers = len(decoder_stack(llm).layers)
+    for n in depths:
+        plan_cfg = replace(cfg.plan, layers=None, num_layers=n, criterion="repair", repair_method=None)
+        try:
+            check_plan(plan_cfg, num_layers)
+        except ValueError as err:
+            raise ValueError(f"frontier num_layers {n} (of {depths}): {err}") from None
+
+
 def run_frontier(
     cfg: RunConfig,
     llm: nn.Module,
@@ -133,6 +145,9 @@ def run_frontier(
 ) -> list[dict]:
     """Every depth of `depths`, each saved as it finishes and skipped when saved before with the same
     settings (`key`); returns the points in order."""
+    check_depths(cfg, llm, depths)
+    # What needs only the tokenizer (every evaluation source yields its windows), before any pass.
+    data.check_before_calibration(getattr(text_config(llm), "max_position_embeddings", None), distilling=False)
     key = json_digest({"config": repr(cfg), "criteria": list(criteria)})
     points = []
     for n in depths:

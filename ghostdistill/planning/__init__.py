@@ -42,7 +42,7 @@ others'.
 
 The repair-aware criteria
 -------------------------
-The pre-repair criteria (`ghostdistill.criteria`) rank blocks by how little the residual stream changes
+The pre-repair criteria (above) rank blocks by how little the residual stream changes
 across them; the repair is then fitted to whatever was chosen. The question a user asks is about the
 model after repair, so these criteria answer it directly. For a candidate plan P with gaps g₁ … g_k:
 

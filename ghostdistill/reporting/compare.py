@@ -10,8 +10,10 @@ A compare file names a base fit config, the plans to run and the run root:
       - {criterion: block_influence, num_layers: 7}
       - {layers: [12, 13, 14]}
 
-Each plan runs as an ordinary `fit` in `<root>/<plan>/` (so each is resumable, and a finished one is
-not run again), and the rows are gathered into compare.json, compare.csv, compare.md and compare.png.
+Each plan runs as an ordinary `fit` in `<root>/<plan>/` (so each is resumable), and the rows are gathered
+into compare.json, compare.csv, compare.md and compare.png. A finished plan is not run again when its
+results.json records the settings the fit would now run with (`settings`: methods, data, evaluation,
+seed, ...); otherwise it runs again, and the console says which settings differ (`stale_reason`).
 """
 
 from __future__ import annotations
@@ -21,9 +23,8 @@ import io
 import json
 from pathlib import Path
 
-import yaml
-
-from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text
+from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text, read_mapping
+from .report import settings_differences
 
 PLAN_KEYS = {
     "criterion",
@@ -40,17 +41,14 @@ PLAN_KEYS = {
 
 
 def load_spec(path: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"compare file {path!r} does not exist")
-    spec = yaml.safe_load(p.read_text()) or {}
+    spec = read_mapping(path, "compare file")
     unknown = set(spec) - {"base", "root", "plans"}
     if unknown:
         raise ValueError(f"compare file {path}: unknown keys {sorted(unknown)}; valid: base, root, plans")
     for key in ("base", "plans"):
         if key not in spec:
             raise ValueError(f"compare file {path}: missing {key!r}")
-    if not Path(spec["base"]).is_file():
+    if not isinstance(spec["base"], str) or not Path(spec["base"]).is_file():
         raise FileNotFoundError(f"compare file {path}: base config {spec['base']!r} does not exist")
     if not isinstance(spec["plans"], list) or not spec["plans"]:
         raise ValueError(f"compare file {path}: plans must be a non-empty list")
@@ -60,8 +58,33 @@ def load_spec(path: str) -> dict:
             raise ValueError(
                 f"compare file {path}: plan {plan!r} has unknown keys {sorted(bad)}; valid: {sorted(PLAN_KEYS)}"
             )
+        check_plan_values(plan, path)
     spec.setdefault("root", "runs/compare")
     return spec
+
+
+_INT_KEYS = ("num_layers", "keep_first", "keep_last", "criterion_samples", "repair_chunk")
+
+
+def check_plan_values(plan: dict, path: str) -> None:
+    """Each plan names its layers or their number, and every value has its key's type (before any fit runs)."""
+    if plan.get("layers") is None and plan.get("num_layers") is None:
+        raise ValueError(f"compare file {path}: plan {plan!r} names neither num_layers nor layers; give one")
+    for key, value in plan.items():
+        if value is None:
+            continue
+        if key in _INT_KEYS:
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            what = "an integer >= 0"
+        elif key == "layers":
+            ok = isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+            what = "a list of layer indices"
+        elif key == "allow_edges":
+            ok, what = isinstance(value, bool), "true or false"
+        else:
+            ok, what = isinstance(value, str), "a string"
+        if not ok:
+            raise ValueError(f"compare file {path}: plan {plan!r}: {key} {value!r} must be {what}")
 
 
 # Keys of a plan in the order they appear in its folder name, with the defaults left out of the name
@@ -129,6 +152,19 @@ def plan_args(plan: dict) -> list[str]:
     for key, value in full.items():
         args += [f"--model.plan.{key}", value if isinstance(value, str) else json.dumps(value)]
     return args
+
+
+def stale_reason(results: dict, wanted: dict) -> str | None:
+    """Why a plan's existing results.json cannot be reused under the settings `wanted` (`result_settings` of
+    the fit compare would run), or None when it was computed with exactly them."""
+    saved = results.get("settings")
+    if saved is None:
+        return "its results.json records no settings (written by an older version)"
+    diff = settings_differences(saved, wanted)
+    if not diff:
+        return None
+    more = f" and {len(diff) - 6} more" if len(diff) > 6 else ""
+    return f"its results.json was computed with other {', '.join(diff[:6])}{more}"
 
 
 def gather(runs: list[tuple[dict, dict]], spec: dict) -> dict:

@@ -20,36 +20,37 @@ import csv
 import io
 from pathlib import Path
 
-import yaml
-
-from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text
+from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text, read_mapping
 
 SPEC_KEYS = {"base", "root", "num_layers", "criteria"}
 CRITERIA = ("streamline", "repair")
 
 
 def load_frontier_spec(path: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"frontier file {path!r} does not exist")
-    spec = yaml.safe_load(p.read_text()) or {}
+    spec = read_mapping(path, "frontier file")
     unknown = set(spec) - SPEC_KEYS
     if unknown:
         raise ValueError(f"frontier file {path}: unknown keys {sorted(unknown)}; valid: {', '.join(sorted(SPEC_KEYS))}")
     for key in ("base", "num_layers"):
         if key not in spec:
             raise ValueError(f"frontier file {path}: missing {key!r}")
-    if not Path(spec["base"]).is_file():
+    if not isinstance(spec["base"], str) or not Path(spec["base"]).is_file():
         raise FileNotFoundError(f"frontier file {path}: base config {spec['base']!r} does not exist")
     depths = spec["num_layers"]
     if isinstance(depths, dict):
-        if set(depths) != {"first", "last"}:
-            raise ValueError(f"frontier file {path}: num_layers {depths!r} must be a list or {{first: a, last: b}}")
-        depths = list(range(int(depths["first"]), int(depths["last"]) + 1))
+        ends = [depths.get("first"), depths.get("last")]
+        if set(depths) != {"first", "last"} or not all(isinstance(e, int) and not isinstance(e, bool) for e in ends):
+            raise ValueError(
+                f"frontier file {path}: num_layers {depths!r} must be a list of depths or {{first: a, last: b}} "
+                "with integers a <= b"
+            )
+        depths = list(range(ends[0], ends[1] + 1))
     if not isinstance(depths, list) or not depths or not all(isinstance(d, int) and d >= 1 for d in depths):
         raise ValueError(f"frontier file {path}: num_layers {spec['num_layers']!r} must name depths >= 1")
     spec["num_layers"] = sorted(set(depths))
     spec.setdefault("criteria", list(CRITERIA))
+    if not isinstance(spec["criteria"], list):
+        raise ValueError(f"frontier file {path}: criteria {spec['criteria']!r} must be a list; choose among {CRITERIA}")
     bad = [c for c in spec["criteria"] if c not in CRITERIA]
     if bad or not spec["criteria"]:
         raise ValueError(f"frontier file {path}: criteria {spec['criteria']!r}; choose among {', '.join(CRITERIA)}")

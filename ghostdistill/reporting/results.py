@@ -32,6 +32,42 @@ def markdown_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def check_scored(report: dict) -> None:
+    """A run that scored no token on some evaluation source has no result to show: an error, not a table
+    of perplexity 1.00 and KL 0."""
+    empty = sorted(
+        {
+            source
+            for entry in report.get("views", {}).values()
+            for source, m in entry["metrics"].items()
+            if not m["tokens"]
+        }
+    )
+    if not report.get("views") or empty:
+        ev = report.get("evaluation") or {}
+        raise ValueError(
+            f"the evaluation scored no tokens ({'sources ' + str(empty) if empty else 'no views'}; windows of "
+            f"{ev.get('seq_len')} tokens): no results to report; give each evaluation source at least one window "
+            "of 2 or more tokens (data.evaluation.seq_len, max_windows)"
+        )
+
+
+def rank_warning(report: dict) -> str:
+    """A line that flags operators fitted from fewer calibration tokens than the hidden size (empty when
+    the fit was full-rank), with what to do about it."""
+    cal = report.get("calibration") or {}
+    tokens, c = cal.get("tokens"), cal.get("hidden_size")
+    fitted = [v for v, fit in (report.get("recovery") or {}).items() if fit.get("method", v) != "none"]
+    if tokens is None or c is None or tokens >= c or not fitted:
+        return ""
+    return (
+        f"**Warning: rank-deficient fit.** {tokens} calibration tokens for hidden size {c}: XᵀX has rank at most "
+        f"{tokens} < {c}, so the operators of {', '.join(fitted)} are minimum-norm solutions fitted to too little "
+        f"data and their rows above are not to be trusted. Calibrate on at least {c} tokens "
+        f"(data.calibration.num_samples × seq_len ≥ {c}; several times {c} for a good fit)."
+    )
+
+
 def zeroshot_table(report: dict) -> str:
     views = {v: e["zeroshot"] for v, e in report.get("views", {}).items() if "zeroshot" in e}
     if not views:
@@ -123,6 +159,9 @@ def render_markdown(report: dict) -> str:
         markdown_table(report),
         "",
     ]
+    warning = rank_warning(report)
+    if warning:
+        parts += [warning, ""]
     candidates = plan_section(report)
     if candidates:
         parts += [candidates]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -278,3 +279,42 @@ def test_exported_folders_get_the_permissions_of_the_umask(tmp_path, tiny_tokeni
     assert set(modes.values()) == {oct(file_mode)}, modes
     for sub in (p for p in folder.rglob("*") if p.is_dir()):
         assert stat.S_IMODE(sub.stat().st_mode) == folder_mode, sub
+
+
+def test_an_interrupted_export_leaves_nothing_and_a_rerun_cleans_orphans(tmp_path, tiny_tokenizer, monkeypatch):
+    """Ctrl-C (or SIGTERM, raised as an exception) mid-write removes the temporary folder; what a SIGKILL or a
+    crash left (a dead process's temporary folder, an older version's, an old folder renamed away) is cleaned
+    by the next export of that view, and a live export's temporary folder is left alone."""
+    from ghostdistill.export import writer
+
+    torch.manual_seed(0)
+    pm, _ = fit_all(tiny_model("llama"), PruningPlan.from_layers([2, 3], 6), [METHODS[0]])
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(writer, "_save_weights", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            export_view(pm, "ghost", tmp_path / "ghost", method="ghost")
+    assert list(tmp_path.iterdir()) == []
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    orphans = [tmp_path / f".ghost.tmp-{dead_pid}-x1y2", tmp_path / ".ghost.tmp-3ab_x9z1"]
+    live = tmp_path / f".ghost.tmp-{os.getpid()}-live"
+    other = tmp_path / f".pruned.tmp-{dead_pid}-abcd"  # another view's: its own export cleans it
+    for folder in (*orphans, live, other):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+    export_view(pm, "ghost", tmp_path / "ghost", method="ghost")
+    assert not any(p.exists() for p in orphans)
+    assert live.is_dir() and other.is_dir()
+    assert (tmp_path / "ghost" / "config.json").is_file()
+
+    # An old folder renamed away just before a crash: put back when no new folder took its place.
+    shutil.rmtree(tmp_path / "ghost")
+    old = tmp_path / f".ghost.old-{dead_pid}"
+    (old / "inner").mkdir(parents=True)
+    writer.clean_orphans(tmp_path / "ghost")
+    assert (tmp_path / "ghost" / "inner").is_dir() and not old.exists()

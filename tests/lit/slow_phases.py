@@ -6,7 +6,8 @@ Prints `PHASE <phase>` (flushed) when the phase starts, then keeps it busy in Py
 statistics loop and the training loop are) for `$SLOW_SECONDS` (default 60) before doing the real work,
 so a test can send a signal while the run is inside that phase. Phases: calibration, fitting,
 evaluation, zeroshot (lm-eval itself is replaced by a stand-in score: no task data is needed),
-distillation, export (the end-of-fit export, inside its temporary folder).
+distillation, export (the end-of-fit export, inside its temporary folder); `export_command` runs
+`ghostdistill export` (the remaining arguments) through the script's entry point, slowed as `export`.
 """
 
 from __future__ import annotations
@@ -80,5 +81,13 @@ def slow(phase: str) -> None:
 
 
 if __name__ == "__main__":
-    slow(sys.argv[1])
-    main(sys.argv[2:])
+    if sys.argv[1] == "export_command":
+        # `ghostdistill export <run> ...` as the installed script runs it (`entry`), slowed like `export`.
+        from ghostdistill.cli import entry
+
+        slow("export")
+        sys.argv = ["ghostdistill", *sys.argv[2:]]
+        entry()
+    else:
+        slow(sys.argv[1])
+        main(sys.argv[2:])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,7 +59,9 @@ def _args(tiny_dir, text_files, run: Path, phase: str) -> list[str]:
     )
 
 
-def _start(phase: str, args: list[str], slow_seconds: int) -> tuple[subprocess.Popen, list[str], threading.Event]:
+def _start(
+    phase: str, args: list[str], slow_seconds: int, harness_args: list[str] | None = None
+) -> tuple[subprocess.Popen, list[str], threading.Event]:
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
@@ -67,7 +70,7 @@ def _start(phase: str, args: list[str], slow_seconds: int) -> tuple[subprocess.P
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     proc = subprocess.Popen(
-        [sys.executable, str(HARNESS), phase, *args],
+        [sys.executable, str(HARNESS), *(harness_args or [phase]), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -220,3 +223,38 @@ def _report(phase, signum, seconds, code, left, resumed) -> None:
                 )
                 + "\n"
             )
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_dir, text_files) -> Path:
+    from ghostdistill.cli import main
+
+    run = tmp_path_factory.mktemp("signals") / "run"
+    main(tiny_run_args(tiny_dir, text_files, run, "--model.evaluation.analysis", "false"))
+    return run
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_during_the_export_command_leaves_nothing_and_says_so_in_one_line(signum, finished_run):
+    """`ghostdistill export <run>` runs under the SIGTERM handling `fit` has: either signal stops it with one
+    line (no traceback), removes the half-written temporary folder, and the rerun writes the whole folder."""
+    run = finished_run
+    shutil.rmtree(run / "export", ignore_errors=True)
+    proc, lines, started = _start(
+        "export", [], slow_seconds=120, harness_args=["export_command", "export", str(run), "--views", "ghost"]
+    )
+    try:
+        assert started.wait(180), "the export never started:\n" + "".join(lines[-40:])
+        time.sleep(0.5)
+        assert list((run / "export").glob(".ghost.tmp-*")), "the temporary folder exists while it is written"
+        proc.send_signal(signum)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(0.2)  # the reader thread has the last lines
+    output = "".join(lines)
+    assert code == {signal.SIGTERM: 143, signal.SIGINT: 130}[signum], output[-3000:]
+    assert "Traceback" not in output and f"({signum.name})" in output, output[-3000:]
+    assert not list((run / "export").iterdir()), "a half-written export folder was left"
+    _rerun_export(run, "export command", signum, 0.0, code, [])

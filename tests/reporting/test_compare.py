@@ -78,3 +78,84 @@ def test_compare_rejects_bad_files(tmp_path):
     bad.write_text("base: nowhere.yaml\nplans: [{num_layers: 3}]\n")
     with pytest.raises(FileNotFoundError, match="nowhere.yaml"):
         load_spec(str(bad))
+
+
+def test_stale_reasons_name_the_settings_that_differ():
+    from ghostdistill.reporting.compare import stale_reason
+    from ghostdistill.reporting.report import result_settings
+
+    config = {
+        "seed_everything": 0,
+        "trainer": {"max_steps": 0, "devices": 1, "default_root_dir": "a"},
+        "model": {"recovery": [{"name": "ghost"}], "evaluation": {"logit_chunk": 64}},
+        "data": {"evaluation": {"max_windows": 2}, "num_workers": 0},
+    }
+    wanted = result_settings(config)
+    assert "devices" not in wanted["trainer"] and "logit_chunk" not in wanted["model"]["evaluation"]
+    assert stale_reason({"settings": wanted}, wanted) is None
+    # What only costs (the run folder, devices, chunking) does not make a result stale.
+    cheaper = {
+        **config,
+        "trainer": {**config["trainer"], "devices": 2, "default_root_dir": "b"},
+        "model": {**config["model"], "evaluation": {"logit_chunk": 8}},
+    }
+    assert stale_reason({"settings": result_settings(cheaper)}, wanted) is None
+    other = {
+        **config,
+        "model": {"recovery": [{"name": "lp", "method": "linearpatch"}], "evaluation": {}},
+        "data": {"evaluation": {"max_windows": 5}},
+    }
+    why = stale_reason({"settings": result_settings(other)}, wanted)
+    assert why == "its results.json was computed with other model.recovery, data.evaluation.max_windows"
+    assert "older version" in stale_reason({}, wanted)
+
+
+def test_compare_reuses_only_results_of_the_same_settings(tiny_dir, text_files, tmp_path, capsys):
+    """Changing the methods and the evaluation windows after a compare: the plan runs again, and the report
+    shows the new rows only (it reported the old ghost rows on 2 windows and exited 0)."""
+    import json
+
+    import yaml
+    from tiny_run import tiny_run_args
+
+    from ghostdistill.cli import main
+
+    spec = tmp_path / "compare.yaml"
+    base = tiny_run_args(tiny_dir, text_files, tmp_path / "unused")
+    spec.write_text(yaml.safe_dump({"base": base[2], "root": str(tmp_path / "cmp"), "plans": [{"layers": [2, 3]}]}))
+    overrides = [*base[3:-2], "--model.evaluation.analysis", "false"]
+    root = main(["compare", str(spec), *overrides])
+    results = root / "layers_2_3" / "results.json"
+    first = json.loads((root / "compare.json").read_text())
+    assert {r["view"] for r in first["rows"]} == {"dense", "pruned", "ghost"}
+    assert first["evaluation"]["sources"]["held_out"]["windows"] == 2
+
+    stamp = results.stat().st_mtime_ns
+    main(["compare", str(spec), *overrides])  # the same settings: reused
+    assert results.stat().st_mtime_ns == stamp
+    capsys.readouterr()
+
+    changed = [
+        *overrides,
+        "--model.recovery",
+        json.dumps([{"name": "lp", "method": "linearpatch", "variant": "diag"}]),
+        "--data.evaluation.max_windows",
+        "3",
+    ]
+    main(["compare", str(spec), *changed])
+    said = capsys.readouterr().out
+    assert (
+        "plan layers_2_3: its results.json was computed with other model.recovery, data.evaluation.max_windows" in said
+    )
+    report = json.loads((root / "compare.json").read_text())
+    assert {r["view"] for r in report["rows"]} == {"dense", "pruned", "lp"}, "stale ghost rows reported"
+    assert report["evaluation"]["sources"]["held_out"]["windows"] == 3
+    assert "| ghost |" not in (root / "compare.md").read_text()
+
+    # A results.json of an older version (no settings) is not trusted either.
+    saved = json.loads(results.read_text())
+    del saved["settings"]
+    results.write_text(json.dumps(saved))
+    main(["compare", str(spec), *changed])
+    assert "records no settings (written by an older version); running it again" in capsys.readouterr().out
+    assert "settings" in json.loads(results.read_text())

@@ -1,0 +1,108 @@
+"""The command line: `python -m ghostdistill <command>` (or the installed `ghostdistill` script).
+
+    fit      --config <yaml> [overrides]       calibrate, fit the operators, distil (with max_steps > 0), evaluate
+    compare  <compare.yaml> [fit overrides]    one `fit` per plan, gathered into one report
+    export   <run> --views ... [--dir D]       write views of a finished run as Hugging Face folders
+    frontier <frontier.yaml> [fit overrides]   per depth, streamline's and the repair-aware plans, evaluated
+
+`fit` is a LightningCLI (YAML configs, `--print_config`, dotted overrides) built without its own
+subcommands: the run is `run_fit`, which calls `Trainer.fit` only when there are steps to take, then
+`Trainer.test`. Bad input ends in one line `error: ...` and exit status 2 (`GHOSTDISTILL_DEBUG=1` shows
+the traceback).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .export import load_run_config, run_export
+from .fit import GhostDistillCLI, build_fit, check_strategy_config, quiet_console, run_fit
+from .runs import run_compare, run_frontier_command
+
+__all__ = [
+    "COMMANDS",
+    "GhostDistillCLI",
+    "build_fit",
+    "check_strategy_config",
+    "entry",
+    "load_run_config",
+    "main",
+    "quiet_console",
+    "run_compare",
+    "run_export",
+    "run_fit",
+    "run_frontier_command",
+]
+
+COMMANDS = {
+    "fit": "calibrate, fit every method's operators, distil the students (trainer.max_steps > 0), evaluate",
+    "compare": "run one fit per plan of a compare file and gather them into one report",
+    "export": "write views of a finished run as Hugging Face model folders",
+    "frontier": "for n = 1 … N blocks removed: every method on streamline's plan and on its repair-aware plan",
+}
+
+
+def usage() -> str:
+    lines = [
+        "usage: python -m ghostdistill <command> [arguments]   (<command> --help for its arguments)",
+        "",
+        "commands:",
+    ]
+    lines += [f"  {name:<9} {text}" for name, text in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(args: list[str] | None = None):
+    """`python -m ghostdistill <command> ...` from Python: errors are raised as they are (see `entry`)."""
+    argv = sys.argv[1:] if args is None else list(args)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        raise SystemExit(0 if argv else 2)
+    command, rest = argv[0], argv[1:]
+    if command == "fit":
+        return run_fit(rest)
+    if command == "compare":
+        return run_compare(rest)
+    if command == "export":
+        return run_export(rest)
+    if command == "frontier":
+        return run_frontier_command(rest)
+    print(f"error: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+# What bad input raises; anything else is a bug and keeps its traceback.
+USER_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+    ImportError,
+    RuntimeError,
+)
+
+
+def entry() -> None:
+    """The `ghostdistill` script and `python -m ghostdistill`: bad input ends in one line `error: ...` and exit
+    status 2; `GHOSTDISTILL_DEBUG=1` shows the traceback instead."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        # Lightning turns Ctrl-C inside `fit` into exit status 1 itself; elsewhere (export, compare's
+        # gathering) it would be a traceback. Every file on disk is complete (written atomically).
+        if os.environ.get("GHOSTDISTILL_DEBUG"):
+            raise
+        print(
+            "interrupted (SIGINT): stopped; files on disk are complete, rerun the same command to resume",
+            file=sys.stderr,
+        )
+        raise SystemExit(130) from None
+    except USER_ERRORS as err:
+        if os.environ.get("GHOSTDISTILL_DEBUG"):
+            raise
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"error: {message}  (GHOSTDISTILL_DEBUG=1 shows the traceback)", file=sys.stderr)
+        raise SystemExit(2) from None

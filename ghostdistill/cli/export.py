@@ -1,0 +1,68 @@
+"""`export <run>`: views of a finished run folder written as Hugging Face folders, without a Trainer."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..lit.interrupts import terminate_on_sigterm
+from ..methods import drop_flat_defaults
+from .fit import build_fit
+
+
+def load_run_config(run: Path, trust_remote_code: bool = False):
+    """The `RunConfig` and seed of a run folder, from its `config.yaml` parsed as `fit` parsed it. The
+    model's tokenizer is loaded; nothing else is loaded or computed. The file is someone else's: settings
+    that would run code it names are refused unless `trust_remote_code` (the user's `--trust-remote-code`),
+    and of the trainer section only the run folder is read (`pipeline.trust`)."""
+    from ..core.io import read_mapping
+    from ..pipeline.trust import check_trust, export_sections
+
+    config = run / "config.yaml"
+    if not config.is_file():
+        raise FileNotFoundError(f"{config} is missing: export reads a finished run folder (run `fit` first)")
+    raw = read_mapping(config, "run config")
+    check_trust(raw, config, trust_remote_code)
+    saved = export_sections(raw, run)
+    model = saved.get("model") or {}
+    if not isinstance(model, dict):
+        raise ValueError(f"{config}: model is a {type(model).__name__}, not a mapping of keys")
+    if model.get("recovery"):
+        # A run folder written before each method got its own keys lists every key of every entry.
+        model["recovery"] = [drop_flat_defaults(entry) for entry in model["recovery"]]
+    cli = build_fit(saved, save_config_callback=None)
+    cfg = cli.model.cfg
+    cfg.data = cli.datamodule.cfg
+    return cfg, saved.get("seed_everything")
+
+
+def run_export(argv: list[str]) -> list[Path]:
+    """`export <run folder> --views v ... [--dir D] [--overwrite] [--trust-remote-code]`: write views of a
+    finished run as Hugging Face folders (`pipeline.export.export_run`), without a Trainer. A run folder's
+    config runs none of its author's code unless you pass --trust-remote-code. SIGTERM and SIGINT stop it
+    with one line and leave no folder behind (each view is written in a temporary folder and renamed)."""
+    from ..pipeline.export import export_run
+    from ..pipeline.trust import FLAG
+
+    parser = argparse.ArgumentParser(prog="ghostdistill export", description=run_export.__doc__)
+    parser.add_argument("run", help="the run folder (trainer.default_root_dir of a finished fit)")
+    parser.add_argument("--views", nargs="+", required=True, help="views to export, e.g. ghost ghost_ft")
+    parser.add_argument("--dir", default=None, help="parent folder of the exported views (default <run>/export)")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing folders")
+    parser.add_argument(
+        FLAG,
+        action="store_true",
+        help="honour the run config's model.model.trust_remote_code: true (runs the Python files its model "
+        "source ships); only for run folders whose author you trust",
+    )
+    args = parser.parse_args(argv)
+    run = Path(args.run)
+    if not run.is_dir():
+        raise FileNotFoundError(f"run folder {run} does not exist (the trainer.default_root_dir of a finished fit)")
+    with terminate_on_sigterm():
+        cfg, seed = load_run_config(run, trust_remote_code=args.trust_remote_code)
+        out = Path(args.dir) if args.dir else None
+        paths = export_run(run, cfg, args.views, out, overwrite=args.overwrite, seed=seed)
+    for path in paths:
+        print(f"exported {path}")
+    return paths

@@ -1,0 +1,214 @@
+"""`fit`: a LightningCLI (YAML configs, `--print_config`, dotted overrides) built without its own
+subcommands: the run is `run_fit`, which calls `Trainer.fit` only when there are steps to take, then
+`Trainer.test`. `build_fit` is the parser and what it instantiates, which `compare`, `frontier` and `export`
+reuse."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Optional
+
+from lightning.pytorch.cli import LightningCLI
+
+from ..lit.callbacks import Calibration, Export, Report
+from ..lit.checkpoint import LastCheckpoint, resolve_ckpt_path
+from ..lit.datamodule import GhostDataModule
+from ..lit.interrupts import terminate_on_sigterm
+from ..lit.module import GhostDistill
+from ..methods import RecoveryConfig
+from ..reporting.report import result_settings
+
+
+class _DropTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip")
+
+
+def quiet_console() -> None:
+    """A run's console shows the plan, progress, the result table and where files went, not library chatter:
+    Lightning's advertising tip, a deprecation inside Lightning's own pytree helper, and LightningCLI's note on
+    `args` (calls of `main` from Python pass their own arguments on purpose)."""
+    # rank_zero_info logs through this logger (a filter on a logger sees only its own records).
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropTips())
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+
+
+quiet_console()
+
+
+class GhostDistillCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_lightning_class_args(Calibration, "calibration")
+        parser.add_lightning_class_args(Export, "export")
+        parser.add_argument(
+            "--ckpt_path",
+            type=Optional[str],
+            default=None,
+            help="resume distillation: `last` (<run>/checkpoints/last.ckpt) or a checkpoint path",
+        )
+        parser.set_defaults(
+            {
+                "trainer.max_steps": 0,
+                "trainer.logger": False,
+                "trainer.enable_checkpointing": False,
+                "trainer.enable_model_summary": False,
+                "trainer.num_sanity_val_steps": 0,
+                "trainer.default_root_dir": "runs/default",
+                "trainer.devices": 1,
+                "model.recovery": [{"name": "ghost", "method": "ghost"}],
+            }
+        )
+
+    def parse_arguments(self, parser, args) -> None:
+        """As LightningCLI parses, except that a `--model.recovery` list given on the command line replaces the
+        config file's list: jsonargparse merges two lists of the same length entry by entry, which would give
+        each entry keys of the file's entry at its position (keys its own method may not read)."""
+        super().parse_arguments(parser, args)
+        given = _last_value(list(args) if isinstance(args, list) else sys.argv[1:], "--model.recovery")
+        if given is not None:
+            from jsonargparse import ArgumentParser
+
+            alone = ArgumentParser(exit_on_error=False)
+            alone.add_argument("--recovery", type=list[RecoveryConfig])
+            self.config.model.recovery = alone.parse_args(["--recovery", given]).recovery
+
+    def before_instantiate_classes(self) -> None:
+        # Keep tokenizers' own thread pool from fighting the DataLoader and torch for the cores.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        trainer = self.config.get("trainer", {})
+        check_strategy_config(trainer.get("strategy"))
+        check_run_settings(trainer.get("max_steps"), trainer.get("default_root_dir"), self.config.get("ckpt_path"))
+
+    def instantiate_trainer(self, **kwargs):
+        extra = kwargs.pop("callbacks", []) or []
+        # Export writes after the report, so a failed export never costs the results.
+        callbacks = [
+            *(c for c in extra if not isinstance(c, Export)),
+            Report(),
+            *(c for c in extra if isinstance(c, Export)),
+        ]
+        steps = self.config["trainer"].get("max_steps", 0)
+        if steps and steps > 0:
+            # `<run>/checkpoints/last.ckpt` every distill.checkpoint_every steps and at the end.
+            every = self.config["model"]["distill"]["checkpoint_every"] or steps
+            callbacks.append(LastCheckpoint(Path(self.config["trainer"]["default_root_dir"]) / "checkpoints", every))
+        return super().instantiate_trainer(callbacks=callbacks, **kwargs)
+
+
+def _last_value(args: list[str], key: str) -> str | None:
+    value = None
+    for i, arg in enumerate(args):
+        if arg == key and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(key + "="):
+            value = arg[len(key) + 1 :]
+    return value
+
+
+def check_strategy_config(strategy) -> None:
+    """FSDP2 checkpoints must be whole: they hold only what trains, and a sharded one must hold every weight."""
+    if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith("ModelParallelStrategy"):
+        if (strategy.get("init_args") or {}).get("save_distributed_checkpoint", True):
+            raise ValueError(
+                "ModelParallelStrategy: set init_args.save_distributed_checkpoint: false. Checkpoints hold only what "
+                "trains, and a sharded checkpoint must hold every weight of the model to load"
+            )
+
+
+def check_run_settings(max_steps, root_dir, ckpt_path) -> None:
+    """The trainer settings that would otherwise fail only after calibration (or as a traceback from the
+    Trainer): the step count, the run folder, the checkpoint to resume from."""
+    if max_steps is not None and max_steps < 0:
+        raise ValueError(f"trainer.max_steps {max_steps}: set 0 (training-free) or the number of distillation steps")
+    if root_dir is not None:
+        path = Path(root_dir)
+        probe = path
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        if not probe.is_dir():
+            raise NotADirectoryError(
+                f"trainer.default_root_dir {root_dir}: {probe} is a file; the run folder must be a folder (or not exist)"
+            )
+    if ckpt_path not in (None, "last") and not Path(ckpt_path).is_file():
+        raise FileNotFoundError(
+            f"--ckpt_path {ckpt_path} does not exist: give a checkpoint file, or `last` (<run>/checkpoints/last.ckpt)"
+        )
+
+
+def build_fit(
+    args: list[str] | dict, cli_class: type = GhostDistillCLI, exit_on_error: bool = True, **kwargs
+) -> GhostDistillCLI:
+    """The `fit` parser and what it instantiates (module, data module, trainer); nothing runs yet.
+    `exit_on_error=False`: a bad argument raises `jsonargparse.ArgumentError` instead of printing the usage."""
+    return cli_class(
+        GhostDistill,
+        GhostDataModule,
+        seed_everything_default=0,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+        run=False,
+        # allow_abbrev off: argparse would otherwise take a misspelt prefix (`--trainer.max_step`) for the key it
+        # abbreviates, where an unknown key must be rejected by name.
+        parser_kwargs={
+            "allow_abbrev": False,
+            "default_config_files": [],
+            "prog": "ghostdistill fit",
+            "exit_on_error": exit_on_error,
+        },
+        **kwargs,
+    )
+
+
+class _ParseOnly(GhostDistillCLI):
+    """The `fit` parser without instantiating anything (no tokenizer, no trainer)."""
+
+    def before_instantiate_classes(self) -> None:
+        pass
+
+    def instantiate_classes(self) -> None:
+        pass
+
+    def after_instantiate_classes(self) -> None:
+        pass
+
+
+def settings_of(cli: GhostDistillCLI) -> dict:
+    """The settings that decide a run's results (`reporting.report.result_settings`) of a parsed `fit`."""
+    return result_settings(json.loads(cli.parser.dump(cli.config, format="json")))
+
+
+def fit_settings(args: list[str], who: str) -> dict:
+    """`settings_of` the fit that `args` would run, parsed only (compare checks every plan with it before
+    any runs, and a finished plan's results against it); a bad argument is one line naming `who`."""
+    from jsonargparse import ArgumentError
+
+    try:
+        return settings_of(build_fit(args, cli_class=_ParseOnly, exit_on_error=False))
+    except ArgumentError as err:
+        raise ValueError(f"{who}: {' '.join(str(err).split())}") from None
+
+
+def run_fit(args: list[str]) -> GhostDistillCLI:
+    """`fit`: distil when there are steps to take (resuming from `--ckpt_path`), then evaluate every view.
+    SIGTERM stops it in every phase (`lit.interrupts`)."""
+    with terminate_on_sigterm():
+        cli = build_fit(args)
+        trainer, model, data = cli.trainer, cli.model, cli.datamodule
+        model.report.settings = settings_of(cli)  # results.json: what compare checks before reusing it
+        if trainer.max_steps != 0:
+            ckpt = resolve_ckpt_path(
+                cli.config.get("ckpt_path"), Path(trainer.default_root_dir), trainer.is_global_zero
+            )
+            # weights_only (Lightning >= 2.6): tensors and plain data only; `resolve_ckpt_path` has already
+            # checked that `last` loads so, for older Lightning too.
+            safe = {"weights_only": True} if "weights_only" in inspect.signature(trainer.fit).parameters else {}
+            trainer.fit(model, datamodule=data, ckpt_path=ckpt, **safe)
+        trainer.test(model, datamodule=data, verbose=False)
+        return cli

@@ -1,0 +1,132 @@
+"""Every check that needs only the config, the model's config and the tokenizer fails before any data is
+generated or read for calibration and before any pass is made (on an 8B model that is hours of work):
+each case runs `fit` (or `frontier`) with calibration and the model's loading made to fail loudly, and
+expects its own one-line error instead."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from tiny_run import tiny_run_args
+
+from ghostdistill.cli import main
+from ghostdistill.lit import callbacks
+from ghostdistill.lit.module import GhostDistill
+from ghostdistill.pipeline import data, frontier
+
+
+class Reached(AssertionError):
+    """The run got past its checks into real work."""
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Calibration data, statistics passes and (for `fit`) the model's loading raise `Reached`."""
+
+    def refuse(*args, **kwargs):
+        raise Reached("the run reached data generation, calibration or model loading before failing")
+
+    monkeypatch.setattr(data.RunData, "calibration_ids", refuse)
+    monkeypatch.setattr(data.RunData, "selection_ids", refuse)
+    monkeypatch.setattr(callbacks, "calibrate", refuse)
+    monkeypatch.setattr(frontier, "score_runs", refuse)
+    return refuse
+
+
+def _fit(tiny_dir, text_files, run, *extra):
+    return tiny_run_args(tiny_dir, text_files, run, *extra, calibration_source=False)  # the demo's `generate`
+
+
+def _cases(tmp_path):
+    existing = tmp_path / "exported"
+    (existing / "ghost").mkdir(parents=True)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    return {
+        "export.views typo": (["--export.views", "[ghots]"], ValueError, r"export.views \['ghots'\] are not views"),
+        "export.dir exists": (
+            ["--export.views", "[ghost]", "--export.dir", str(existing)],
+            FileExistsError,
+            r"exported/ghost'\] exist; pass export.overwrite: true",
+        ),
+        "export.dir under a file": (
+            ["--export.views", "[ghost]", "--export.dir", str(a_file / "out")],
+            NotADirectoryError,
+            r"export dir .*a_file/out cannot be made: .*a_file is a file",
+        ),
+        "evaluation.views typo": (
+            ["--model.evaluation.views", "[dnese]"],
+            ValueError,
+            r"evaluation.views \['dnese'\] are not views of this run",
+        ),
+        "ckpt_path missing": (
+            [
+                "--trainer.max_steps",
+                "2",
+                "--model.distill.methods",
+                "[ghost]",
+                "--ckpt_path",
+                str(tmp_path / "no.ckpt"),
+            ],
+            FileNotFoundError,
+            r"--ckpt_path .*no.ckpt does not exist",
+        ),
+        "default_root_dir is a file": (
+            ["--trainer.default_root_dir", str(a_file)],
+            NotADirectoryError,
+            r"trainer.default_root_dir .*a_file: .*is a file",
+        ),
+        "max_steps negative": (["--trainer.max_steps", "-5"], ValueError, r"trainer.max_steps -5: set 0"),
+        "evaluation window of 1 token": (
+            ["--data.evaluation.seq_len", "1"],
+            ValueError,
+            r"data.evaluation.seq_len 1: a scored window must hold at least 2 tokens; use 2 or more",
+        ),
+        "distilling without methods": (["--trainer.max_steps", "2"], RuntimeError, r"trainer.max_steps > 0 trains"),
+        "exporting a fine-tuned view without steps": (
+            ["--model.distill.methods", "[ghost]", "--export.views", "[ghost_ft]"],
+            ValueError,
+            r"export.views \['ghost_ft'\] are fine-tuned views, which trainer.max_steps 0 does not build",
+        ),
+        "evaluating a fine-tuned view without steps": (
+            ["--model.distill.methods", "[ghost]", "--model.evaluation.views", "[ghost_ft]"],
+            ValueError,
+            r"evaluation.views \['ghost_ft'\] are fine-tuned views",
+        ),
+    }
+
+
+CASES = [
+    "export.views typo",
+    "export.dir exists",
+    "export.dir under a file",
+    "evaluation.views typo",
+    "ckpt_path missing",
+    "default_root_dir is a file",
+    "max_steps negative",
+    "evaluation window of 1 token",
+    "distilling without methods",
+    "exporting a fine-tuned view without steps",
+    "evaluating a fine-tuned view without steps",
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_config_only_checks_fail_before_any_work(case, tiny_dir, text_files, tmp_path, monkeypatch, no_work):
+    monkeypatch.setattr(GhostDistill, "configure_model", no_work)
+    extra, error, message = _cases(tmp_path)[case]
+    run = tmp_path / "run"
+    with pytest.raises(error, match=message):
+        main(_fit(tiny_dir, text_files, run, *extra))
+    assert not list(run.glob("generated_calibration_*.pt")) and not (run / "results.json").exists()
+
+
+def test_a_frontier_depth_beyond_the_blocks_fails_before_any_pass(tiny_dir, text_files, tmp_path, no_work):
+    args = tiny_run_args(tiny_dir, text_files, tmp_path / "unused", layers=None, num_layers=2)
+    spec = tmp_path / "frontier.yaml"
+    spec.write_text(yaml.safe_dump({"base": args[2], "root": str(tmp_path / "f"), "num_layers": [2, 6]}))
+    overrides = args[3:] + ["--data.selection.source", json.dumps({"source": str(text_files["txt"])})]
+    with pytest.raises(ValueError, match=r"frontier num_layers 6 \(of \[2, 6\]\): .*cannot remove 6"):
+        main(["frontier", str(spec), *overrides])
