@@ -2,7 +2,7 @@
 
     fit      --config <yaml> [overrides]       calibrate, fit the operators, distil (with max_steps > 0), evaluate
     compare  <compare.yaml> [fit overrides]    one `fit` per plan, gathered into one report
-    export   <run> --views ... [--dir D]       write views of a finished run as Hugging Face folders
+    export   <run> --views ... [--dir D]       write views of a finished run as Hugging Face folders / GGUF files
     frontier <frontier.yaml> [fit overrides]   per depth, streamline's and the repair-aware plans, evaluated
 
 `fit` is a LightningCLI (YAML configs, `--print_config`, dotted overrides) built without its own
@@ -37,7 +37,7 @@ from .reporting import compare
 COMMANDS = {
     "fit": "calibrate, fit every method's operators, distil the students (trainer.max_steps > 0), evaluate",
     "compare": "run one fit per plan of a compare file and gather them into one report",
-    "export": "write views of a finished run as Hugging Face model folders",
+    "export": "write views of a finished run as Hugging Face model folders and GGUF files (llama.cpp)",
     "frontier": "for n = 1 … N blocks removed: every method on streamline's plan and on its repair-aware plan",
 }
 
@@ -265,21 +265,49 @@ def load_run_config(run: Path):
 
 
 def run_export(argv: list[str]) -> list[Path]:
-    """`export <run folder> --views v ... [--dir D] [--overwrite]`: write views of a finished run as
-    Hugging Face folders (`pipeline.export.export_run`), without a Trainer."""
+    """`export <run folder> --views v ... [--dir D] [--overwrite] [--format hf gguf] [--gguf-types F32 F16 Q8_0]`:
+    write views of a finished run as Hugging Face folders and GGUF files (`pipeline.export.export_run`), without
+    a Trainer."""
+    from .export.gguf import DEFAULT_GGUF_TYPES, FORMATS, GGUF_TYPES, check_formats, check_gguf_types
     from .pipeline.export import export_run
 
     parser = argparse.ArgumentParser(prog="ghostdistill export", description=run_export.__doc__)
     parser.add_argument("run", help="the run folder (trainer.default_root_dir of a finished fit)")
     parser.add_argument("--views", nargs="+", required=True, help="views to export, e.g. ghost ghost_ft")
     parser.add_argument("--dir", default=None, help="parent folder of the exported views (default <run>/export)")
-    parser.add_argument("--overwrite", action="store_true", help="replace existing folders")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing folders and files")
+    parser.add_argument(
+        "--format",
+        nargs="+",
+        default=["hf"],
+        metavar="FORMAT",
+        help=f"one or more of {', '.join(FORMATS)} (default hf): hf writes <dir>/<view>/, gguf writes "
+        "<dir>/<view>.<type>.gguf for llama.cpp (plain views only: pruned and folded ones)",
+    )
+    parser.add_argument(
+        "--gguf-types",
+        nargs="+",
+        default=list(DEFAULT_GGUF_TYPES),
+        metavar="TYPE",
+        help=f"GGUF storage types, of {', '.join(GGUF_TYPES)} (default {' '.join(DEFAULT_GGUF_TYPES)})",
+    )
     args = parser.parse_args(argv)
+    formats = check_formats(args.format)
+    gguf_types = check_gguf_types(args.gguf_types)
     run = Path(args.run)
     if not run.is_dir():
         raise FileNotFoundError(f"run folder {run} does not exist (the trainer.default_root_dir of a finished fit)")
     cfg, seed = load_run_config(run)
-    paths = export_run(run, cfg, args.views, Path(args.dir) if args.dir else None, overwrite=args.overwrite, seed=seed)
+    paths = export_run(
+        run,
+        cfg,
+        args.views,
+        Path(args.dir) if args.dir else None,
+        overwrite=args.overwrite,
+        seed=seed,
+        formats=formats,
+        gguf_types=gguf_types,
+    )
     for path in paths:
         print(f"exported {path}")
     return paths

@@ -103,7 +103,11 @@ def check_gguf_views(views: Iterable[str], method_of) -> None:
 
 def _permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     """Hugging Face's rotary layout to GGML's, per head (`LlamaModel.permute` of the converter)."""
-    return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def gguf_tensors(state: Mapping[str, torch.Tensor], config) -> dict[str, np.ndarray]:

@@ -17,10 +17,11 @@ from ..core.views import DENSE
 from ..criteria import check_plan
 from ..distill.config import DistillConfig
 from ..evaluation.scores import ScoreStore
+from ..export.gguf import DEFAULT_GGUF_TYPES
 from ..methods.base import flat_settings
 from ..pipeline.calibrate import calibrate, calibration_summary
 from ..pipeline.evaluate import analysis, view_digests, zeroshot
-from ..pipeline.export import export_views
+from ..pipeline.export import check_views, export_targets, export_views
 from ..pipeline.state import STATE_FILE, greedy_steps, open_state
 from ..pipeline.train import build_students
 from ..reporting.results import markdown_table, write_report
@@ -207,18 +208,30 @@ class Report(Callback):
 
 
 class Export(Callback):
-    """Write views of the run as Hugging Face folders after the report (rank 0 only).
+    """Write views of the run as Hugging Face folders and GGUF files after the report (rank 0 only).
 
     Args:
         views: views to export (e.g. ``[ghost, ghost_ft]``); empty exports nothing.
         dir: parent folder of the exported views (one sub-folder per view); default ``<run>/export``.
-        overwrite: replace existing folders.
+        overwrite: replace existing folders and files.
+        format: what to write per view, one or more of ``hf`` (the folder ``<dir>/<view>``) and ``gguf``
+            (``<dir>/<view>.<type>.gguf`` for llama.cpp; plain views only).
+        gguf_types: the GGUF files' storage types, of ``F32``, ``F16``, ``Q8_0``.
     """
 
-    def __init__(self, views: list[str] | None = None, dir: str | None = None, overwrite: bool = False) -> None:
+    def __init__(
+        self,
+        views: list[str] | None = None,
+        dir: str | None = None,
+        overwrite: bool = False,
+        format: list[str] | None = None,
+        gguf_types: list[str] | None = None,
+    ) -> None:
         self.views = list(views or [])
         self.dir = dir
         self.overwrite = overwrite
+        self.format = list(format) if format is not None else ["hf"]
+        self.gguf_types = list(gguf_types) if gguf_types is not None else list(DEFAULT_GGUF_TYPES)
 
     def root(self, trainer: Trainer) -> Path:
         return Path(self.dir) if self.dir else Path(trainer.default_root_dir) / "export"
@@ -230,9 +243,11 @@ class Export(Callback):
         bad = [v for v in self.views if v not in pl_module.cfg.views()]
         if bad:
             raise ValueError(f"export.views {bad} are not views of this run; its views are {pl_module.cfg.views()}")
-        existing = [str(self.root(trainer) / v) for v in self.views if (self.root(trainer) / v).exists()]
+        check_views(pl_module.cfg, self.views, formats=self.format, gguf_types=self.gguf_types)
+        targets = export_targets(self.root(trainer), self.views, self.format, self.gguf_types)
+        existing = [str(p) for p in targets if p.exists()]
         if existing and not self.overwrite:
-            raise FileExistsError(f"export folders {existing} exist; set export.overwrite: true to replace them")
+            raise FileExistsError(f"export targets {existing} exist; set export.overwrite: true to replace them")
 
     def on_test_end(self, trainer: Trainer, pl_module: GhostDistill) -> None:
         if not self.views or not trainer.is_global_zero:
@@ -246,6 +261,8 @@ class Export(Callback):
             self.root(trainer),
             overwrite=self.overwrite,
             seed=_seed(trainer),
+            formats=self.format,
+            gguf_types=self.gguf_types,
         ):
             rank_zero_info(f"exported {path}")
 
