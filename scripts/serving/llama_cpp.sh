@@ -22,7 +22,7 @@ for tool in gcc g++ cmake ninja; do
   command -v "$tool" >/dev/null || { echo "error: '$tool' not found; the llama.cpp build needs gcc, g++, cmake, ninja" >&2; exit 2; }
 done
 pip=(python3 -m pip)
-[ -x .venv/bin/pip ] && pip=(.venv/bin/pip)
+for venv in .venv-serve .venv; do [ -x "$venv/bin/pip" ] && { pip=("$venv/bin/pip"); break; }; done
 rm -rf "$root"
 mkdir -p "$root/download"
 "${pip[@]}" download -q --disable-pip-version-check --no-deps --no-binary :all: -d "$root/download" \
