@@ -266,9 +266,9 @@ def load_run_config(run: Path):
 
 def run_export(argv: list[str]) -> list[Path]:
     """`export <run folder> --views v ... [--dir D] [--overwrite] [--format hf gguf] [--gguf-types F32 F16 Q8_0]`:
-    write views of a finished run as Hugging Face folders and GGUF files (`pipeline.export.export_run`), without
-    a Trainer."""
-    from .export.gguf import DEFAULT_GGUF_TYPES, FORMATS, GGUF_TYPES, check_formats, check_gguf_types
+    write views of a finished run as Hugging Face folders (``<dir>/<view>/``) and GGUF files for llama.cpp
+    (``<dir>/<view>.<type>.gguf``, plain views only) with `pipeline.export.export_run`, without a Trainer."""
+    from .export.gguf import DEFAULT_GGUF_TYPES, FORMATS, check_formats, check_gguf_types
     from .pipeline.export import export_run
 
     parser = argparse.ArgumentParser(prog="ghostdistill export", description=run_export.__doc__)
@@ -276,37 +276,21 @@ def run_export(argv: list[str]) -> list[Path]:
     parser.add_argument("--views", nargs="+", required=True, help="views to export, e.g. ghost ghost_ft")
     parser.add_argument("--dir", default=None, help="parent folder of the exported views (default <run>/export)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing folders and files")
+    formats, types = ", ".join(FORMATS), " ".join(DEFAULT_GGUF_TYPES)
     parser.add_argument(
-        "--format",
-        nargs="+",
-        default=["hf"],
-        metavar="FORMAT",
-        help=f"one or more of {', '.join(FORMATS)} (default hf): hf writes <dir>/<view>/, gguf writes "
-        "<dir>/<view>.<type>.gguf for llama.cpp (plain views only: pruned and folded ones)",
+        "--format", nargs="+", default=["hf"], help=f"of {formats} (default hf); gguf: plain views only"
     )
-    parser.add_argument(
-        "--gguf-types",
-        nargs="+",
-        default=list(DEFAULT_GGUF_TYPES),
-        metavar="TYPE",
-        help=f"GGUF storage types, of {', '.join(GGUF_TYPES)} (default {' '.join(DEFAULT_GGUF_TYPES)})",
-    )
+    parser.add_argument("--gguf-types", nargs="+", default=list(DEFAULT_GGUF_TYPES), help=f"default {types}")
     args = parser.parse_args(argv)
-    formats = check_formats(args.format)
-    gguf_types = check_gguf_types(args.gguf_types)
+    check_formats(args.format)
+    check_gguf_types(args.gguf_types)
     run = Path(args.run)
     if not run.is_dir():
         raise FileNotFoundError(f"run folder {run} does not exist (the trainer.default_root_dir of a finished fit)")
     cfg, seed = load_run_config(run)
+    out = Path(args.dir) if args.dir else None
     paths = export_run(
-        run,
-        cfg,
-        args.views,
-        Path(args.dir) if args.dir else None,
-        overwrite=args.overwrite,
-        seed=seed,
-        formats=formats,
-        gguf_types=gguf_types,
+        run, cfg, args.views, out, overwrite=args.overwrite, seed=seed, formats=args.format, gguf_types=args.gguf_types
     )
     for path in paths:
         print(f"exported {path}")

@@ -150,7 +150,8 @@ def add_vocab(writer: gguf.GGUFWriter, tokenizer, vocab_size: int) -> dict:
     add_bos = adds(tokenizer, special["bos"])[0]
     add_eos = adds(tokenizer, special["eos"])[1]
     writer.add_add_bos_token(add_bos)
-    writer.add_add_eos_token(add_eos)
+    if add_eos:  # the converter writes it only when the tokenizer config sets it; llama.cpp's default is false
+        writer.add_add_eos_token(add_eos)
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, str) and template:
         writer.add_chat_template(template)

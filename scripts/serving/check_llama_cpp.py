@@ -102,6 +102,14 @@ def perplexity(tool: Path, model: Path, text: Path, n_ctx: int, chunks: int, f32
     return {"ppl": float(found.group(1)), "ppl_err": float(found.group(2)), "seconds": time.perf_counter() - start}
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens two continuations share before they part."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def eval_text(cfg, tokenizer, source, tokens: int, folder: Path) -> Path:
     """The text the run tokenized into its windows, cut 64 tokens past the last one (the cut cannot change the
     tokens before it), written verbatim."""
@@ -141,7 +149,7 @@ def converter_parity(folder: Path, ours: Path, work: Path, root: Path = LLAMA_CP
     import gguf
 
     theirs = work / f"{folder.name}.convert.F32.gguf"
-    env = {**os.environ, "PYTHONPATH": str(root / "src" / "gguf-py"), "NO_LOCAL_GGUF": ""}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src" / "gguf-py"), str(root / "pydeps")])}
     _run(
         [sys.executable, root / "src" / "convert_hf_to_gguf.py", folder, "--outfile", theirs, "--outtype", "f32"],
         env=env,
@@ -256,6 +264,7 @@ def check_views(
                     "tokens": got,
                     "same_tokens": got == expected,
                     "same_prompts": sum(a == b for a, b in zip(got, expected)),
+                    "same_prefix": [_common_prefix(a, b) for a, b in zip(got, expected)],
                     **ppl,
                     "rel_diff": rel,
                     "within_tolerance": abs(rel) <= TOLERANCE[gguf_type],
@@ -283,7 +292,7 @@ def table(report: dict) -> str:
         cells = [view, f"{r['transformers']['ppl_second_half']:.3f}", f"{r['ppl_run']:.3f}"]
         for t in types:
             s = r[t]
-            mark = "✔" if s["same_tokens"] else f"✗ ({s['same_prompts']}/{len(s['tokens'])})"
+            mark = "✔" if s["same_tokens"] else f"✗ ({s['same_prompts']}/{len(s['tokens'])}; first {s['same_prefix']})"
             cells.append(f"{mark} {s['ppl']:.3f} ({100 * s['rel_diff']:+.2f}%)")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
