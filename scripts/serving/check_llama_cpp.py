@@ -110,6 +110,23 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+@torch.no_grad()
+def divergence_margins(pruned, view: str, prompts: list, expected: list, got: list) -> list:
+    """Where a continuation parts from transformers': per prompt None (identical) or {"at": position,
+    "margin": transformers' logit of its own token minus its logit of llama.cpp's token there}. A margin far
+    below the logits' own spread is a near-tie that rounding decides, not a different model."""
+    out: list = []
+    for prompt, a, b in zip(prompts, expected, got):
+        at = _common_prefix(a, b)
+        if at == min(len(a), len(b)):
+            out.append(None)
+            continue
+        with pruned.use(view) as model:
+            logits = model(input_ids=torch.tensor([prompt + a[:at]])).logits[0, -1].float()
+        out.append({"at": at, "margin": float(logits[a[at]] - logits[b[at]])})
+    return out
+
+
 def eval_text(cfg, tokenizer, source, tokens: int, folder: Path) -> Path:
     """The text the run tokenized into its windows, cut 64 tokens past the last one (the cut cannot change the
     tokens before it), written verbatim."""
@@ -265,6 +282,7 @@ def check_views(
                     "same_tokens": got == expected,
                     "same_prompts": sum(a == b for a, b in zip(got, expected)),
                     "same_prefix": [_common_prefix(a, b) for a, b in zip(got, expected)],
+                    "divergence": divergence_margins(loaded.pruned, view, prompts, expected, got),
                     **ppl,
                     "rel_diff": rel,
                     "within_tolerance": abs(rel) <= TOLERANCE[gguf_type],
@@ -281,6 +299,11 @@ def check_views(
     return report
 
 
+def _parted(entry: dict) -> str:
+    """Where each diverging continuation parts, and transformers' logit margin there: ``@17 Δ0.004``."""
+    return ", ".join(f"@{d['at']} Δ{d['margin']:.3f}" for d in entry.get("divergence", []) if d)
+
+
 def table(report: dict) -> str:
     types = [t for t in TYPES if any(t in r for r in report["views"].values())]
     head = ["view", "transformers (2nd half)", "run (all tokens)"] + [f"llama.cpp {t}" for t in types]
@@ -292,7 +315,7 @@ def table(report: dict) -> str:
         cells = [view, f"{r['transformers']['ppl_second_half']:.3f}", f"{r['ppl_run']:.3f}"]
         for t in types:
             s = r[t]
-            mark = "✔" if s["same_tokens"] else f"✗ ({s['same_prompts']}/{len(s['tokens'])}; first {s['same_prefix']})"
+            mark = "✔" if s["same_tokens"] else f"✗ ({s['same_prompts']}/{len(s['tokens'])}: {_parted(s)})"
             cells.append(f"{mark} {s['ppl']:.3f} ({100 * s['rel_diff']:+.2f}%)")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
