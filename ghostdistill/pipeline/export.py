@@ -1,7 +1,11 @@
-"""Export: views of a run written as Hugging Face folders, from memory or from a finished run folder.
+"""Export: views of a run written as Hugging Face folders and GGUF files, from memory or from a finished run folder.
 
     export_views(pruned, tokenizer, report, cfg, views, root)    an in-memory run (the end of `fit`)
     export_run(run_dir, cfg, views)                                a run folder, without a Trainer
+
+`formats` picks what is written per view: ``hf`` (the folder `<root>/<view>`, `export.writer`) and ``gguf``
+(`<root>/<view>.<type>.gguf` per type of `gguf_types`, `export.gguf`; plain views only, operator views are
+refused before anything is loaded or written).
 
 From a run folder nothing the run cached is recomputed: the calibration statistics come from
 `calibration_state.pt` (only the closed-form solves run again, and the student passes of a sequential
@@ -14,7 +18,7 @@ last one).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,6 +31,7 @@ from ..core.views import DENSE, PRUNED, PrunedModel
 from ..distill.config import Student
 from ..distill.students import Students
 from ..export import export_view
+from ..export.gguf import DEFAULT_GGUF_TYPES, check_formats, check_gguf_types, check_gguf_views, export_gguf, gguf_path
 from .calibrate import calibrate
 from .config import RunConfig
 from .data import RunData
@@ -74,20 +79,53 @@ def provenance(report: dict, view: str, method: str | None, seed: int | None, st
     return info
 
 
-def check_views(cfg: RunConfig, views: list[str], where: str = "this run") -> None:
+def check_views(
+    cfg: RunConfig,
+    views: list[str],
+    where: str = "this run",
+    formats: Sequence[str] = ("hf",),
+    gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
+) -> None:
+    """Everything an export can check before it loads or computes anything: the view names, the formats and
+    GGUF types, and that no view asked for as GGUF keeps operators."""
+    formats = check_formats(formats)
     available = cfg.views()
     bad = [v for v in views if v not in available]
     if bad:
         raise ValueError(f"cannot export {bad}: the views of {where} are {available}")
+    if "gguf" in formats:
+        check_gguf_types(gguf_types)
+        check_gguf_views(views, cfg.method_of)
 
 
-def check_targets(root: Path, views: list[str], overwrite: bool, flag: str = "--overwrite") -> None:
-    """The folders `views` would be written to, checked before any work: none exists unless `overwrite`, and
-    `root` is (or can be made) a writable folder. `flag` names how the user asks to overwrite."""
+def export_targets(
+    root: Path, views: list[str], formats: Sequence[str] = ("hf",), gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES
+) -> list[Path]:
+    """The paths an export writes, in order: per view its folder (``hf``), then its GGUF files (``gguf``)."""
+    out: list[Path] = []
+    for view in views:
+        if "hf" in formats:
+            out.append(root / view)
+        if "gguf" in formats:
+            out += [gguf_path(root, view, t) for t in gguf_types]
+    return out
+
+
+def check_targets(
+    root: Path,
+    views: list[str],
+    overwrite: bool,
+    flag: str = "--overwrite",
+    formats: Sequence[str] = ("hf",),
+    gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
+) -> None:
+    """The folders and files `views` would be written to (`export_targets`), checked before any work: none
+    exists unless `overwrite`, and `root` is (or can be made) a writable folder. `flag` names how the user
+    asks to overwrite."""
     root = Path(root)
-    existing = [str(root / v) for v in views if (root / v).exists()]
+    existing = [str(p) for p in export_targets(root, views, formats, gguf_types) if p.exists()]
     if existing and not overwrite:
-        raise FileExistsError(f"export folders {existing} exist; pass {flag} to replace them, or choose another dir")
+        raise FileExistsError(f"export targets {existing} exist; pass {flag} to replace them, or choose another dir")
     probe = root
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -109,25 +147,41 @@ def export_views(
     *,
     overwrite: bool = False,
     seed: int | None = None,
+    formats: Sequence[str] = ("hf",),
+    gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
 ) -> list[Path]:
-    """Write each of `views` of an in-memory run to `root/<view>`; `report` is the run's results."""
-    check_views(cfg, views)
+    """Write each of `views` of an in-memory run in `formats` under `root`; `report` is the run's results.
+    Returns `export_targets`' paths."""
+    check_views(cfg, views, formats=formats, gguf_types=gguf_types)
     specs = {s.name: s for s in cfg.distill.specs()}
     missing = [v for v in views if v not in pruned.views]
     if missing:
         raise ValueError(f"cannot export {missing}: they were not built in this run (views: {pruned.views})")
-    return [
-        export_view(
-            pruned,
-            view,
-            root / view,
-            method=cfg.method_of(view),
-            tokenizer=tokenizer,
-            info=provenance(report, view, cfg.method_of(view), seed, specs.get(view)),
-            overwrite=overwrite,
-        )
-        for view in views
-    ]
+    existing = [str(p) for p in export_targets(root, views, formats, gguf_types) if p.exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"export targets {existing} exist; pass overwrite (--overwrite / export.overwrite: true)")
+    paths: list[Path] = []
+    for view in views:
+        method = cfg.method_of(view)
+        info = provenance(report, view, method, seed, specs.get(view))
+        if "hf" in formats:
+            paths.append(
+                export_view(
+                    pruned, view, root / view, method=method, tokenizer=tokenizer, info=info, overwrite=overwrite
+                )
+            )
+        if "gguf" in formats:
+            paths += export_gguf(
+                pruned,
+                view,
+                root,
+                method=method,
+                tokenizer=tokenizer,
+                info=info,
+                types=gguf_types,
+                overwrite=overwrite,
+            )
+    return paths
 
 
 @torch.no_grad()
@@ -203,11 +257,14 @@ def export_run(
     overwrite: bool = False,
     seed: int | None = None,
     log: Callable[[str], None] = print,
+    formats: Sequence[str] = ("hf",),
+    gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
 ) -> list[Path]:
     """Export views of the finished run in `run` (configured by `cfg`, its config.yaml) without a Trainer.
-    Bad view names and target folders fail before the model loads."""
-    check_views(cfg, list(views), str(run))
-    check_targets(out or run / "export", views, overwrite)
+    Bad view names, formats and targets fail before the model loads."""
+    root = out or run / "export"
+    check_views(cfg, list(views), str(run), formats, gguf_types)
+    check_targets(root, list(views), overwrite, "--overwrite", formats, gguf_types)
     loaded = load_run(run, cfg, views, log)
     return export_views(
         loaded.pruned,
@@ -215,7 +272,9 @@ def export_run(
         loaded.report,
         cfg,
         views,
-        out or run / "export",
+        root,
         overwrite=overwrite,
         seed=seed,
+        formats=formats,
+        gguf_types=gguf_types,
     )

@@ -1,0 +1,360 @@
+"""Serve the plain views of a finished run with llama.cpp and check them against transformers.
+
+For each view whose export is the plain architecture (pruned, magnitude, ReplaceMe, `rotation_through`, students
+merged into those; operator views are refused with the reason, as `export --format gguf` refuses them):
+
+1. GGUF files, one per type (F32, F16, Q8_0), written by ghostdistill's writer (`export.gguf`).
+2. Greedy tokens: `llama-greedy-ids` (scripts/serving/llama_greedy.cpp, built beside llama.cpp's tools) continues
+   each prompt, given as token ids, and prints token ids; they are compared with transformers' greedy tokens of
+   the same view (`generate`, KV cache, end-of-text not stopping it). F32 files run with a float32 KV cache,
+   the others with llama.cpp's default float16 one.
+3. Perplexity: llama.cpp's own `llama-perplexity` on the run's WikiText-2 windows. The tool reads text, so it
+   gets the text the run tokenized, cut a little past the last window, with `--no-escape` (otherwise `\\n` in
+   the text would become a newline); `llama-tokenize` on the same file confirms that llama.cpp's tokens are the
+   run's windows (`same_windows`). With `-c <seq_len> --chunks <windows>` its chunks are exactly those windows.
+   The tool scores only the second half of each chunk (positions ⌊c/2⌋ … c-2 predicting the next token: the
+   first half is context; it has no option to score every token, and `--ppl-stride` uses other windows), so
+   transformers' figure is computed the same way on the same windows: exp(mean NLL of tokens c/2+1 … c-1 of
+   each window). Tolerances on that figure: 1% for F32 and F16, 3% for Q8_0. The run's own figure (every
+   token but the first of each window) is reported beside it.
+4. Converter parity (`--parity`): llama.cpp's own `convert_hf_to_gguf.py` on the view's Hugging Face folder,
+   as F32, against our F32 file: the same tensor names, shapes and values, and the metadata keys that differ.
+
+Writes a JSON of everything measured and a markdown table:
+
+    bash scripts/serving/llama_cpp.sh          # once: builds .serve/llama.cpp (about 6 min on 2 cores)
+    python scripts/serving/check_llama_cpp.py runs/smollm2_serving --dir runs/smollm2_serving/serving/llama_cpp \\
+        --json runs/smollm2_serving/serving/llama_cpp.json --markdown runs/smollm2_serving/serving/llama_cpp.md
+
+`scripts/check_serving.py --stacks llama.cpp` runs the same check inside the cross-stack one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA_CPP = ROOT / ".serve" / "llama.cpp"
+TYPES = ("F32", "F16", "Q8_0")
+TOLERANCE = {"F32": 0.01, "F16": 0.01, "Q8_0": 0.03}
+PROMPTS = [
+    "The capital of France is",
+    "In 1969, the first humans",
+    "A layer-pruned language model is",
+    "Once upon a time",
+]
+TOOLS = ("llama-greedy-ids", "llama-perplexity", "llama-tokenize")
+
+
+def tools(root: Path = LLAMA_CPP) -> dict[str, Path]:
+    """The built tools, or SystemExit naming the build command."""
+    found = {name: root / "bin" / name for name in TOOLS}
+    missing = [name for name, path in found.items() if not path.is_file()]
+    if missing:
+        raise SystemExit(f"{root}: {missing} not built; run `bash scripts/serving/llama_cpp.sh`")
+    return found
+
+
+def threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, check=False, **kwargs)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(map(str, cmd))} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return done
+
+
+def greedy(tool: Path, model: Path, prompts: list[list[int]], new: int, f32_cache: bool) -> list[list[int]]:
+    stdin = "\n".join(" ".join(map(str, p)) for p in prompts) + "\n"
+    done = _run([tool, model, new] + (["f32"] if f32_cache else []), input=stdin)
+    return [[int(t) for t in line.split()] for line in done.stdout.splitlines() if line.strip()]
+
+
+def tokenize(tool: Path, model: Path, text: Path) -> list[int]:
+    done = _run([tool, "-m", model, "-f", text, "--ids", "--no-escape", "--log-disable"])
+    line = next(line for line in done.stdout.splitlines() if line.startswith("["))
+    return json.loads(line)
+
+
+def perplexity(tool: Path, model: Path, text: Path, n_ctx: int, chunks: int, f32_cache: bool) -> dict:
+    cmd = [tool, "-m", model, "-f", text, "-c", n_ctx, "--chunks", chunks, "--no-escape", "-t", threads()]
+    if f32_cache:
+        cmd += ["-ctk", "f32", "-ctv", "f32"]
+    start = time.perf_counter()
+    done = _run(cmd)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", done.stdout + done.stderr)
+    if not found:
+        raise SystemExit(f"{tool}: no final estimate in its output:\n{(done.stdout + done.stderr)[-3000:]}")
+    return {"ppl": float(found.group(1)), "ppl_err": float(found.group(2)), "seconds": time.perf_counter() - start}
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens two continuations share before they part."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@torch.no_grad()
+def divergence_margins(pruned, view: str, prompts: list, expected: list, got: list) -> list:
+    """Where a continuation parts from transformers': per prompt None (identical) or {"at": position,
+    "margin": transformers' logit of its own token minus its logit of llama.cpp's token there}. A margin far
+    below the logits' own spread is a near-tie that rounding decides, not a different model."""
+    out: list = []
+    for prompt, a, b in zip(prompts, expected, got):
+        at = _common_prefix(a, b)
+        if at == min(len(a), len(b)):
+            out.append(None)
+            continue
+        with pruned.use(view) as model:
+            logits = model(input_ids=torch.tensor([prompt + a[:at]])).logits[0, -1].float()
+        out.append({"at": at, "margin": float(logits[a[at]] - logits[b[at]])})
+    return out
+
+
+def eval_text(cfg, tokenizer, source, tokens: int, folder: Path) -> Path:
+    """The text the run tokenized into its windows, cut 64 tokens past the last one (the cut cannot change the
+    tokens before it), written verbatim."""
+    from ghostdistill.data.sources import load_documents
+
+    text = source.join.join(load_documents(source, for_eval=True))
+    enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
+    stop = min(tokens + 64, len(enc.input_ids))
+    end = enc.offset_mapping[stop - 1][1] if stop < len(enc.input_ids) else len(text)
+    path = folder / f"{source.label}.txt"
+    path.write_bytes(text[:end].encode("utf-8"))
+    return path
+
+
+@torch.no_grad()
+def transformers_figures(model, windows: torch.Tensor, batch_size: int) -> dict:
+    """exp(mean NLL) over every token but the first of each window (the run's protocol) and over the second
+    half (llama-perplexity's: positions c/2 … c-2 predicting the next token)."""
+    seq = windows.shape[1]
+    first = seq // 2
+    nll_all = nll_half = 0.0
+    for chunk in windows.split(batch_size):
+        logits = model(input_ids=chunk, use_cache=False).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="none")
+        nll = nll.view(chunk.shape[0], seq - 1)
+        nll_all += nll.sum().item()
+        nll_half += nll[:, first:].sum().item()
+    n = windows.shape[0]
+    return {
+        "ppl": math.exp(nll_all / (n * (seq - 1))),
+        "ppl_second_half": math.exp(nll_half / (n * (seq - 1 - first))),
+    }
+
+
+def converter_parity(folder: Path, ours: Path, work: Path, root: Path = LLAMA_CPP) -> dict:
+    """llama.cpp's convert_hf_to_gguf.py on `folder` (F32) against our F32 file."""
+    import gguf
+
+    theirs = work / f"{folder.name}.convert.F32.gguf"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src" / "gguf-py"), str(root / "pydeps")])}
+    _run(
+        [sys.executable, root / "src" / "convert_hf_to_gguf.py", folder, "--outfile", theirs, "--outtype", "f32"],
+        env=env,
+    )
+    a, b = gguf.GGUFReader(str(ours)), gguf.GGUFReader(str(theirs))
+    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+    diffs = {}
+    for name in sorted(set(ta) & set(tb)):
+        x, y = np.asarray(ta[name].data), np.asarray(tb[name].data)
+        diffs[name] = float(np.abs(x.astype(np.float64) - y.astype(np.float64)).max()) if x.shape == y.shape else None
+    fa, fb = a.fields, b.fields
+    skip = ("GGUF.", "general.")
+    keys_a = {k for k in fa if not k.startswith(skip) and not k.startswith("ghostdistill.")}
+    keys_b = {k for k in fb if not k.startswith(skip)}
+    differing = []
+    for key in sorted(keys_a & keys_b):
+        va, vb = fa[key].contents(), fb[key].contents()
+        if va != vb:
+            differing.append(key)
+    theirs.unlink()
+    return {
+        "only_ours": sorted(set(ta) - set(tb)),
+        "only_theirs": sorted(set(tb) - set(ta)),
+        "shape_mismatch": sorted(n for n, d in diffs.items() if d is None),
+        "max_abs_diff": max((d for d in diffs.values() if d is not None), default=0.0),
+        "same_tensors": set(ta) == set(tb) and all(d == 0.0 for d in diffs.values()),
+        "metadata_only_ours": sorted(keys_a - keys_b),
+        "metadata_only_theirs": sorted(keys_b - keys_a),
+        "metadata_differing": differing,
+    }
+
+
+def check_views(
+    loaded,
+    cfg,
+    views: list[str],
+    out: Path,
+    *,
+    types=TYPES,
+    new: int = 20,
+    parity: bool = False,
+    root: Path = LLAMA_CPP,
+    seed=None,
+    log=print,
+) -> dict:
+    """The llama.cpp check of `views` of a loaded run (`pipeline.export.load_run`); GGUF and folders go to `out`."""
+    from ghostdistill.export.gguf import inserts_operators, refusal
+    from ghostdistill.pipeline.export import export_views
+
+    found = tools(root)
+    source = cfg.data.evaluation.sources[0]
+    windows = loaded.data.eval_ids(source)
+    n, seq = windows.shape
+    prompts = [loaded.tokenizer(p).input_ids for p in PROMPTS]
+    report: dict = {
+        "llama_cpp": str(root),
+        "prompts": PROMPTS,
+        "new": new,
+        "source": source.label,
+        "windows": [n, seq],
+        "scored": "second half of each window (llama-perplexity's default), both stacks",
+        "tolerance": TOLERANCE,
+        "views": {},
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        text = eval_text(cfg, loaded.tokenizer, source, n * seq, tmp)
+        for view in views:
+            method = cfg.method_of(view)
+            if inserts_operators(method):
+                report["views"][view] = {"refused": refusal(view, method)}
+                log(f"llama.cpp {view}: refused (operators)")
+                continue
+            # With --parity the view's Hugging Face folder is needed too (check_serving.py has written it already).
+            formats = ["hf", "gguf"] if parity and not (out / view / "config.json").is_file() else ["gguf"]
+            paths = export_views(
+                loaded.pruned,
+                loaded.tokenizer,
+                loaded.report,
+                cfg,
+                [view],
+                out,
+                overwrite=True,
+                seed=seed,
+                formats=formats,
+                gguf_types=list(types),
+            )
+            files = {t: p for t, p in zip(types, paths[-len(types) :])}
+            with loaded.pruned.use(view) as model:
+                expected = [
+                    model.generate(input_ids=torch.tensor([p]), max_new_tokens=new, do_sample=False, eos_token_id=None)[
+                        0, len(p) :
+                    ].tolist()
+                    for p in prompts
+                ]
+                reference = transformers_figures(model, windows, cfg.data.batch_size)
+            entry: dict = {
+                "transformers": {"tokens": expected, **reference},
+                "ppl_run": loaded.report["views"][view]["metrics"][source.label]["ppl"],
+            }
+            llama_tokens = tokenize(found["llama-tokenize"], files[types[0]], text)
+            entry["same_windows"] = llama_tokens[: n * seq] == windows.flatten().tolist()
+            for gguf_type, path in files.items():
+                f32 = gguf_type == "F32"
+                got = greedy(found["llama-greedy-ids"], path, prompts, new, f32)
+                ppl = perplexity(found["llama-perplexity"], path, text, seq, n, f32)
+                rel = (ppl["ppl"] - reference["ppl_second_half"]) / reference["ppl_second_half"]
+                entry[gguf_type] = {
+                    "file": str(path),
+                    "bytes": path.stat().st_size,
+                    "tokens": got,
+                    "same_tokens": got == expected,
+                    "same_prompts": sum(a == b for a, b in zip(got, expected)),
+                    "same_prefix": [_common_prefix(a, b) for a, b in zip(got, expected)],
+                    "divergence": divergence_margins(loaded.pruned, view, prompts, expected, got),
+                    **ppl,
+                    "rel_diff": rel,
+                    "within_tolerance": abs(rel) <= TOLERANCE[gguf_type],
+                }
+                log(
+                    f"llama.cpp {view} {gguf_type}: tokens identical {got == expected} "
+                    f"({entry[gguf_type]['same_prompts']}/{len(prompts)}), PPL {ppl['ppl']:.4f} vs transformers "
+                    f"{reference['ppl_second_half']:.4f} ({100 * rel:+.3f}%)"
+                )
+            if parity:
+                entry["converter_parity"] = converter_parity(out / view, files["F32"], tmp, root)
+                log(f"llama.cpp {view}: convert_hf_to_gguf.py parity {entry['converter_parity']}")
+            report["views"][view] = entry
+    return report
+
+
+def _parted(entry: dict) -> str:
+    """Where each diverging continuation parts, and transformers' logit margin there: ``@17 Δ0.004``."""
+    return ", ".join(f"@{d['at']} Δ{d['margin']:.3f}" for d in entry.get("divergence", []) if d)
+
+
+def table(report: dict) -> str:
+    types = [t for t in TYPES if any(t in r for r in report["views"].values())]
+    head = ["view", "transformers (2nd half)", "run (all tokens)"] + [f"llama.cpp {t}" for t in types]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for view, r in report["views"].items():
+        if "refused" in r:
+            lines.append(f"| {view} | " + " | ".join(["–", "–"] + ["refused: operators"] * len(types)) + " |")
+            continue
+        cells = [view, f"{r['transformers']['ppl_second_half']:.3f}", f"{r['ppl_run']:.3f}"]
+        for t in types:
+            s = r[t]
+            mark = "✔" if s["same_tokens"] else f"✗ ({s['same_prompts']}/{len(s['tokens'])}: {_parted(s)})"
+            cells.append(f"{mark} {s['ppl']:.3f} ({100 * s['rel_diff']:+.2f}%)")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    from ghostdistill.cli import load_run_config
+    from ghostdistill.pipeline.export import load_run
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", help="a finished run folder")
+    parser.add_argument("--views", nargs="+", default=None, help="default: every view but dense")
+    parser.add_argument("--dir", required=True, help="where the GGUF files (and, with --parity, folders) go")
+    parser.add_argument("--types", nargs="+", default=list(TYPES), choices=TYPES)
+    parser.add_argument("--new", type=int, default=20, help="tokens to generate per prompt")
+    parser.add_argument("--parity", action="store_true", help="also compare with llama.cpp's convert_hf_to_gguf.py")
+    parser.add_argument("--llama-cpp", default=str(LLAMA_CPP), help="the build of scripts/serving/llama_cpp.sh")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--markdown", default=None)
+    args = parser.parse_args()
+    root = Path(args.llama_cpp)
+    tools(root)
+    run = Path(args.run)
+    cfg, seed = load_run_config(run)
+    views = args.views or [v for v in cfg.views() if v != "dense"]
+    loaded = load_run(run, cfg, views)
+    report = check_views(
+        loaded, cfg, views, Path(args.dir), types=args.types, new=args.new, parity=args.parity, root=root, seed=seed
+    )
+    report["run"] = str(run)
+    text = table(report)
+    print("\n" + text)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
