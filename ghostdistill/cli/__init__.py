@@ -3,12 +3,13 @@
     fit      --config <yaml> [overrides]       calibrate, fit the operators, distil (with max_steps > 0), evaluate
     compare  <compare.yaml> [fit overrides]    one `fit` per plan, gathered into one report
     export   <run> --views ... [--dir D]       write views of a finished run as Hugging Face folders / GGUF files
+             [--overwrite] [--format hf gguf] [--trust-remote-code]  (a run's config runs no code without the flag)
     frontier <frontier.yaml> [fit overrides]   per depth, streamline's and the repair-aware plans, evaluated
 
 `fit` is a LightningCLI (YAML configs, `--print_config`, dotted overrides) built without its own
 subcommands: the run is `run_fit`, which calls `Trainer.fit` only when there are steps to take, then
 `Trainer.test`. Bad input ends in one line `error: ...` and exit status 2 (`GHOSTDISTILL_DEBUG=1` shows
-the traceback).
+the traceback); Ctrl-C outside `fit` (export, compare's gathering) in one line and exit status 130.
 """
 
 from __future__ import annotations
