@@ -57,7 +57,8 @@ def test_llama_cpp_serves_plain_and_folded_gguf_token_for_token(tmp_path):
         "rotation_through", "ghost", "--dir", str(tmp_path / "gguf"), "--llama-cpp", str(LLAMA_CPP), "--new", "12",
         "--parity", "--json", str(out),
     ]  # fmt: skip
-    done = subprocess.run(check, capture_output=True, text=True, cwd=ROOT, check=False)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(check, capture_output=True, text=True, cwd=ROOT, env=env, check=False)  # this checkout's
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert "rotation_through" in report["views"]["ghost"]["refused"]
