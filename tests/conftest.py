@@ -36,6 +36,28 @@ def need_shared(*paths: Path) -> None:
 TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+def serving_run(tmp_path: Path) -> Path:
+    """`fit` of SmolLM2-135M at 7 removed blocks (12-18) with ghost and rotation_through, on the shipped
+    excerpts (8 calibration windows, 2 WikiText-2 windows), in a process: the run the serving tests serve."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    fit = [
+        sys.executable, "-m", "ghostdistill", "fit", "--config", str(ROOT / "configs" / "smollm2_demo.yaml"),
+        "--model.plan.layers", "[12,13,14,15,16,17,18]", "--model.plan.num_layers", "null",
+        "--model.recovery", "[{name: ghost, method: ghost}, {name: rotation_through, method: rotation_through}]",
+        "--model.evaluation.analysis", "false",
+        "--data.calibration.source.source", str(C4_HEAD), "--data.calibration.num_samples", "8",
+        "--data.evaluation.sources", f"[{{name: wikitext2, source: {WIKITEXT_HEAD}, join: ''}}]",
+        "--data.evaluation.max_windows", "2",
+        "--trainer.default_root_dir", str(run),
+    ]  # fmt: skip
+    done = subprocess.run(fit, capture_output=True, text=True, cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run
+
+
 def tiny_config(family: str, num_layers: int = 6, vocab_size: int = 512):
     from transformers import AutoConfig
 

@@ -57,20 +57,21 @@ DEFAULT_GGUF_TYPES = ("F32", "F16", "Q8_0")
 ARCHITECTURES = {"llama": gguf.MODEL_ARCH.LLAMA}
 
 
+def _names(what: str, given: Iterable[str], valid) -> list[str]:
+    """`given` as a list when it is a non-empty list of `valid` names, else a one-line error naming both."""
+    given = list(given)
+    bad = [g for g in given if g not in valid]
+    if bad or not given:
+        raise ValueError(f"{what} {bad or given} is not one of {list(valid)}")
+    return given
+
+
 def check_formats(formats: Iterable[str]) -> list[str]:
-    formats = list(formats)
-    bad = [f for f in formats if f not in FORMATS]
-    if bad or not formats:
-        raise ValueError(f"export format {bad or formats} is not one of {list(FORMATS)}")
-    return formats
+    return _names("export format", formats, FORMATS)
 
 
 def check_gguf_types(types: Iterable[str]) -> list[str]:
-    types = list(types)
-    bad = [t for t in types if t not in GGUF_TYPES]
-    if bad or not types:
-        raise ValueError(f"GGUF type {bad or types} is not one of {list(GGUF_TYPES)}")
-    return types
+    return _names("GGUF type", types, GGUF_TYPES)
 
 
 def gguf_path(root: str | os.PathLike, view: str, gguf_type: str) -> Path:

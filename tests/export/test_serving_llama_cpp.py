@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import C4_HEAD, WIKITEXT_HEAD
+from conftest import serving_run
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_CPP = Path(os.environ.get("GHOSTDISTILL_LLAMA_CPP", ROOT / ".serve" / "llama.cpp"))
@@ -38,26 +38,15 @@ def test_llama_cpp_serves_plain_and_folded_gguf_token_for_token(tmp_path):
     why = _missing()
     if why:
         pytest.skip(why)
-    run = tmp_path / "run"
-    fit = [
-        sys.executable, "-m", "ghostdistill", "fit", "--config", str(ROOT / "configs" / "smollm2_demo.yaml"),
-        "--model.plan.layers", "[12,13,14,15,16,17,18]", "--model.plan.num_layers", "null",
-        "--model.recovery", "[{name: ghost, method: ghost}, {name: rotation_through, method: rotation_through}]",
-        "--model.evaluation.analysis", "false",
-        "--data.calibration.source.source", str(C4_HEAD), "--data.calibration.num_samples", "8",
-        "--data.evaluation.sources", f"[{{name: wikitext2, source: {WIKITEXT_HEAD}, join: ''}}]",
-        "--data.evaluation.max_windows", "2",
-        "--trainer.default_root_dir", str(run),
-    ]  # fmt: skip
-    done = subprocess.run(fit, capture_output=True, text=True, cwd=ROOT, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run = serving_run(tmp_path)
     out = tmp_path / "llama_cpp.json"
     check = [
         sys.executable, str(ROOT / "scripts" / "serving" / "check_llama_cpp.py"), str(run), "--views", "pruned",
         "rotation_through", "ghost", "--dir", str(tmp_path / "gguf"), "--llama-cpp", str(LLAMA_CPP), "--new", "12",
         "--parity", "--json", str(out),
     ]  # fmt: skip
-    done = subprocess.run(check, capture_output=True, text=True, cwd=ROOT, check=False)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(check, capture_output=True, text=True, cwd=ROOT, env=env, check=False)  # this checkout's
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert "rotation_through" in report["views"]["ghost"]["refused"]

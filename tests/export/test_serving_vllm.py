@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import C4_HEAD, WIKITEXT_HEAD
+from conftest import serving_run
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("GHOSTDISTILL_VLLM_PYTHON", ROOT / ".venv-serve" / "bin" / "python"))
@@ -35,19 +35,7 @@ def test_vllm_serves_plain_folded_and_operator_exports_token_for_token(tmp_path)
     why = _has_vllm()
     if why:
         pytest.skip(why)
-    run = tmp_path / "run"
-    fit = [
-        sys.executable, "-m", "ghostdistill", "fit", "--config", str(ROOT / "configs" / "smollm2_demo.yaml"),
-        "--model.plan.layers", "[12,13,14,15,16,17,18]", "--model.plan.num_layers", "null",
-        "--model.recovery", "[{name: ghost, method: ghost}, {name: rotation_through, method: rotation_through}]",
-        "--model.evaluation.analysis", "false",
-        "--data.calibration.source.source", str(C4_HEAD), "--data.calibration.num_samples", "8",
-        "--data.evaluation.sources", f"[{{name: wikitext2, source: {WIKITEXT_HEAD}, join: ''}}]",
-        "--data.evaluation.max_windows", "2",
-        "--trainer.default_root_dir", str(run),
-    ]  # fmt: skip
-    done = subprocess.run(fit, capture_output=True, text=True, cwd=ROOT, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run = serving_run(tmp_path)
     out = tmp_path / "serving.json"
     check = [
         sys.executable, str(ROOT / "scripts" / "check_serving.py"), str(run), "--views", "pruned", "ghost",
