@@ -8,9 +8,10 @@ exported folder that keeps operators (ghost, LinearPatch), where `auto_map` regi
 loads the model where ghostdistill is not installed. ghostdistill's own views use the same operator,
 first-position rule and hooks from here, so the exported model decides exactly as the in-memory view.
 
-The model is generic over decoder families: the config holds the base model's config (`text_config`,
-already with the surviving number of blocks), `AutoModelForCausalLM.from_config` builds that
-architecture, and each gap's operator acts on the residual stream at one block of it:
+The model is generic over decoder families: the config holds the base family's keys, flat (with the
+surviving number of blocks; `GhostPrunedConfig.base_config()` is the family's own config object),
+`AutoModelForCausalLM.from_config` builds that architecture, and each gap's operator acts on the residual
+stream at one block of it:
 
 - ordinary tokens: x ← x + x·M (W = I + M, the closed-form least-squares map, possibly fine-tuned);
 - first-position tokens (position id 0) when `separate_first`: x ← x + b. With the KV cache a decode
