@@ -164,10 +164,10 @@ class GhostDistill(LightningModule):
         self.validate_students()
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
-        self.run.begin("step")
+        self.run.start_step()
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        self.run.end("step", step=self.global_step, tokens=batch["input_ids"].numel())
+        self.run.end_step(self.global_step, batch["input_ids"].numel())
         every = self.cfg.distill.val_every
         if every and self.global_step % every == 0:
             self.validate_students()

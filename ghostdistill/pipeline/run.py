@@ -217,6 +217,13 @@ class Run:
     def distill_step(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return distill_step(self.students, batch)
 
+    def start_step(self) -> None:
+        """An optimizer step begins (the loop's: forward, backward, update); `end_step` when it is done."""
+        self.begin("step")
+
+    def end_step(self, step: int, tokens: int) -> None:
+        self.end("step", step=step, tokens=tokens)
+
     def validate(self, step: int, *, dist: Dist = Dist(), sync_check=None) -> dict | None:
         """Validate the students at `step` (once per step; None without validation windows)."""
         windows = self.data.val_ids()
