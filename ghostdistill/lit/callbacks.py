@@ -67,7 +67,7 @@ def check_before_run(trainer: Trainer, pl_module: GhostDistill) -> None:
         raise ValueError(
             f"trainer.max_steps {trainer.max_steps}: set 0 (training-free) or the number of distillation steps"
         )
-    cfg = pl_module.cfg
+    cfg = pl_module.run.cfg
     if trainer.max_steps > 0 and not cfg.distill.views():
         raise RuntimeError(NO_DISTILL_METHODS)
     unbuilt = [v for v in cfg.evaluation.views if v in cfg.distill.views() and trainer.max_steps == 0]
@@ -75,7 +75,7 @@ def check_before_run(trainer: Trainer, pl_module: GhostDistill) -> None:
         raise ValueError(f"evaluation.views {unbuilt} are fine-tuned views, which trainer.max_steps 0 does not build")
     for callback in trainer.callbacks:
         if isinstance(callback, Export):
-            callback.check(trainer, pl_module.cfg)
+            callback.check(trainer, pl_module.run.cfg)
 
 
 def check_strategy(trainer: Trainer, distill: DistillConfig | None = None) -> None:
@@ -163,7 +163,7 @@ class Export(Callback):
         )
 
     def setup(self, trainer: Trainer, pl_module: GhostDistill, stage: str) -> None:
-        self.check(trainer, pl_module.cfg)  # `check_before_run` has done so already when `Calibration` runs
+        self.check(trainer, pl_module.run.cfg)  # `check_before_run` has done so already when `Calibration` runs
 
     def on_test_end(self, trainer: Trainer, pl_module: GhostDistill) -> None:
         if not self.views or not trainer.is_global_zero:
