@@ -420,7 +420,7 @@ def test_gradient_accumulation_is_one_pass_over_all(tiny_dir, text_files, tmp_pa
     before_step = GhostDistill.on_before_optimizer_step
 
     def record(self, optimizer):
-        grads.append({v: [p.grad.detach().clone() for p in sp.all()] for v, sp in self.students.params.items()})
+        grads.append({v: [p.grad.detach().clone() for p in sp.all()] for v, sp in self.run.students.params.items()})
         return before_step(self, optimizer)
 
     monkeypatch.setattr(GhostDistill, "on_before_optimizer_step", record)
