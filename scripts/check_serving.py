@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 
 from ghostdistill.cli import load_run_config
-from ghostdistill.pipeline.export import export_views, load_run
+from ghostdistill.pipeline.export import export_views
+from ghostdistill.pipeline.reload import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts" / "serving"))

@@ -18,8 +18,9 @@ the untied head, the chunked head with 128k logits, dtype casts. Per `--dtype` (
    generation, and its perplexity on the run's evaluation windows against the run's results.json.
 
 Every step runs in its own process (`python scripts/rehearsal_8b.py worker ...`); a background thread samples
-its RSS (psutil when installed, else /proc/self/status VmRSS) every 10 ms, and the phases are marked by
-wrapping the package functions that begin them (`fit_hooks`, `export_hooks`). Printed: one JSON line per
+its RSS (psutil when installed, else /proc/self/status VmRSS) every 10 ms, and the phases are marked by an
+observer of the run's phases (`PhaseMarks`, installed by `fit_hooks` and `export_hooks` through
+`ghostdistill.pipeline.run.observe`). Printed: one JSON line per
 dtype, with per phase (load, calibration, fit, distillation, distillation_lora, evaluation, export, reload)
 the seconds and the peak RSS above the loaded model (RSS right after that process loaded its model, its
 weights made resident: `from_pretrained` maps safetensors files lazily; for `load` itself the overshoot of
@@ -41,6 +42,7 @@ hidden-64 model in seconds (what tests/test_rehearsal.py runs). `scripts/device_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gzip
 import importlib.util
@@ -210,116 +212,71 @@ def touch(model) -> None:
                 t.reshape(-1)[:: max(1, 4096 // t.element_size())].float().sum()
 
 
-def _wrap(owner, name: str, before, after=None) -> None:
-    """Replace `owner.name` by a function that calls `before()` first and `after(result, seconds)` once it
-    returns (once per attribute: wrapping again is a no-op)."""
-    original = getattr(owner, name)
-    if getattr(original, "_rehearsal", False):
-        return
+# Which rehearsal phase each phase of the run (`ghostdistill.pipeline.run.Run`, reported to its observers)
+# begins; the run's other phases (setup, plan, step, validate) stay in the phase they start in. `step` and
+# `validate` are timed on their own: each optimizer step (seconds and tokens, for throughput) and each
+# student validation (inside `distillation`).
+FIT_PHASES = {
+    "load": "load",
+    "calibrate": "calibration",
+    "fit": "fit",
+    "distil": "distillation",
+    "evaluate": "evaluation",
+    "analyse": "analysis",
+    "report": "report",
+    "export": "export",
+}
+EXPORT_PHASES = {"load": "load", "export": "export"}
 
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        before()
-        start = time.perf_counter()
-        result = original(*args, **kwargs)
-        if after is not None:
-            after(result, time.perf_counter() - start)
-        return result
-
-    wrapper._rehearsal = True
-    setattr(owner, name, wrapper)
-
-
-# Where each phase of `fit` begins: (module, attribute, phase). The names are the package's own; a rename
-# there fails tests/test_rehearsal.py (which checks that each exists) instead of silently merging phases.
-FIT_PHASES = (
-    ("ghostdistill.lit.module", "load_model", "load"),
-    ("ghostdistill.pipeline.calibrate", "collect_statistics", "calibration"),
-    ("ghostdistill.pipeline.calibrate", "fit", "fit"),
-    ("ghostdistill.lit.callbacks", "build_students", "distillation"),
-    ("ghostdistill.lit.callbacks", "analysis", "analysis"),
-    ("ghostdistill.lit.callbacks", "write_report", "report"),
-    ("ghostdistill.lit.callbacks", "export_views", "export"),
-)
-EXPORT_PHASES = (
-    ("ghostdistill.pipeline.export", "load_model", "load"),
-    ("ghostdistill.pipeline.export", "export_views", "export"),
-)
-# Timed without changing the phase: validation of the students (inside `distillation`).
-FIT_TIMED = (("ghostdistill.lit.module", "validate", "validate_s"),)
-
-# The `Phases` the installed wrappers report to, and what they collect (several runs in one process each
-# install their own; the wrappers are installed once).
+# What the installed observer collects (several runs in one process each install their own).
 ACTIVE: dict = {"phases": None, "steps": [], "timings": {}}
+_INSTALLED = contextlib.ExitStack()
 
 
-def _enter(phase: str) -> None:
-    if ACTIVE["phases"] is not None:
-        ACTIVE["phases"].enter(phase)
+class PhaseMarks:
+    """A `Run` observer (`pipeline.run.PhaseObserver`) that marks the rehearsal's phases in `phases`:
+    the run reports each of its phases, so nothing in the package is wrapped or replaced."""
+
+    def __init__(self, phases: Phases, names: dict[str, str]) -> None:
+        self.phases, self.names, self._clock = phases, names, 0.0
+
+    def start(self, name: str, run) -> None:
+        if name in self.names:
+            self.phases.enter(self.names[name])
+        elif name == "step":
+            self.phases._sync()
+            self._clock = time.perf_counter()
+
+    def on_phase(self, name: str, seconds: float, peak_bytes, run, **info) -> None:
+        if name == "load":
+            self.phases.mark_loaded(run.llm)
+        elif name == "step":
+            self.phases._sync()
+            step = {"step": int(info["step"]), "seconds": time.perf_counter() - self._clock, "tokens": info["tokens"]}
+            ACTIVE["steps"].append(step)
+        elif name == "validate":
+            ACTIVE["timings"].setdefault("validate_s", []).append(round(seconds, 3))
 
 
-def _loaded(model, seconds: float) -> None:
-    if ACTIVE["phases"] is not None:
-        ACTIVE["phases"].mark_loaded(model)
+def _observe(observer: PhaseMarks) -> None:
+    from ghostdistill.pipeline.run import observe
 
-
-def _timed(key: str, result, seconds: float) -> None:
-    ACTIVE["timings"].setdefault(key, []).append(round(seconds, 3))
-
-
-def _install(table, timed=()) -> None:
-    import importlib
-
-    for module, attr, phase in table:
-        after = _loaded if phase == "load" else None
-        _wrap(importlib.import_module(module), attr, functools.partial(_enter, phase), after)
-    for module, attr, key in timed:
-        _wrap(importlib.import_module(module), attr, lambda: None, functools.partial(_timed, key))
-
-
-def _sync() -> None:
-    if ACTIVE["phases"] is not None:
-        ACTIVE["phases"]._sync()
+    _INSTALLED.close()  # the previous run's observer
+    _INSTALLED.enter_context(observe(observer))
 
 
 def fit_hooks(phases: Phases) -> list[dict]:
     """Mark the phases of `fit` in `phases`; returns the list that collects one entry per optimizer step
     (seconds, synchronised on a GPU, and tokens), for throughput. `ACTIVE["timings"]` collects the seconds of
     each student validation."""
-    from ghostdistill.lit.module import GhostDistill
-
     ACTIVE.update(phases=phases, steps=[], timings={})
-    _install(FIT_PHASES, FIT_TIMED)
-    if getattr(GhostDistill.on_test_start, "_rehearsal", False):
-        return ACTIVE["steps"]
-    clock: dict[str, float] = {}
-
-    def on_test_start(self, _original=GhostDistill.on_test_start):
-        _enter("evaluation")
-        return _original(self)
-
-    def on_train_batch_start(self, batch, batch_idx, _original=GhostDistill.on_train_batch_start):
-        _sync()
-        clock["start"] = time.perf_counter()
-        return _original(self, batch, batch_idx)
-
-    def on_train_batch_end(self, outputs, batch, batch_idx, _original=GhostDistill.on_train_batch_end):
-        _sync()
-        seconds = time.perf_counter() - clock.pop("start", time.perf_counter())
-        ACTIVE["steps"].append(
-            {"step": int(self.global_step), "seconds": seconds, "tokens": batch["input_ids"].numel()}
-        )
-        return _original(self, outputs, batch, batch_idx)
-
-    for hook in (on_test_start, on_train_batch_start, on_train_batch_end):
-        hook._rehearsal = True
-        setattr(GhostDistill, hook.__name__, hook)
+    _observe(PhaseMarks(phases, FIT_PHASES))
     return ACTIVE["steps"]
 
 
 def export_hooks(phases: Phases) -> None:
     ACTIVE["phases"] = phases
-    _install(EXPORT_PHASES)
+    _observe(PhaseMarks(phases, EXPORT_PHASES))
 
 
 # ---------------------------------------------------------------------------------------- model and text

@@ -73,7 +73,7 @@ def cost_worker(run: str, student: str, steps: int, out: str) -> None:
     from ghostdistill.cli import load_run_config
     from ghostdistill.distill.config import ft_view
     from ghostdistill.distill.optim import make_optimizer
-    from ghostdistill.pipeline.export import load_run
+    from ghostdistill.pipeline.reload import load_run
     from ghostdistill.pipeline.train import build_students, distill_step
 
     cfg, _ = load_run_config(Path(run))

@@ -1,6 +1,7 @@
-"""The phases of a run called one after another from plain Python, without a Lightning Trainer (what a
-script or a notebook does), on the tiny LLaMA: calibrate, evaluate, report, distil a few steps, validate,
-export and reload. The training-free numbers equal those `fit` writes for the same settings."""
+"""A whole run driven through the run object (`pipeline.run.Run`) from plain Python, without a Lightning
+Trainer (what a script or a notebook does), on the tiny LLaMA: setup, plan, calibrate, fit, evaluate,
+analyse, report, distil a few steps, validate, export and reload. The training-free numbers equal those
+`fit` writes for the same settings, and every phase reaches the observers and results.json."""
 
 from __future__ import annotations
 
@@ -10,21 +11,17 @@ import torch
 from tiny_run import tiny_run_args
 
 from ghostdistill.cli import main
-from ghostdistill.core.model import ModelConfig, load_model, load_tokenizer
+from ghostdistill.core.model import ModelConfig
 from ghostdistill.data import TextSource
 from ghostdistill.distill.config import DistillConfig
 from ghostdistill.distill.optim import make_optimizer
 from ghostdistill.export import load_exported
 from ghostdistill.methods import RecoveryConfig
-from ghostdistill.pipeline.calibrate import calibrate, calibration_summary
 from ghostdistill.pipeline.config import RunConfig
-from ghostdistill.pipeline.data import CalibrationData, DataConfig, EvaluationData, RunData
-from ghostdistill.pipeline.evaluate import evaluate
-from ghostdistill.pipeline.export import export_views
-from ghostdistill.pipeline.train import BestSteps, build_students, distill_step, validate
+from ghostdistill.pipeline.data import CalibrationData, DataConfig, EvaluationData
+from ghostdistill.pipeline.run import PhaseObserver, Run
+from ghostdistill.pipeline.train import BestSteps, validate
 from ghostdistill.planning import PlanConfig
-from ghostdistill.reporting.report import RunReport
-from ghostdistill.reporting.results import write_report
 
 
 def test_the_phases_run_without_a_trainer_and_match_fit(tiny_dir, text_files, tmp_path):
@@ -42,24 +39,36 @@ def test_the_phases_run_without_a_trainer_and_match_fit(tiny_dir, text_files, tm
             ),
         ),
     )
-    cfg.validate()
-    llm = load_model(cfg.model)
-    data = RunData(cfg.data, load_tokenizer(cfg.model))
-    report = RunReport(model={"source": cfg.model.source})
+    seen: list[tuple[str, str]] = []
 
-    # calibrate: plan, statistics, every method's operators
-    cal = calibrate(llm, cfg.plan, cfg.recovery, data.calibration_batches(), log=lambda m: None)
-    assert cal.plan.removed == (2, 3) and set(cal.pruned.views) >= {"dense", "pruned", "ghost", "linearpatch"}
-    report.plan, report.recovery = cal.plan.to_dict(), cal.fits
-    report.calibration = calibration_summary(cal, {}, "no-fingerprint", len(data.calibration_ids()))
+    class Seen(PhaseObserver):
+        def start(self, name, run):
+            seen.append(("start", name))
 
-    # evaluate every view, write the report
-    windows = {s.label: data.eval_ids(s) for s in cfg.data.evaluation.sources}
+        def on_phase(self, name, seconds, peak_bytes, run, **info):
+            assert seconds >= 0 and (peak_bytes is None or peak_bytes > 0)
+            seen.append(("end", name))
+
+    run = Run(cfg, observers=[Seen()], log=lambda m: None)
+    run.setup(tmp_path / "phases")
+    llm, data = run.llm, run.data
+
+    # plan, calibrate, fit: every method's operators
+    run.calibrate()
+    cal_pruned = run.pruned
+    assert cal_pruned.plan.removed == (2, 3) and set(cal_pruned.views) >= {"dense", "pruned", "ghost", "linearpatch"}
+
+    # evaluate every view, analyse, write the report
     views = ["dense", "pruned", "ghost", "linearpatch"]
-    report.views = evaluate(cal.pruned, views, windows, cfg.data.batch_size)
-    write_report(tmp_path / "phases", report)
+    run.evaluate()
+    run.analyse()
+    run.write_report()
     written = json.loads((tmp_path / "phases" / "results.json").read_text())
     assert list(written["views"]) == views
+    ends = [name for kind, name in seen if kind == "end"]
+    assert ends == ["load", "setup", "plan", "calibrate", "fit", "evaluate", "analyse", "report"], ends
+    assert set(written["phases"]) == {"load", "setup", "plan", "calibrate", "fit", "evaluate", "analyse"}
+    assert written["calibration"]["fingerprint"] == run.key
 
     # the same settings through `fit` give the same numbers
     main(
@@ -80,16 +89,16 @@ def test_the_phases_run_without_a_trainer_and_match_fit(tiny_dir, text_files, tm
 
     # distil a few steps in a plain loop: the student improves on the batch it trains on, the teacher is untouched
     teacher_before = {k: v.clone() for k, v in llm.state_dict().items() if "lora" not in k}
-    students = build_students(cal.pruned, cfg.distill, data.calibration_batches()[0])
+    students = run.build_students()
     optimizer, scheduler = make_optimizer(students.params, cfg.distill, total_steps=6)
-    held_out = windows["held_out"]
+    held_out = data.eval_ids(cfg.data.evaluation.sources[0])
     tracker = BestSteps()
     tracker.record(validate(students, held_out, 2, step=0), students)
     batch = data.calibration_batches()[0]
     losses = []
     for step in range(1, 7):
-        loss = distill_step(students, batch)["ghost_ft"]
-        losses.append(float(loss))
+        loss = run.distill_step(batch)["ghost_ft"]
+        losses.append(float(loss.detach()))
         loss.backward()
         optimizer.step()
         scheduler.step()
@@ -101,10 +110,12 @@ def test_the_phases_run_without_a_trainer_and_match_fit(tiny_dir, text_files, tm
     assert all(torch.equal(v, after[k]) for k, v in teacher_before.items())
 
     # export the fine-tuned view and reload it: the same logits as the in-memory view
-    report.distill = tracker.summary(cfg.distill, 6, students.share_prefix)
-    (folder,) = export_views(cal.pruned, data.tokenizer, report.to_dict(), cfg, ["ghost_ft"], tmp_path / "export")
+    run.tracker = tracker
+    run.end_distillation(6)
+    (folder,) = run.export(["ghost_ft"], tmp_path / "export")
+    assert seen[-1] == ("end", "export")
     reloaded = load_exported(folder).eval()
     ids = held_out[:1]
-    with torch.no_grad(), cal.pruned.use("ghost_ft") as model:
+    with torch.no_grad(), cal_pruned.use("ghost_ft") as model:
         expected = model(input_ids=ids).logits
     torch.testing.assert_close(reloaded(input_ids=ids).logits, expected, atol=1e-4, rtol=1e-4)

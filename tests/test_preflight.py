@@ -12,9 +12,9 @@ import yaml
 from tiny_run import tiny_run_args
 
 from ghostdistill.cli import main
-from ghostdistill.lit import callbacks
 from ghostdistill.lit.module import GhostDistill
 from ghostdistill.pipeline import data, frontier
+from ghostdistill.pipeline import run as run_phases
 
 
 class Reached(AssertionError):
@@ -30,7 +30,7 @@ def no_work(monkeypatch):
 
     monkeypatch.setattr(data.RunData, "calibration_ids", refuse)
     monkeypatch.setattr(data.RunData, "selection_ids", refuse)
-    monkeypatch.setattr(callbacks, "calibrate", refuse)
+    monkeypatch.setattr(run_phases, "calibrate", refuse)
     monkeypatch.setattr(frontier, "score_runs", refuse)
     return refuse
 

@@ -32,20 +32,18 @@ def load_run_config(run: Path, trust_remote_code: bool = False):
         # A run folder written before each method got its own keys lists every key of every entry.
         model["recovery"] = [drop_flat_defaults(entry) for entry in model["recovery"]]
     cli = build_fit(saved, save_config_callback=None)
-    cfg = cli.model.cfg
-    cfg.data = cli.datamodule.cfg
-    return cfg, saved.get("seed_everything")
+    return cli.model.cfg, saved.get("seed_everything")
 
 
 def run_export(argv: list[str]) -> list[Path]:
     """`export <run folder> --views v ... [--dir D] [--overwrite] [--format hf gguf] [--gguf-types F32 F16 Q8_0]
     [--trust-remote-code]`: write views of a finished run as Hugging Face folders (``<dir>/<view>/``) and GGUF
-    files for llama.cpp (``<dir>/<view>.<type>.gguf``, plain views only) with `pipeline.export.export_run`,
+    files for llama.cpp (``<dir>/<view>.<type>.gguf``, plain views only) with `pipeline.reload.export_run`,
     without a Trainer. A run folder's
     config runs none of its author's code unless you pass --trust-remote-code. SIGTERM and SIGINT stop it
     with one line and leave no folder behind (each view is written in a temporary folder and renamed)."""
     from ..export.gguf import DEFAULT_GGUF_TYPES, FORMATS, check_formats, check_gguf_types
-    from ..pipeline.export import export_run
+    from ..pipeline.reload import export_run
     from ..pipeline.trust import FLAG
 
     parser = argparse.ArgumentParser(prog="ghostdistill export", description=run_export.__doc__)

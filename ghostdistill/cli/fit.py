@@ -47,6 +47,8 @@ class GhostDistillCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(Calibration, "calibration")
         parser.add_lightning_class_args(Export, "export")
+        # The run's config is complete when the module is built: the data module's settings become its `data`.
+        parser.link_arguments("data", "model.data", compute_fn=_data_settings, apply_on="instantiate")
         parser.add_argument(
             "--ckpt_path",
             type=Optional[str],
@@ -100,6 +102,10 @@ class GhostDistillCLI(LightningCLI):
             every = self.config["model"]["distill"]["checkpoint_every"] or steps
             callbacks.append(LastCheckpoint(Path(self.config["trainer"]["default_root_dir"]) / "checkpoints", every))
         return super().instantiate_trainer(callbacks=callbacks, **kwargs)
+
+
+def _data_settings(datamodule: GhostDataModule):
+    return datamodule.cfg
 
 
 def _last_value(args: list[str], key: str) -> str | None:
@@ -201,7 +207,7 @@ def run_fit(args: list[str]) -> GhostDistillCLI:
     with terminate_on_sigterm():
         cli = build_fit(args)
         trainer, model, data = cli.trainer, cli.model, cli.datamodule
-        model.report.settings = settings_of(cli)  # results.json: what compare checks before reusing it
+        model.run.report.settings = settings_of(cli)  # results.json: what compare checks before reusing it
         if trainer.max_steps != 0:
             ckpt = resolve_ckpt_path(
                 cli.config.get("ckpt_path"), Path(trainer.default_root_dir), trainer.is_global_zero

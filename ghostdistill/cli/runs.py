@@ -57,9 +57,6 @@ def run_frontier_command(argv: list[str]) -> Path:
     """`frontier <frontier.yaml> [fit overrides]`: per depth, the pruned model and every recovery entry of the
     base config on streamline's plan and on its own repair-aware plan (`pipeline.frontier`), resumable per
     depth; frontier.json/csv/md/png in the root. No Trainer runs: the phases are called directly."""
-    from contextlib import nullcontext
-    from dataclasses import asdict
-
     from ..pipeline.frontier import run_frontier
     from ..reporting import frontier
 
@@ -72,15 +69,11 @@ def run_frontier_command(argv: list[str]) -> Path:
     cli = build_fit(
         ["--config", spec["base"], *ns.overrides, "--trainer.default_root_dir", str(root)], save_config_callback=None
     )
-    module, dm = cli.model, cli.datamodule
-    cfg = module.cfg
-    cfg.data = dm.cfg
-    cfg.validate()
-    check_selection(cfg.data, "frontier")
-    module.configure_model()
-    llm = module.llm.to(cli.trainer.strategy.root_device)
-    data = dm.bind(module.tokenizer, root, dense=lambda: nullcontext(llm), model_key=asdict(cfg.model))
-    points = run_frontier(cfg, llm, data, root, spec["num_layers"], spec["criteria"])
+    run = cli.model.run  # the same `pipeline.run.Run` as `fit`'s, its config complete and validated
+    check_selection(run.cfg.data, "frontier")
+    run.load().to(cli.trainer.strategy.root_device)
+    run.setup(root, checks=False)  # `run_frontier` checks every depth instead of the base plan
+    points = run_frontier(run.cfg, run.llm, run.data, root, spec["num_layers"], spec["criteria"])
     frontier.write(root, points, spec)
     print(f"frontier report written to {root}/frontier.md")
     return root

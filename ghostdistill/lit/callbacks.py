@@ -1,31 +1,20 @@
-"""The Lightning callbacks that run the phases around the loop: `Calibration` (plan, statistics,
-operators and students, before any step), `Report` (zero-shot, analyses, results files, after `test`)
-and `Export` (Hugging Face folders of chosen views, after the report)."""
+"""The Lightning callbacks that call the run's phases (`pipeline.run.Run`) around the loop: `Calibration`
+(setup, plan, calibrate, fit and the students, before any step), `Report` (zero-shot, analyses, results
+files, after `test`) and `Export` (Hugging Face folders of chosen views, after the report)."""
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from dataclasses import asdict, replace
 from pathlib import Path
 
 from lightning.pytorch import Callback, Trainer
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from tqdm.auto import tqdm
 
-from ..core.model import decoder_stack, hidden_size
-from ..core.views import DENSE
 from ..distill.config import DistillConfig
-from ..evaluation.scores import ScoreStore
 from ..export.gguf import DEFAULT_GGUF_TYPES
-from ..methods import flat_settings
-from ..pipeline.calibrate import calibrate, calibration_summary
 from ..pipeline.config import RunConfig
-from ..pipeline.evaluate import analysis, view_digests, zeroshot
-from ..pipeline.export import check_targets, check_views, export_views
-from ..pipeline.state import STATE_FILE, open_state, run_key
-from ..pipeline.train import build_students
-from ..planning import check_plan, greedy_steps
-from ..reporting.results import check_scored, markdown_table, rank_warning, write_report
+from ..pipeline.export import check_targets, check_views
+from ..pipeline.state import STATE_FILE
 from .module import NO_DISTILL_METHODS, GhostDistill
 
 
@@ -56,66 +45,18 @@ class Calibration(Callback):
     def setup(self, trainer: Trainer, pl_module: GhostDistill, stage: str) -> None:
         if self.done:
             return
-        # The checks that need the data settings beside the model's (the repair-aware criteria's selection
-        # windows), before the model loads.
-        pl_module.cfg.data = trainer.datamodule.cfg
-        pl_module.cfg.validate()
+        run = pl_module.run
         check_before_run(trainer, pl_module)
-        pl_module.configure_model()
+        check_strategy(trainer, run.cfg.distill)
+        run.progress, run.write = self._bar, trainer.is_global_zero
+        run.setup(trainer.default_root_dir, distilling=pl_module.distilling)
+        pl_module.configure_model()  # registers the run's model
         # The strategy moves the module only after setup; calibrating an 8B model on the CPU would crawl.
         pl_module.to(trainer.strategy.root_device)
-        check_strategy(trainer, pl_module.cfg.distill)
-        dm, cfg, llm, report = trainer.datamodule, pl_module.cfg, pl_module.llm, pl_module.report
-        run_dir = Path(trainer.default_root_dir)
-        # The plan's depth checks, then what needs only the tokenizer, before any text is generated (minutes).
-        check_plan(cfg.plan, len(decoder_stack(llm).layers))
-        data = dm.bind(
-            pl_module.tokenizer,
-            run_dir,
-            dense=lambda: pl_module.pruned.use(DENSE) if pl_module.pruned is not None else nullcontext(llm),
-            model_key=asdict(cfg.model),
-            write=trainer.is_global_zero,
-        )
-        data.check_before_calibration(getattr(llm.config, "max_position_embeddings", None), pl_module.distilling)
-        with report.timed("calibration_data"):
-            batches = data.calibration_batches()
-        # The repair-aware criteria score candidates on held-out windows (read before any statistics).
-        selection = data.selection_batches() if cfg.plan.repair_aware() else None
-        key, saved = open_state(run_dir, cfg, llm, rank_zero_warn, rank_zero_info)
-        # repair_greedy's first steps from an earlier run of these settings (checked before any pass).
-        taken = greedy_steps(cfg.plan, lambda n: run_key(cfg.at_depth(n), llm)) if saved is None else None
-        cal = calibrate(
-            llm,
-            cfg.plan,
-            cfg.recovery,
-            batches,
-            saved=saved,
-            state_path=run_dir / STATE_FILE,
-            state_key=key,
-            checkpoint_every=self.checkpoint_every,
-            dist=pl_module.dist(),
-            progress=self._bar,
-            log=rank_zero_info,
-            selection=selection,
-            taken=taken,
-        )
-        report.timings.update(cal.seconds)
-        report.plan = cal.plan.to_dict()
-        report.calibration = calibration_summary(
-            cal, dm.cfg.describe()["calibration"], key, len(data.calibration_ids())
-        )
-        report.calibration["hidden_size"] = hidden_size(llm)  # fewer tokens: a rank-deficient fit (results.md)
-        report.recovery = cal.fits
-        students = None
+        run.calibrate(dist=pl_module.dist(), checkpoint_every=self.checkpoint_every)
         if pl_module.distilling:
-            # Students start from their method's closed form, before the optimizer exists.
-            students = build_students(cal.pruned, cfg.distill, batches[0])
-            rank_zero_info(
-                "distilling "
-                + ", ".join(f"{v} ({'+'.join(s.train)})" for v, s in students.specs.items())
-                + f"; blocks before the first gap run {'once, shared' if students.share_prefix else 'for every student'}"
-            )
-        pl_module.attach(cal.pruned, students)
+            run.build_students()  # students start from their method's closed form, before the optimizer exists
+        pl_module.attach()
         self.done = True
 
 
@@ -126,7 +67,7 @@ def check_before_run(trainer: Trainer, pl_module: GhostDistill) -> None:
         raise ValueError(
             f"trainer.max_steps {trainer.max_steps}: set 0 (training-free) or the number of distillation steps"
         )
-    cfg = pl_module.cfg
+    cfg = pl_module.run.cfg
     if trainer.max_steps > 0 and not cfg.distill.views():
         raise RuntimeError(NO_DISTILL_METHODS)
     unbuilt = [v for v in cfg.evaluation.views if v in cfg.distill.views() and trainer.max_steps == 0]
@@ -134,7 +75,7 @@ def check_before_run(trainer: Trainer, pl_module: GhostDistill) -> None:
         raise ValueError(f"evaluation.views {unbuilt} are fine-tuned views, which trainer.max_steps 0 does not build")
     for callback in trainer.callbacks:
         if isinstance(callback, Export):
-            callback.check(trainer, pl_module.cfg)
+            callback.check(trainer, pl_module.run.cfg)
 
 
 def check_strategy(trainer: Trainer, distill: DistillConfig | None = None) -> None:
@@ -166,62 +107,11 @@ def check_strategy(trainer: Trainer, distill: DistillConfig | None = None) -> No
 class Report(Callback):
     """After `test`: zero-shot (when enabled), the analyses, then results.json, results.md and the plots."""
 
-    def on_test_start(self, trainer: Trainer, pl_module: GhostDistill) -> None:
-        import time
-
-        self._start = time.perf_counter()
-
     def on_test_end(self, trainer: Trainer, pl_module: GhostDistill) -> None:
-        import time
-
-        report, cfg, dm = pl_module.report, pl_module.cfg, trainer.datamodule
-        report.timings["evaluation_s"] = round(time.perf_counter() - self._start, 2)
-        if cfg.evaluation.zeroshot.enabled:
-            with report.timed("zeroshot"):
-                self.zeroshot(trainer, pl_module)
-        if trainer.is_global_zero and cfg.evaluation.analysis:
-            with report.timed("analysis"):
-                first = dm.cfg.evaluation.sources[0]
-                windows = dm.data.eval_ids(first)[: cfg.evaluation.analysis_windows]
-                report.analysis = analysis(
-                    pl_module.pruned, windows, dm.data.calibration_ids(), dm.batch_size, first.label
-                )
-        report.evaluation = dm.data.summary()
-        check_scored(report.to_dict())
-        if trainer.is_global_zero:
-            paths = write_report(Path(trainer.default_root_dir), report)
-            warning = rank_warning(report.to_dict())
-            rank_zero_info("\n" + markdown_table(report.to_dict()) + "\n" + (f"\n{warning}\n" if warning else ""))
-            rank_zero_info("results written to " + ", ".join(str(p) for p in paths))
-
-    @staticmethod
-    def zeroshot(trainer: Trainer, pl_module: GhostDistill) -> None:
-        cfg, report, pruned = pl_module.cfg, pl_module.report, pl_module.pruned
-        # The flat settings: saved scores of runs made before each method had its own keys stay valid.
-        recovery = {r.name: flat_settings(r) for r in cfg.recovery}
-        digests = view_digests(
-            pruned,
-            pl_module.views,
-            asdict(cfg.model),
-            recovery,
-            report.calibration["fingerprint"],
-            pl_module.global_step,
-            pl_module.students,
-        )
-        store = ScoreStore(Path(trainer.default_root_dir) / "zeroshot", write=trainer.is_global_zero)
-        scores = zeroshot(
-            pruned,
-            pl_module.tokenizer,
-            pl_module.views,
-            cfg.evaluation.zeroshot,
-            digests=digests,
-            store=store,
-            log=rank_zero_info,
-        )
-        for view, s in scores.items():
-            report.views[view] = replace(report.views[view], zeroshot=s)
-        zs = cfg.evaluation.zeroshot
-        report.zeroshot = {"tasks": list(zs.tasks), "data_dir": zs.data_dir, "limit": zs.limit}
+        run = pl_module.run
+        run.zeroshot(pl_module.global_step)
+        run.analyse()
+        run.write_report()
 
 
 class Export(Callback):
@@ -273,16 +163,12 @@ class Export(Callback):
         )
 
     def setup(self, trainer: Trainer, pl_module: GhostDistill, stage: str) -> None:
-        self.check(trainer, pl_module.cfg)  # `check_before_run` has done so already when `Calibration` runs
+        self.check(trainer, pl_module.run.cfg)  # `check_before_run` has done so already when `Calibration` runs
 
     def on_test_end(self, trainer: Trainer, pl_module: GhostDistill) -> None:
         if not self.views or not trainer.is_global_zero:
             return
-        for path in export_views(
-            pl_module.pruned,
-            pl_module.tokenizer,
-            pl_module.report.to_dict(),
-            pl_module.cfg,
+        for path in pl_module.run.export(
             self.views,
             self.root(trainer),
             overwrite=self.overwrite,

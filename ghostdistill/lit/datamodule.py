@@ -3,8 +3,6 @@ make several processes read each window once."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
@@ -91,8 +89,9 @@ class StepWindows(IterableDataset):
 class GhostDataModule(LightningDataModule):
     """Windows for calibration, distillation (training, validation) and evaluation, as DataLoaders.
 
-    The windows themselves come from `pipeline.data.RunData`, which the `Calibration` callback binds
-    (`bind`) to the model's tokenizer and dense model before anything is read.
+    The windows themselves come from the run's `pipeline.data.RunData` (`GhostDistill.run.data`), which
+    `Run.setup` binds to the model's tokenizer and dense model before anything is read. These settings
+    are linked into the module's `data` when `fit` builds it (`cli.fit`), so the run's config is complete.
 
     Args:
         calibration: calibration text and size.
@@ -119,12 +118,11 @@ class GhostDataModule(LightningDataModule):
         self.cfg.validate()
         self.batch_size = batch_size
         self.num_workers = num_workers
-        self.data: RunData | None = None
 
-    def bind(self, tokenizer, run_dir: Path, **kwargs) -> RunData:
-        """Make the windows available: `RunData(self.cfg, tokenizer, run_dir, **kwargs)`."""
-        self.data = RunData(self.cfg, tokenizer, run_dir, **kwargs)
-        return self.data
+    @property
+    def data(self) -> RunData:
+        """The run's windows (bound by `Run.setup`)."""
+        return self.trainer.lightning_module.run.data
 
     def train_dataloader(self) -> DataLoader:
         """Each rank's share of the deterministic window stream, from the batch a resumed run reached."""

@@ -1,18 +1,22 @@
-"""The phases of a run, each a plain typed function callable without a Lightning Trainer.
+"""The run (`run.Run`) and its phases, each a plain typed function callable without a Lightning Trainer.
 
-In the order `python -m ghostdistill fit` runs them:
+`run.Run` is built from one complete, validated `config.RunConfig` (data included) and calls the phases
+in the order `python -m ghostdistill fit` runs them, keeping the run's state (model, tokenizer, data,
+views, students, report, fingerprint):
 
-1. `config.RunConfig.validate`            every check the values alone decide, before anything loads
-2. `data.RunData`                         the calibration, training, validation and evaluation windows
-3. `calibrate.calibrate`                  `choose` the plan → `collect_statistics` (one dense pass,
-                                          resumable through `state`) → `fit` every method's gaps
-4. `train.build_students`                 the `<method>_ft` students from their closed forms (distillation)
-5. `train.distill_step`, `train.validate` one step of every student on one teacher pass; held-out KL
-6. `evaluate.evaluate` (`score_views`, `ViewTally`)   perplexity, KL and top-1 of every view
-7. `evaluate.zeroshot`, `evaluate.analysis`       lm-eval accuracy; operator anatomy and alignment
-8. `reporting.write_report(RunReport)`    results.json, results.md and the plots
-9. `export.export_views` / `export.export_run`    Hugging Face folders, from memory or a run folder
+1. `Run.setup`      `core.model.load_model`, `planning.check_plan`, `data.RunData` (bound to the tokenizer
+                    and the dense model), `RunData.check_before_calibration`
+2. `Run.calibrate`  `state.open_state` → `calibrate.calibrate`: plan (`planning.choose`) → calibrate
+                    (`collect_statistics`, resumable through `state`) → fit (every method's gaps)
+3. distil           `Run.build_students` (`train.build_students`), `Run.distill_step`
+                    (`train.distill_step`), `Run.validate` (`train.validate`, `BestSteps`), `Run.end_distillation`
+4. evaluate         `Run.start_evaluation` / `score_batch` (`evaluate.score_views`, `ViewTally`) /
+                    `finish_evaluation` (`evaluate.view_results`), or `Run.evaluate` in one process
+5. `Run.zeroshot`, `Run.analyse`  lm-eval accuracy; operator anatomy and alignment (`evaluate`)
+6. `Run.write_report`  `reporting.write_report(RunReport)`: results.json, results.md and the plots
+7. `Run.export`     `export.export_views`; a finished run folder: `reload.load_run` / `reload.export_run`
 
-The Lightning layer (`ghostdistill.lit`) calls the same functions from its hooks and owns the loop,
-the devices and the checkpoints; `tests/test_phases.py` runs them end to end without it.
+Each phase's seconds and peak memory go to the run's `on_phase` observers (`run.observe`) and to
+results.json's `phases`. The Lightning layer (`ghostdistill.lit`) calls the same phases from its hooks
+and owns the loop, the devices and the checkpoints; `tests/test_phases.py` runs them without it.
 """

@@ -12,6 +12,7 @@ rank solves the same operators as one process would.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,11 +138,13 @@ def calibrate(
     log: Callable[[str], None] = print,
     selection: list[Batch] | None = None,
     taken: list[dict] | None = None,
+    phase: Callable[[str], AbstractContextManager] = lambda name: nullcontext(),
 ) -> Calibrated:
     """plan → statistics → operators. With `state_path`, the statistics are saved there every
     `checkpoint_every` batches and at the end (by rank 0), under `state_key`; `saved` resumes them.
     `selection`: the held-out windows the repair-aware criteria score candidates on; `taken`: the steps
-    ``repair_greedy`` starts after (`plan.greedy_from`)."""
+    ``repair_greedy`` starts after (`plan.greedy_from`); `phase(name)` wraps each of ``plan``, ``calibrate``
+    and ``fit`` (`pipeline.run.Run.phase`: seconds and peak memory for its observers)."""
     import time
 
     llm.eval()
@@ -152,11 +155,12 @@ def calibrate(
         saved = None
     seconds = {}
     start = time.perf_counter()
-    plan = (
-        saved.plan
-        if saved is not None
-        else choose(plan_cfg, llm, batches, progress, recovery=recovery, selection=selection, taken=taken)
-    )
+    with phase("plan"):
+        plan = (
+            saved.plan
+            if saved is not None
+            else choose(plan_cfg, llm, batches, progress, recovery=recovery, selection=selection, taken=taken)
+        )
     seconds["plan_s"] = round(time.perf_counter() - start, 2)
     log(f"pruning plan ({plan.chosen_by}): remove layers {list(plan.removed)}, gaps {[g.key for g in plan.gaps]}")
     pruned = PrunedModel(llm, plan)
@@ -169,19 +173,21 @@ def calibrate(
             save_state(state_path, state_key, plan, stats, done, len(batches), tokens)
 
     start = time.perf_counter()
-    stats, tokens = collect_statistics(
-        pruned,
-        methods,
-        batches,
-        recovery=recovery,
-        saved=saved,
-        dist=dist,
-        checkpoint=checkpoint,
-        checkpoint_every=checkpoint_every,
-        progress=progress,
-    )
+    with phase("calibrate"):
+        stats, tokens = collect_statistics(
+            pruned,
+            methods,
+            batches,
+            recovery=recovery,
+            saved=saved,
+            dist=dist,
+            checkpoint=checkpoint,
+            checkpoint_every=checkpoint_every,
+            progress=progress,
+        )
     seconds["statistics_s"] = round(time.perf_counter() - start, 2)
-    fits = fit(recovery, pruned, stats, batches, dist=dist, progress=progress)
+    with phase("fit"):
+        fits = fit(recovery, pruned, stats, batches, dist=dist, progress=progress)
     seconds["solve_s"] = round(sum(f["fit_s"] for f in fits.values()), 2)
     return Calibrated(plan, pruned, stats, tokens, fits, seconds)
 

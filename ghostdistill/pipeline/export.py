@@ -1,13 +1,13 @@
 """Export: views of a run written as Hugging Face folders and GGUF files, from memory or from a finished run folder.
 
     export_views(pruned, tokenizer, report, cfg, views, root)    an in-memory run (the end of `fit`)
-    export_run(run_dir, cfg, views)                                a run folder, without a Trainer
+    reload.export_run(run_dir, cfg, views)                         a run folder, without a Trainer
 
 `formats` picks what is written per view: ``hf`` (the folder `<root>/<view>`, `export.writer`) and ``gguf``
 (`<root>/<view>.<type>.gguf` per type of `gguf_types`, `export.gguf`; plain views only, operator views are
 refused before anything is loaded or written).
 
-From a run folder nothing the run cached is recomputed: the calibration statistics come from
+From a run folder (`pipeline.reload`, which rebuilds it as a `pipeline.run.Run`) nothing the run cached is recomputed: the calibration statistics come from
 `calibration_state.pt` (only the closed-form solves run again, and the student passes of a sequential
 fit with several gaps), and a fine-tuned `<name>_ft` view takes its trained values from
 `checkpoints/last.ckpt` (loaded with `weights_only=True`: tensors and plain data, never code) at the
@@ -18,27 +18,15 @@ last one).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
-from ..core.io import read_mapping
-from ..core.model import load_model, load_tokenizer
 from ..core.views import DENSE, PRUNED, PrunedModel
 from ..distill.config import Student
-from ..distill.students import Students
 from ..export import export_view
 from ..export.gguf import DEFAULT_GGUF_TYPES, check_formats, check_gguf_types, check_gguf_views, export_gguf, gguf_path
-from .calibrate import calibrate
 from .config import RunConfig
-from .data import RunData
-from .state import STATE_FILE, open_state
-from .train import build_students
-
-CHECKPOINT = Path("checkpoints") / "last.ckpt"
 
 
 def provenance(report: dict, view: str, method: str | None, seed: int | None, student: Student | None = None) -> dict:
@@ -182,99 +170,3 @@ def export_views(
                 overwrite=overwrite,
             )
     return paths
-
-
-@torch.no_grad()
-def load_students(students: Students, path: Path, report: dict) -> None:
-    """Put each fine-tuned view at the step the run's report shows, from the run's checkpoint."""
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: the fine-tuned views' weights are in the run's checkpoint")
-    # weights_only: a checkpoint someone sent you must not run their code.
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    saved = (checkpoint.get("ghostdistill") or {}) if isinstance(checkpoint, dict) else {}
-    if "students" not in saved:
-        raise ValueError(f"{path} holds no students by name (written by an older version): run `fit` again")
-    distill = report.get("distill") or {}
-    last_step = int(checkpoint["global_step"])
-    for view in students.views:
-        wanted = (
-            distill.get("steps") if distill.get("kept") != "best" else distill.get("best", {}).get(view, {}).get("step")
-        )
-        if wanted is None or int(wanted) == last_step:
-            students.load_trainable_state(view, saved["students"][view])
-            continue
-        best = saved.get("best", {}).get(view)
-        if best is None or int(best["step"]) != int(wanted):
-            raise ValueError(
-                f"{view}: the report shows step {wanted}, but {path} holds step {last_step} and best "
-                f"step {None if best is None else best['step']}"
-            )
-        students.load_trainable_state(view, best["state"])
-
-
-@dataclass
-class LoadedRun:
-    """A finished run rebuilt in memory: its views (students at the step the report shows), tokenizer,
-    windows and report."""
-
-    pruned: PrunedModel
-    tokenizer: object
-    data: RunData
-    report: dict
-
-
-def load_run(run: Path, cfg: RunConfig, views: list[str] = (), log: Callable[[str], None] = print) -> LoadedRun:
-    """Rebuild the run in `run` (configured by `cfg`, its config.yaml) without a Trainer: the model, the
-    operators re-solved from the saved statistics, and the students of any `_ft` view in `views`."""
-    results, state_path = run / "results.json", run / STATE_FILE
-    for path in (results, state_path):
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: export reads a finished run folder (run `fit` first)")
-    check_views(cfg, list(views), str(run))
-    report = read_mapping(results, "results file")
-    llm = load_model(cfg.model)
-    llm.requires_grad_(False)
-    data = RunData(
-        cfg.data, load_tokenizer(cfg.model), run, dense=lambda: nullcontext(llm), model_key=asdict(cfg.model)
-    )
-    batches = data.calibration_batches()
-    _, saved = open_state(run, cfg, llm, info=log)
-    if saved is None or saved.batches_done < saved.batches_total:
-        raise ValueError(f"{state_path} does not hold this run's complete statistics: run `fit` again to finish it")
-    cal = calibrate(llm, cfg.plan, cfg.recovery, batches, saved=saved, log=log)
-    if set(views) & set(cfg.distill.views()):
-        students = build_students(cal.pruned, cfg.distill)
-        load_students(students, run / CHECKPOINT, report)
-    return LoadedRun(cal.pruned, data.tokenizer, data, report)
-
-
-def export_run(
-    run: Path,
-    cfg: RunConfig,
-    views: list[str],
-    out: Path | None = None,
-    *,
-    overwrite: bool = False,
-    seed: int | None = None,
-    log: Callable[[str], None] = print,
-    formats: Sequence[str] = ("hf",),
-    gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
-) -> list[Path]:
-    """Export views of the finished run in `run` (configured by `cfg`, its config.yaml) without a Trainer.
-    Bad view names, formats and targets fail before the model loads."""
-    root = out or run / "export"
-    check_views(cfg, list(views), str(run), formats, gguf_types)
-    check_targets(root, list(views), overwrite, "--overwrite", formats, gguf_types)
-    loaded = load_run(run, cfg, views, log)
-    return export_views(
-        loaded.pruned,
-        loaded.tokenizer,
-        loaded.report,
-        cfg,
-        views,
-        root,
-        overwrite=overwrite,
-        seed=seed,
-        formats=formats,
-        gguf_types=gguf_types,
-    )

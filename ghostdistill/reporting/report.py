@@ -60,6 +60,8 @@ class RunReport:
     analysis: dict[str, Any] | None = None
     evaluation: dict[str, Any] | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    # Per phase of `pipeline.run.Run`: seconds, how many times it ran, peak memory (`Run.on_phase`).
+    phases: dict[str, dict[str, Any]] = field(default_factory=dict)
     settings: dict[str, Any] | None = None
 
     @contextmanager
@@ -73,7 +75,7 @@ class RunReport:
 
     def to_dict(self) -> dict[str, Any]:
         """What results.json holds (sections a run did not reach are left out)."""
-        out: dict[str, Any] = {"model": self.model, "timings": self.timings}
+        out: dict[str, Any] = {"model": self.model, "timings": self.timings, "phases": self.phases}
         for key in ("plan", "calibration"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)

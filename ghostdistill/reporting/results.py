@@ -188,7 +188,17 @@ def render_markdown(report: dict) -> str:
     if timings:
         parts.append("Timings (s): " + ", ".join(f"{k.removesuffix('_s')} {v}" for k, v in timings.items()))
         parts.append("")
+    phases = report.get("phases", {})
+    if phases:
+        parts.append("Phases (s, peak memory GiB): " + ", ".join(_phase_cell(k, p) for k, p in phases.items()))
+        parts.append("")
     return "\n".join(parts)
+
+
+def _phase_cell(name: str, phase: dict) -> str:
+    times = f" ×{phase['count']}" if phase.get("count", 1) > 1 else ""
+    peak = phase.get("peak_gib")
+    return f"{name} {phase['seconds']}{times}" + (f" ({peak})" if peak is not None else "")
 
 
 def plot(report: dict, path: Path) -> None:

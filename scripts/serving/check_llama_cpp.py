@@ -212,7 +212,7 @@ def check_views(
     seed=None,
     log=print,
 ) -> dict:
-    """The llama.cpp check of `views` of a loaded run (`pipeline.export.load_run`); GGUF and folders go to `out`."""
+    """The llama.cpp check of `views` of a loaded run (`pipeline.reload.load_run`); GGUF and folders go to `out`."""
     from ghostdistill.export.gguf import inserts_operators, refusal
     from ghostdistill.pipeline.export import export_views
 
@@ -323,7 +323,7 @@ def table(report: dict) -> str:
 
 def main() -> None:
     from ghostdistill.cli import load_run_config
-    from ghostdistill.pipeline.export import load_run
+    from ghostdistill.pipeline.reload import load_run
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", help="a finished run folder")

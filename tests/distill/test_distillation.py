@@ -83,7 +83,7 @@ def test_students_train_and_the_teacher_stays_exact(train, tiny_dir, text_files,
     cli = main(_args(tiny_dir, text_files, run, *extra, steps=3))
     module = cli.model
     ids, reference = _dense_logits(tiny_dir)
-    with torch.no_grad(), module.pruned.use("dense") as model:
+    with torch.no_grad(), module.run.pruned.use("dense") as model:
         teacher = model(input_ids=ids).logits
     assert torch.equal(teacher, reference), "the dense teacher changed"  # bit for bit a fresh model's
     # Each student trained: its validation KL to the teacher fell from the closed-form start (step 0) to the
@@ -100,18 +100,18 @@ def test_students_train_and_the_teacher_stays_exact(train, tiny_dir, text_files,
         assert tuned["ppl"] != start["ppl"], method
         # Adapters merge and copies replace; a tail student of a tied model has its own head.
         extra = (
-            reference.shape[-1] * module.pruned.config.hidden_size
-            if train == "tail" and module.pruned.config.tie_word_embeddings
+            reference.shape[-1] * module.run.pruned.config.hidden_size
+            if train == "tail" and module.run.pruned.config.tie_word_embeddings
             else 0
         )
         assert views[f"{method}_ft"]["params"] == views[method]["params"] + extra
-    with torch.no_grad(), module.pruned.use("ghost") as model:
+    with torch.no_grad(), module.run.pruned.use("ghost") as model:
         a = model(input_ids=ids).logits
-    with torch.no_grad(), module.pruned.use("ghost_ft") as model:
+    with torch.no_grad(), module.run.pruned.use("ghost_ft") as model:
         b = model(input_ids=ids).logits
     assert not torch.equal(a, b)
     # The two students share no trained weight.
-    params = module.students.params
+    params = module.run.students.params
     ids_g = {id(p) for p in params["ghost_ft"].all()}
     assert ids_g and not ids_g & {id(p) for p in params["linearpatch_ft"].all()}
     if train == "lora":
@@ -403,7 +403,7 @@ def test_precisions_calibrate_in_float64_and_train_in_the_model_dtype(
         assert seen["train"] == {(torch.bfloat16, torch.bfloat16)} and seen["autocast"] == {False}, seen
     else:
         assert seen["autocast"] == {torch.bfloat16}, seen
-        masters = [p for sp in cli.model.students.params.values() for p in sp.all()]
+        masters = [p for sp in cli.model.run.students.params.values() for p in sp.all()]
         assert masters and {p.dtype for p in masters} == {torch.float32}
     results = json.loads((run / "results.json").read_text())
     assert [h["step"] for h in results["distill"]["history"]] == [0, 1, 2]
@@ -420,7 +420,7 @@ def test_gradient_accumulation_is_one_pass_over_all(tiny_dir, text_files, tmp_pa
     before_step = GhostDistill.on_before_optimizer_step
 
     def record(self, optimizer):
-        grads.append({v: [p.grad.detach().clone() for p in sp.all()] for v, sp in self.students.params.items()})
+        grads.append({v: [p.grad.detach().clone() for p in sp.all()] for v, sp in self.run.students.params.items()})
         return before_step(self, optimizer)
 
     monkeypatch.setattr(GhostDistill, "on_before_optimizer_step", record)
@@ -444,7 +444,7 @@ def test_gradient_accumulation_is_one_pass_over_all(tiny_dir, text_files, tmp_pa
             )
         )
         assert len(grads) - start == 2, f"{name}: {len(grads) - start} optimizer steps"
-        ops = cli.model.pruned.operators
+        ops = cli.model.run.pruned.operators
         runs[name] = {v: {k: op.delta.detach().clone() for k, op in ops[v].items()} for v in ops}
     accumulated, one_pass = grads[0], grads[2]  # the first step of each run starts from the same operators
     for view in accumulated:

@@ -88,9 +88,9 @@ def test_students_of_one_method_train_independently_and_as_they_would_alone(tiny
         json.dumps(["ghost_tail_ft", "ghost_norms_ft"]),
     )
     views = ["ghost_ft", "ghost_tail_ft", "ghost_norms_ft"]
-    assert module.students.views == views
+    assert module.run.students.views == views
     ids, reference, fresh = _fresh_logits(tiny_dir)
-    pruned = module.pruned
+    pruned = module.run.pruned
     with torch.no_grad(), pruned.use("dense") as model:
         assert torch.equal(model(input_ids=ids).logits, reference), "the dense teacher changed"
     with torch.no_grad():
@@ -104,7 +104,7 @@ def test_students_of_one_method_train_independently_and_as_they_would_alone(tiny
                 assert not torch.equal(outputs[a], outputs[b]), (a, b)
 
     # No student shares a trainable tensor with another, and each trained what its recipe names.
-    params = module.students.params
+    params = module.run.students.params
     for a in views:
         for b in views:
             if a != b:

@@ -33,7 +33,7 @@ def _args(tiny_dir, text_files, run, *extra):
 
 
 def _operators(cli) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in cli.model.pruned.operators.state_dict().items()}
+    return {k: v.detach().clone() for k, v in cli.model.run.pruned.operators.state_dict().items()}
 
 
 @pytest.mark.slow  # five tiny runs, about 45 s on 2 cores

@@ -1,0 +1,114 @@
+"""A finished run folder rebuilt in memory as a `pipeline.run.Run`, without a Trainer: `load_run` (the
+model, the operators re-solved from `calibration_state.pt`, the students from `checkpoints/last.ckpt`)
+and `export_run` (`export <run>`). Apart from `pipeline.export` because the run module exports through
+that one: together they would import each other."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..core.io import read_mapping
+from ..core.views import PrunedModel
+from ..distill.students import Students
+from ..export.gguf import DEFAULT_GGUF_TYPES
+from .config import RunConfig
+from .data import RunData
+from .export import check_targets, check_views
+from .run import Run
+from .state import STATE_FILE
+
+CHECKPOINT = Path("checkpoints") / "last.ckpt"
+
+
+@torch.no_grad()
+def load_students(students: Students, path: Path, report: dict) -> None:
+    """Put each fine-tuned view at the step the run's report shows, from the run's checkpoint."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: the fine-tuned views' weights are in the run's checkpoint")
+    # weights_only: a checkpoint someone sent you must not run their code.
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    saved = (checkpoint.get("ghostdistill") or {}) if isinstance(checkpoint, dict) else {}
+    if "students" not in saved:
+        raise ValueError(f"{path} holds no students by name (written by an older version): run `fit` again")
+    distill = report.get("distill") or {}
+    last_step = int(checkpoint["global_step"])
+    for view in students.views:
+        wanted = (
+            distill.get("steps") if distill.get("kept") != "best" else distill.get("best", {}).get(view, {}).get("step")
+        )
+        if wanted is None or int(wanted) == last_step:
+            students.load_trainable_state(view, saved["students"][view])
+            continue
+        best = saved.get("best", {}).get(view)
+        if best is None or int(best["step"]) != int(wanted):
+            raise ValueError(
+                f"{view}: the report shows step {wanted}, but {path} holds step {last_step} and best "
+                f"step {None if best is None else best['step']}"
+            )
+        students.load_trainable_state(view, best["state"])
+
+
+@dataclass
+class LoadedRun:
+    """A finished run rebuilt in memory: its views (students at the step the report shows), tokenizer,
+    windows and report."""
+
+    pruned: PrunedModel
+    tokenizer: object
+    data: RunData
+    report: dict
+    run: object = None  # the `pipeline.run.Run` it was rebuilt by
+
+
+def load_run(
+    run: Path, cfg: RunConfig, views: list[str] = (), log: Callable[[str], None] = print, observers=()
+) -> LoadedRun:
+    """Rebuild the run in `run` (configured by `cfg`, its config.yaml) without a Trainer, as a
+    `pipeline.run.Run`: the model, the operators re-solved from the saved statistics, and the students of
+    any `_ft` view in `views`."""
+    results, state_path = run / "results.json", run / STATE_FILE
+    for path in (results, state_path):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: export reads a finished run folder (run `fit` first)")
+    check_views(cfg, list(views), str(run))
+    report = read_mapping(results, "results file")
+    loaded = Run(cfg, log=log, observers=list(observers))
+    loaded.setup(run, checks=False)
+    loaded.calibrate(saved_only=True)
+    if set(views) & set(cfg.distill.views()):
+        load_students(loaded.build_students(check=False), run / CHECKPOINT, report)
+    return LoadedRun(loaded.pruned, loaded.tokenizer, loaded.data, report, loaded)
+
+
+def export_run(
+    run: Path,
+    cfg: RunConfig,
+    views: list[str],
+    out: Path | None = None,
+    *,
+    overwrite: bool = False,
+    seed: int | None = None,
+    log: Callable[[str], None] = print,
+    formats: Sequence[str] = ("hf",),
+    gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
+    observers=(),
+) -> list[Path]:
+    """Export views of the finished run in `run` (configured by `cfg`, its config.yaml) without a Trainer.
+    Bad view names, formats and targets fail before the model loads."""
+    root = out or run / "export"
+    check_views(cfg, list(views), str(run), formats, gguf_types)
+    check_targets(root, list(views), overwrite, "--overwrite", formats, gguf_types)
+    loaded = load_run(run, cfg, views, log, observers)
+    return loaded.run.export(
+        views,
+        root,
+        report=loaded.report,
+        overwrite=overwrite,
+        seed=seed,
+        formats=formats,
+        gguf_types=gguf_types,
+    )

@@ -1,0 +1,334 @@
+"""One run, top to bottom: `Run` holds a run's state and its phases, in the order they happen.
+
+    run = Run(cfg)                       a complete `RunConfig` (data included), validated once, never patched
+    run.setup(run_dir)                   load the model (and its tokenizer), bind the data, the plan's depth checks
+    run.calibrate()                      plan → calibrate (statistics, resumable) → fit (every method's operators)
+    run.build_students()                 distil: the `<method>_ft` students from their closed forms
+    run.distill_step(batch)              … one teacher pass, every student's loss
+    run.validate(step)                   … held-out KL and perplexity, each student's best step
+    run.end_distillation(step)           … `keep: best`, the report's `distill` section
+    run.start_evaluation() / score_batch / finish_evaluation      (or `run.evaluate()` in one process)
+    run.zeroshot(step), run.analyse(), run.write_report(), run.export(views, root)
+
+The Lightning layer (`ghostdistill.lit`) owns the loop, the devices and the checkpoints and calls these
+phases from its hooks; `frontier`, `export <run>` and `tests/test_phases.py` call them without a Trainer.
+Why one object: the state a run builds (model, views, students, report) used to travel through
+attributes of the LightningModule and the callbacks, and the order of the phases was implicit in
+Lightning's hook order; here both are written down once.
+
+Every phase reports its seconds and peak memory (`core.measure.PeakMemory`) to the run's observers
+(`PhaseObserver`; `observe(...)` adds process-wide ones, how scripts time a `fit` they start through the
+CLI) and to results.json's `phases`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from ..core.measure import PeakMemory
+from ..core.model import decoder_stack, hidden_size, load_model, load_tokenizer
+from ..core.views import DENSE
+from ..evaluation.scores import ScoreStore
+from ..evaluation.tally import ViewTally
+from ..methods import flat_settings
+from ..planning import check_plan, greedy_steps, no_progress
+from ..reporting.report import RunReport
+from ..reporting.results import check_scored, markdown_table, rank_warning, write_report
+from .calibrate import Dist, calibrate, calibration_summary
+from .config import RunConfig
+from .data import RunData
+from .evaluate import analysis, evaluate, score_views, view_digests, view_results, views_to_evaluate, zeroshot
+from .export import export_views
+from .state import STATE_FILE, open_state, run_key
+from .train import BestSteps, build_students, distill_step, validate
+
+GIB = 2**30
+
+
+class PhaseObserver:
+    """Told when each phase of a `Run` starts and how long it took (`info`: e.g. a step's tokens)."""
+
+    def start(self, name: str, run: Run) -> None:
+        pass
+
+    def on_phase(self, name: str, seconds: float, peak_bytes: int | None, run: Run, **info) -> None:
+        pass
+
+
+_OBSERVERS: list[PhaseObserver] = []
+
+
+@contextmanager
+def observe(*observers: PhaseObserver) -> Iterator[None]:
+    """Every `Run` of this process reports to `observers` while the block runs (a `fit` started through
+    the CLI, whose `Run` the caller never holds)."""
+    _OBSERVERS.extend(observers)
+    try:
+        yield
+    finally:
+        for o in observers:
+            _OBSERVERS.remove(o)
+
+
+class Run:
+    """One run's state and phases. `log`/`warn`: where messages go (rank 0's logger under Lightning);
+    `write`: whether this process writes files (rank 0 of several)."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        observers: list[PhaseObserver] = (),
+        log: Callable[[str], None] = print,
+        warn: Callable[[str], None] | None = None,
+        progress=no_progress,
+        write: bool = True,
+    ) -> None:
+        cfg.validate()
+        self.cfg, self.log, self.warn, self.progress, self.write = cfg, log, warn, progress, write
+        self.observers = list(observers)
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.report = RunReport(model=asdict(cfg.model))
+        self.llm: torch.nn.Module | None = None
+        self.run_dir: Path | None = None
+        self.data: RunData | None = None
+        self.key: str | None = None  # the calibration statistics' fingerprint
+        self.pruned = self.students = self.tally = None
+        self.tracker, self.last_validated = BestSteps(), None
+        self._batches: list = []
+        self._peak, self._since = PeakMemory(), {}
+
+    # ------------------------------------------------------------------ phases
+    def begin(self, name: str) -> None:
+        for o in [*self.observers, *_OBSERVERS]:
+            o.start(name, self)
+        self._peak.start()
+        self._since[name] = time.perf_counter()
+
+    def end(self, name: str, **info) -> None:
+        seconds, peak = time.perf_counter() - self._since.pop(name), self._peak.stop()
+        row = self.report.phases.setdefault(name, {"seconds": 0.0, "count": 0, "peak_gib": None})
+        row["seconds"], row["count"] = round(row["seconds"] + seconds, 3), row["count"] + 1
+        if peak is not None:
+            row["peak_gib"] = max(row["peak_gib"] or 0.0, round(peak / GIB, 3))
+        for o in [*self.observers, *_OBSERVERS]:
+            o.on_phase(name, seconds, peak, self, **info)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.begin(name)
+        try:
+            yield
+        finally:
+            self.end(name)
+
+    # ------------------------------------------------------------------ setup
+    def load(self) -> torch.nn.Module:
+        """The model, frozen (once)."""
+        if self.llm is None:
+            with self.phase("load"), self.report.timed("load_model"):
+                self.llm = load_model(self.cfg.model)
+                self.llm.requires_grad_(False)
+        return self.llm
+
+    def setup(self, run_dir: Path | None = None, *, distilling: bool = False, checks: bool = True) -> RunData:
+        """Load the model, bind the data to its tokenizer and dense model (windows are made on first use)
+        and, with `checks`, what needs only the model's depth and the tokenizer, before any text is generated."""
+        with self.phase("setup"):
+            llm = self.load()
+            self.run_dir = Path(run_dir) if run_dir is not None else None
+            if checks:
+                check_plan(self.cfg.plan, len(decoder_stack(llm).layers))
+            self.data = RunData(
+                self.cfg.data,
+                self.tokenizer,
+                self.run_dir,
+                dense=lambda: self.pruned.use(DENSE) if self.pruned is not None else nullcontext(llm),
+                model_key=asdict(self.cfg.model),
+                write=self.write,
+            )
+            if checks:
+                self.data.check_before_calibration(getattr(llm.config, "max_position_embeddings", None), distilling)
+        return self.data
+
+    # ---------------------------------------------------- plan, calibrate, fit
+    def calibrate(self, *, dist: Dist = Dist(), checkpoint_every: int = 0, saved_only: bool = False) -> None:
+        """plan → statistics → operators, resuming (and checkpointing) `<run>/calibration_state.pt`.
+        `saved_only`: only from a complete saved state (a finished run re-solved: `export <run>`)."""
+        cfg, llm, data = self.cfg, self.llm, self.data
+        with self.report.timed("calibration_data"):
+            batches = data.calibration_batches()
+        # The repair-aware criteria score candidates on held-out windows (read before any statistics).
+        selection = data.selection_batches() if cfg.plan.repair_aware() and not saved_only else None
+        if self.run_dir is not None:
+            self.key, saved = open_state(self.run_dir, cfg, llm, self.warn, self.log)
+        else:
+            self.key, saved = run_key(cfg, llm), None
+        if saved_only and (saved is None or saved.batches_done < saved.batches_total):
+            raise ValueError(
+                f"{self.run_dir / STATE_FILE} does not hold this run's complete statistics: run `fit` again to finish it"
+            )
+        # repair_greedy's first steps from an earlier run of these settings (checked before any pass).
+        taken = greedy_steps(cfg.plan, lambda n: run_key(cfg.at_depth(n), llm)) if saved is None else None
+        cal = calibrate(
+            llm,
+            cfg.plan,
+            cfg.recovery,
+            batches,
+            saved=saved,
+            state_path=None if saved_only or self.run_dir is None else self.run_dir / STATE_FILE,
+            state_key=self.key,
+            checkpoint_every=checkpoint_every,
+            dist=dist,
+            progress=self.progress,
+            log=self.log,
+            selection=selection,
+            taken=taken,
+            phase=self.phase,
+        )
+        self.pruned, self._batches = cal.pruned, batches
+        report = self.report
+        report.timings.update(cal.seconds)
+        report.plan = cal.plan.to_dict()
+        describe = cfg.data.describe()["calibration"]
+        report.calibration = calibration_summary(cal, describe, self.key, len(data.calibration_ids()))
+        report.calibration["hidden_size"] = hidden_size(llm)  # fewer tokens: a rank-deficient fit (results.md)
+        report.recovery = cal.fits
+
+    # ------------------------------------------------------------------ distil
+    def build_students(self, check: bool = True):
+        """The students, each from its method's closed form (before any optimizer exists)."""
+        with self.phase("distil"):
+            self.students = build_students(self.pruned, self.cfg.distill, self._batches[0] if check else None)
+        specs = self.students.specs.items()
+        self.log(
+            "distilling "
+            + ", ".join(f"{v} ({'+'.join(s.train)})" for v, s in specs)
+            + f"; blocks before the first gap run {'once, shared' if self.students.share_prefix else 'for every student'}"
+        )
+        return self.students
+
+    def distill_step(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return distill_step(self.students, batch)
+
+    def start_step(self) -> None:
+        """An optimizer step begins (the loop's: forward, backward, update); `end_step` when it is done."""
+        self.begin("step")
+
+    def end_step(self, step: int, tokens: int) -> None:
+        self.end("step", step=step, tokens=tokens)
+
+    def validate(self, step: int, *, dist: Dist = Dist(), sync_check=None) -> dict | None:
+        """Validate the students at `step` (once per step; None without validation windows)."""
+        windows = self.data.val_ids()
+        if self.last_validated == step or windows is None:
+            return None
+        self.last_validated = step
+        with self.phase("validate"):
+            chunk, size = self.cfg.evaluation.logit_chunk, self.cfg.data.batch_size
+            entry = validate(self.students, windows, size, step, chunk=chunk, dist=dist, sync_check=sync_check)
+        self.tracker.record(entry, self.students)
+        line = ", ".join(f"{v} KL {entry[v]['kl']:.4f} PPL {entry[v]['ppl']:.2f}" for v in self.students.views)
+        self.log(f"validation at step {step}: {line}")
+        return entry
+
+    def end_distillation(self, step: int) -> None:
+        self.tracker.restore(self.students, self.cfg.distill.keep, step)
+        self.report.distill = self.tracker.summary(self.cfg.distill, step, self.students.share_prefix, self.students)
+
+    # ---------------------------------------------------------------- evaluate
+    @property
+    def views(self) -> list[str]:
+        """The views evaluation scores: `evaluation.views`, or all of them."""
+        return views_to_evaluate(self.pruned.views if self.pruned is not None else [], self.cfg.evaluation.views)
+
+    def start_evaluation(self, device=None) -> None:
+        self.begin("evaluate")
+        sources = [s.label for s in self.cfg.data.evaluation.sources]
+        self.tally = ViewTally(self.views, sources, reference=DENSE).to(device or self.llm.device)
+
+    @torch.no_grad()
+    def score_batch(self, batch: dict[str, torch.Tensor], source: int = 0) -> None:
+        ids = batch["input_ids"]
+        mask = batch.get("attention_mask", torch.ones_like(ids))
+        # Windows added only to even out the ranks' shares are run but not counted (`EvenShares`).
+        chunk, counted = self.cfg.evaluation.logit_chunk, batch.get("counted")
+        scores = score_views(self.pruned, ids, mask, self.tally.views, chunk=chunk, counted=counted)
+        for view in self.tally.views:
+            self.tally.update(view, source, scores[view])
+
+    def finish_evaluation(self) -> None:
+        # `compute` adds the ranks' sums (torchmetrics' all-reduce, `dist_reduce_fx="sum"`) before the means.
+        methods = {view: self.cfg.method_of(view) for view in self.tally.views}
+        self.report.views = view_results(self.tally, self.pruned, methods)
+        self.report.timings["evaluation_s"] = round(time.perf_counter() - self._since["evaluate"], 2)
+        self.end("evaluate")
+
+    def evaluate(self) -> None:
+        """Every view on every evaluation source in this process (what the Lightning test loop does)."""
+        with self.phase("evaluate"):
+            windows = {s.label: self.data.eval_ids(s) for s in self.cfg.data.evaluation.sources}
+            methods = {view: self.cfg.method_of(view) for view in self.views}
+            self.report.views = evaluate(
+                self.pruned,
+                self.views,
+                windows,
+                self.cfg.data.batch_size,
+                chunk=self.cfg.evaluation.logit_chunk,
+                methods=methods,
+            )
+
+    # ------------------------------------------------------ zero-shot, analyse
+    def zeroshot(self, step: int = 0) -> None:
+        """lm-eval accuracy of every evaluated view (when enabled), resumable under `<run>/zeroshot`."""
+        cfg, report, zs = self.cfg, self.report, self.cfg.evaluation.zeroshot
+        if not zs.enabled:
+            return
+        with self.phase("zeroshot"), report.timed("zeroshot"):
+            # The flat settings: saved scores of runs made before each method had its own keys stay valid.
+            recovery = {r.name: flat_settings(r) for r in cfg.recovery}
+            model = asdict(cfg.model)
+            digests = view_digests(self.pruned, self.views, model, recovery, self.key, step, self.students)
+            store = ScoreStore(self.run_dir / "zeroshot" if self.run_dir else None, write=self.write)
+            scores = zeroshot(self.pruned, self.tokenizer, self.views, zs, digests=digests, store=store, log=self.log)
+            for view, s in scores.items():
+                report.views[view] = replace(report.views[view], zeroshot=s)
+            report.zeroshot = {"tasks": list(zs.tasks), "data_dir": zs.data_dir, "limit": zs.limit}
+
+    def analyse(self) -> None:
+        """Operator anatomy and held-out alignment (when `evaluation.analysis`; rank 0 only)."""
+        if not (self.write and self.cfg.evaluation.analysis):
+            return
+        with self.phase("analyse"), self.report.timed("analysis"):
+            first = self.cfg.data.evaluation.sources[0]
+            windows = self.data.eval_ids(first)[: self.cfg.evaluation.analysis_windows]
+            calibration, size = self.data.calibration_ids(), self.cfg.data.batch_size
+            self.report.analysis = analysis(self.pruned, windows, calibration, size, first.label)
+
+    # ---------------------------------------------------------- report, export
+    def write_report(self) -> list[Path]:
+        """results.json, results.md and the plots in the run folder (rank 0); the table on the console."""
+        with self.phase("report"):
+            self.report.evaluation = self.data.summary()
+            check_scored(self.report.to_dict())
+            if not self.write or self.run_dir is None:
+                return []
+            paths = write_report(self.run_dir, self.report)
+            results = self.report.to_dict()
+            warning = rank_warning(results)
+            self.log("\n" + markdown_table(results) + "\n" + (f"\n{warning}\n" if warning else ""))
+            self.log("results written to " + ", ".join(str(p) for p in paths))
+            return paths
+
+    def export(self, views: list[str], root: Path, report: dict | None = None, **kwargs) -> list[Path]:
+        """`views` as Hugging Face folders and GGUF files under `root` (`pipeline.export.export_views`);
+        `report`: the results the exports record (default this run's)."""
+        report = report if report is not None else self.report.to_dict()
+        with self.phase("export"):
+            return export_views(self.pruned, self.tokenizer, report, self.cfg, views, root, **kwargs)
