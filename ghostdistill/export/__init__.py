@@ -1,4 +1,10 @@
-"""Exported views: Hugging Face model folders (`writer`), their model cards (`card`), loading (`load`)."""
+"""Exported views: Hugging Face model folders (`writer`), their model cards (`card`), loading (`load`).
+
+GGUF files for llama.cpp (`gguf`, `gguf_vocab`) and folding rotations into weights (`fold`) live here
+too. Why `pipeline/export.py` is not here: this package writes one view, given in memory, as files; which
+views of a run may be exported, in which formats, to which checked targets, and with what provenance are a
+run's questions, answered in `pipeline` (and a finished run folder is rebuilt by `pipeline.reload`).
+"""
 
 from .load import load_exported
 from .writer import export_view
