@@ -35,3 +35,48 @@ def peak_since(device: torch.device, base: int) -> int:
     sync(device)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else status_bytes("VmHWM")
     return peak - base
+
+
+def calibrated_run(
+    model: str,
+    dtype: str,
+    layers: list[int],
+    recovery: list,
+    *,
+    seq_len: int,
+    windows: int,
+    batch_size: int,
+    data: str | None = None,
+    distill=None,
+    device: torch.device | str = "cpu",
+):
+    """A `Run` (the one `fit` drives) through setup, plan, calibrate and fit, on `windows` calibration windows
+    of `data` (default: the C4 excerpt in data/), with no run folder: what a benchmark measures after it."""
+    from pathlib import Path
+
+    from ghostdistill.core.model import ModelConfig
+    from ghostdistill.data import TextSource
+    from ghostdistill.pipeline.config import RunConfig
+    from ghostdistill.pipeline.data import CalibrationData, DataConfig, EvaluationData
+    from ghostdistill.pipeline.run import Run
+    from ghostdistill.planning import PlanConfig
+
+    shipped = Path(__file__).resolve().parents[1] / "data"
+    source = data or str(shipped / "c4_validation_head100.jsonl.gz")
+    cfg = RunConfig(
+        model=ModelConfig(source=model, dtype=dtype),
+        plan=PlanConfig(layers=list(layers), num_layers=None),
+        recovery=list(recovery),
+        data=DataConfig(
+            calibration=CalibrationData(source=TextSource(source=source), num_samples=windows, seq_len=seq_len),
+            # Not scored here; named so that the checks before calibration read nothing from a hub.
+            evaluation=EvaluationData(sources=[TextSource(source=str(shipped / "wikitext2_test_head.raw"))]),
+            batch_size=batch_size,
+        ),
+        **({"distill": distill} if distill is not None else {}),
+    )
+    run = Run(cfg, log=lambda message: None)
+    run.setup()
+    run.llm.to(device)
+    run.calibrate()
+    return run

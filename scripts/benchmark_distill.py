@@ -22,47 +22,36 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
-from _measure import peak_since, start_peak, sync
+from _measure import calibrated_run, peak_since, start_peak, sync
 
-from ghostdistill.calibration.fit import fit_methods
-from ghostdistill.calibration.stream import accumulate
-from ghostdistill.core.model import ModelConfig, hidden_size, load_model, load_tokenizer
-from ghostdistill.core.plan import PruningPlan
-from ghostdistill.core.views import PrunedModel
-from ghostdistill.data import TextSource, calibration_windows
 from ghostdistill.distill.config import DistillConfig
 from ghostdistill.distill.loss import chunked_distillation_loss
 from ghostdistill.distill.students import Students
 from ghostdistill.evaluation.metrics import next_token_targets
-from ghostdistill.methods import RecoveryConfig, make_collectors
-
-ROOT = Path(__file__).resolve().parents[1]
+from ghostdistill.methods import RecoveryConfig
 
 
 def setup(args, share_prefix: bool = True):
-    cfg = ModelConfig(source=args.model, dtype=args.dtype)
-    model, tok = load_model(cfg), load_tokenizer(cfg)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model.to(device)
-    n = model.config.num_hidden_layers
-    start = args.start if args.start is not None else n // 3
-    plan = PruningPlan.from_layers(list(range(start, start + args.layers)), n)
-    source = TextSource(args.data) if args.data else TextSource(str(ROOT / "data" / "c4_validation_head100.jsonl.gz"))
-    ids = calibration_windows(tok, source, args.seq_len, args.batch_size * 3, seed=0)
-    batches = [{"input_ids": ids[i : i + args.batch_size].to(device)} for i in range(0, len(ids), args.batch_size)]
-    pruned = PrunedModel(model, plan)
     recovery = [RecoveryConfig(name="ghost"), RecoveryConfig(name="linearpatch", method="linearpatch")][: args.students]
-    stats = {
-        g.key: make_collectors({r.method for r in recovery}, hidden_size(model), device, recovery) for g in plan.gaps
-    }
-    accumulate(model, pruned.stack, plan.gaps, batches, stats)
-    fit_methods(recovery, pruned, stats, batches, hidden_size(model), device)
-    students = Students(pruned, DistillConfig(methods=[r.name for r in recovery], share_prefix=share_prefix))
-    students.build()
-    return model, pruned, students, batches, device
+    distill = DistillConfig(methods=[r.name for r in recovery], share_prefix=share_prefix)
+    run = calibrated_run(
+        args.model,
+        args.dtype,
+        list(range(args.start, args.start + args.layers)),
+        recovery,
+        seq_len=args.seq_len,
+        windows=args.batch_size * 3,
+        batch_size=args.batch_size,
+        data=args.data,
+        distill=distill,
+        device=device,
+    )
+    students = run.build_students()
+    batches = [{"input_ids": b["input_ids"].to(device)} for b in run.data.calibration_batches()]
+    return run.llm, run.pruned, students, batches, device
 
 
 def step(model, students: Students, batch, share: bool, loss_cfg) -> None:

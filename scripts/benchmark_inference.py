@@ -31,54 +31,25 @@ import time
 from pathlib import Path
 
 import torch
-from _measure import sync
+from _measure import calibrated_run, sync
 
-from ghostdistill.calibration.fit import fit_methods
-from ghostdistill.calibration.stream import accumulate
-from ghostdistill.core.model import ModelConfig, hidden_size, load_model, load_tokenizer
-from ghostdistill.core.plan import PruningPlan
-from ghostdistill.core.views import PrunedModel
-from ghostdistill.data import TextSource, calibration_windows
-from ghostdistill.export import export_view, load_exported
-from ghostdistill.methods import RecoveryConfig, make_collectors
-
-ROOT = Path(__file__).resolve().parents[1]
+from ghostdistill.export import load_exported
+from ghostdistill.methods import RecoveryConfig
 
 
 def build(args, folder: Path) -> dict[str, torch.nn.Module]:
-    cfg = ModelConfig(source=args.model, dtype=args.dtype)
-    model, tok = load_model(cfg), load_tokenizer(cfg)
-    n = model.config.num_hidden_layers
-    plan = PruningPlan.from_layers(args.layers, n)
-    ids = calibration_windows(
-        tok,
-        TextSource(str(ROOT / "data" / "c4_validation_head100.jsonl.gz")),
-        128,
-        8,
-        seed=0,
-    )
-    batches = [{"input_ids": ids[i : i + 4]} for i in range(0, len(ids), 4)]
-    pruned = PrunedModel(model, plan)
     recovery = [
         RecoveryConfig(name="ghost"),
         RecoveryConfig(name="linearpatch", method="linearpatch"),
         RecoveryConfig(name="rotation_through", method="rotation_through"),
     ]
-    stats = {
-        g.key: make_collectors({r.method for r in recovery}, hidden_size(model), "cpu", recovery) for g in plan.gaps
-    }
-    accumulate(model, pruned.stack, plan.gaps, batches, stats)
-    fit_methods(recovery, pruned, stats, batches, hidden_size(model), "cpu")
-    models = {}
-    for view, method in (
-        ("pruned", None),
-        ("ghost", "ghost"),
-        ("linearpatch", "linearpatch"),
-        # Folded into the weights: the plain architecture with fewer blocks (and, on a tied model, an
-        # untied embedding), which should run exactly as fast as the pruned model.
-        ("rotation_through", "rotation_through"),
-    ):
-        models[view] = export_view(pruned, view, folder / view, method=method, tokenizer=tok)
+    run = calibrated_run(args.model, args.dtype, args.layers, recovery, seq_len=128, windows=8, batch_size=4)
+    model, pruned, plan = run.llm, run.pruned, run.pruned.plan
+    # Exported as they ship, then loaded back. rotation_through is folded into the weights: the plain
+    # architecture with fewer blocks (and, on a tied model, an untied embedding), which should run exactly as
+    # fast as the pruned model.
+    views = ["pruned", "ghost", "linearpatch", "rotation_through"]
+    models = dict(zip(views, run.export(views, folder), strict=True))
     pruned.remove_hooks()
     pruned.set_view("dense")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

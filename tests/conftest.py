@@ -10,6 +10,11 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist runs one worker per core (pyproject's addopts): one intra-op thread each, here and in the
+    # processes the tests start, or the workers' thread pools fight over the same cores.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]
 # Excerpts shipped in the repository (data/README.md): the demo and the core tests need nothing else.
@@ -34,6 +39,13 @@ def need_shared(*paths: Path) -> None:
 
 
 TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The long tests first (stable: each module's order is kept): pytest-xdist hands tests out in this order,
+    so the workers start the minute-long ones early and finish together on the short ones, instead of one
+    worker starting a long test when the other has nothing left."""
+    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") or item.get_closest_marker("serving") else 1)
 
 
 def serving_run(tmp_path: Path) -> Path:
@@ -98,23 +110,18 @@ def random_batches(n: int = 8, batch: int = 4, seq: int = 32, seed: int = 0, voc
 
 
 def fit_all(model, plan, methods, hidden: int = 64):
-    """Calibrate every method of `methods` (RecoveryConfigs) on random batches, independently per gap,
-    and register each as a view; returns (PrunedModel, statistics)."""
-    from ghostdistill.calibration.stream import accumulate
-    from ghostdistill.core.views import PrunedModel
-    from ghostdistill.methods import fit_gap, make_collectors
+    """Calibrate every method of `methods` (RecoveryConfigs) on random batches and register each as a view:
+    the plan → statistics → operators phase a `Run` runs (`pipeline.calibrate.calibrate`), on a model and
+    batches made here instead of a run's data. Returns (PrunedModel, statistics)."""
+    from ghostdistill.pipeline.calibrate import calibrate
+    from ghostdistill.planning import PlanConfig
 
-    pm = PrunedModel(model, plan)
-    stats = {g.key: make_collectors({c.method for c in methods}, hidden, "cpu", methods) for g in plan.gaps}
-    accumulate(model, pm.stack, plan.gaps, random_batches(), stats)
-    for cfg in methods:
-        fits = {g.key: fit_gap(cfg, g, stats[g.key].get(cfg.method), hidden) for g in plan.gaps}
-        pm.add_method(
-            cfg.name,
-            {k: f.operator for k, f in fits.items() if f.operator is not None},
-            {k: f.mlp_map for k, f in fits.items() if f.mlp_map is not None},
-        )
-    return pm, stats
+    assert hidden == model.config.hidden_size, "fit_all: `hidden` is the model's hidden size"
+    edges = plan.removed[0] == 0 or plan.removed[-1] == plan.num_layers - 1
+    plan_cfg = PlanConfig(layers=list(plan.removed), num_layers=None, allow_edges=edges)
+    cal = calibrate(model, plan_cfg, list(methods), random_batches(), log=lambda message: None)
+    assert cal.plan.removed == plan.removed
+    return cal.pruned, cal.stats
 
 
 def train_tokenizer(texts: list[str], vocab_size: int = 512):

@@ -76,6 +76,10 @@ def _start(
         text=True,
         env=env,
         cwd=ROOT,
+        # A process that starts with SIGINT ignored keeps ignoring it (Python installs its KeyboardInterrupt
+        # handler only over the default), and pytest-xdist's workers run with SIGINT ignored: give the run
+        # the default a terminal gives it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     lines: list[str] = []
     started = threading.Event()
