@@ -49,8 +49,9 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def serving_run(tmp_path: Path) -> Path:
-    """`fit` of SmolLM2-135M at 7 removed blocks (12-18) with ghost and rotation_through, on the shipped
-    excerpts (8 calibration windows, 2 WikiText-2 windows), in a process: the run the serving tests serve."""
+    """`fit` of SmolLM2-135M at 7 removed blocks (12-18) with ghost, rotation_through and rotation_anchored, on
+    the shipped excerpts (8 calibration windows, 2 WikiText-2 windows), in a process: the run the serving tests
+    serve."""
     import subprocess
     import sys
 
@@ -58,7 +59,9 @@ def serving_run(tmp_path: Path) -> Path:
     fit = [
         sys.executable, "-m", "ghostdistill", "fit", "--config", str(ROOT / "configs" / "smollm2_demo.yaml"),
         "--model.plan.layers", "[12,13,14,15,16,17,18]", "--model.plan.num_layers", "null",
-        "--model.recovery", "[{name: ghost, method: ghost}, {name: rotation_through, method: rotation_through}]",
+        "--model.recovery",
+        "[{name: ghost, method: ghost}, {name: rotation_through, method: rotation_through}, "
+        "{name: rotation_anchored, method: rotation_anchored}]",
         "--model.evaluation.analysis", "false",
         "--data.calibration.source.source", str(C4_HEAD), "--data.calibration.num_samples", "8",
         "--data.evaluation.sources", f"[{{name: wikitext2, source: {WIKITEXT_HEAD}, join: ''}}]",

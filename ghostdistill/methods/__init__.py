@@ -10,6 +10,7 @@
 | `magnitude`   | one scalar per gap (Prune&Comp), folded into the later blocks' output projections | `magnitude.py` |
 | `rotation`    | W = c·Q per gap (weighted Procrustes), first-position tokens shifted apart    | `rotation.py`   |
 | `rotation_through` | W = c·Q for every token; folded into the weights at export (plain architecture) | `rotation.py` |
+| `rotation_anchored` | as `rotation_through`, Q fixing the first position's massive direction (u·Q = u) | `rotation.py` |
 
 Each method reads its own keys of `RecoveryConfig` (its `keys`, with their defaults, registered with
 it); a recovery entry setting a key its method does not read is rejected (`validate_recovery`):
@@ -20,7 +21,7 @@ it); a recovery entry setting a key its method does not read is rejected (`valid
 | `ghost`           | fit (first_weighted), bias (false), scale (none), solver (ridge), ridge (1e-4), order (sequential) |
 | `ghost_symmetric` | as `ghost` but no `solver`                                                           |
 | `linearpatch`     | variant (rotate), order (sequential)                                                 |
-| `rotation`, `rotation_through` | order (sequential)                                                    |
+| `rotation`, `rotation_through`, `rotation_anchored` | order (sequential)                               |
 | `replaceme`       | solver (ridge), ridge (1e-4), order (sequential)                                     |
 | `magnitude`       | order (sequential)                                                                   |
 

@@ -128,7 +128,8 @@ class RecoveryConfig:
         name: label in results; also the view name (`dense`, `pruned` and names ending in ``_ft``, the
             fine-tuned views, are reserved).
         method: a registered method: ``none`` (reads no other key), ``ghost``, ``ghost_symmetric``,
-            ``linearpatch``, ``replaceme``, ``magnitude``, ``rotation``, ``rotation_through``.
+            ``linearpatch``, ``replaceme``, ``magnitude``, ``rotation``, ``rotation_through``,
+            ``rotation_anchored``.
         fit: (ghost, ghost_symmetric) token groups and weighting: ``first_weighted`` (default),
             ``first_normed``, ``first``, ``plain`` (the paper) or ``weighted``; see `ghostdistill.methods.ghost`.
         bias: (ghost, ghost_symmetric) fit an affine map x + x·M + c for ordinary tokens (C more

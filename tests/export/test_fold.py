@@ -1,9 +1,13 @@
-"""Folding `rotation_through` into the weights: the exported folder is the plain architecture (no operator,
-no remote code) and computes what the in-memory view computes; `rotation` exports as an operator view."""
+"""Folding `rotation_through` and `rotation_anchored` into the weights: the exported folder is the plain
+architecture (no operator, no remote code) and computes what the in-memory view computes, here and in a fresh
+process without ghostdistill; `rotation` exports as an operator view."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,7 +21,9 @@ from ghostdistill.methods import RecoveryConfig
 METHODS = [
     RecoveryConfig(name="rot", method="rotation"),
     RecoveryConfig(name="rot_through", method="rotation_through"),
+    RecoveryConfig(name="rot_anchored", method="rotation_anchored"),
 ]
+FOLDED = {"rot_through": "rotation_through", "rot_anchored": "rotation_anchored"}
 
 
 def _inputs(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,10 +60,11 @@ def fitted(request):
 
 
 @torch.no_grad()
-def test_through_folds_into_the_plain_architecture(fitted, tmp_path, tiny_tokenizer):
+@pytest.mark.parametrize("view", list(FOLDED))
+def test_folding_views_fold_into_the_plain_architecture(fitted, view, tmp_path, tiny_tokenizer):
     family, _, pm = fitted
-    assert all(abs(c - 1) > 1e-3 for c in _scales(pm, "rot_through")), "the fit should really scale"
-    folder = export_view(pm, "rot_through", tmp_path / "rt", method="rotation_through", tokenizer=tiny_tokenizer)
+    assert all(abs(c - 1) > 1e-3 for c in _scales(pm, view)), "the fit should really scale"
+    folder = export_view(pm, view, tmp_path / "rt", method=FOLDED[view], tokenizer=tiny_tokenizer)
     config = json.loads((folder / "config.json").read_text())
     assert "auto_map" not in config and not (folder / "modeling_ghostdistill.py").exists()
     assert config["num_hidden_layers"] == 6 - len(pm.plan.removed)
@@ -67,7 +74,7 @@ def test_through_folds_into_the_plain_architecture(fitted, tmp_path, tiny_tokeni
     assert type(plain) is type(pm.model)
     assert not any("operator" in n for n, _ in plain.named_parameters())
     ids, mask = _inputs()
-    with pm.use("rot_through") as model:
+    with pm.use(view) as model:
         expected = model(input_ids=ids, attention_mask=mask).logits
         expected_tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
         pruned_params = sum(p.numel() for p in model.parameters())
@@ -75,6 +82,51 @@ def test_through_folds_into_the_plain_architecture(fitted, tmp_path, tiny_tokeni
     tokens = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     assert torch.equal(tokens, expected_tokens), f"{family}: greedy generation differs"
     assert sum(p.numel() for p in plain.parameters()) == pruned_params  # untied models: no parameter added
+
+
+# What the fresh process runs: the folder as a stock checkpoint, ghostdistill unimportable, no remote code.
+RELOAD = """
+import sys, torch
+sys.modules["ghostdistill"] = None  # any import of ghostdistill now fails
+from transformers import AutoModelForCausalLM
+folder, inputs, out = sys.argv[1:]
+model = AutoModelForCausalLM.from_pretrained(folder).eval()
+x = torch.load(inputs)
+with torch.no_grad():
+    logits = model(input_ids=x["ids"], attention_mask=x["mask"]).logits
+    tokens = model.generate(input_ids=x["ids"], attention_mask=x["mask"], max_new_tokens=8, do_sample=False)
+torch.save({"class": type(model).__module__ + "." + type(model).__name__, "logits": logits, "tokens": tokens}, out)
+"""
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("view", list(FOLDED))
+def test_a_folded_folder_reloads_in_a_fresh_process_as_a_stock_checkpoint(view, tmp_path, tiny_tokenizer):
+    """Two gaps on a tiny LLaMA: plain `from_pretrained` in a process where ghostdistill cannot be imported gives
+    the view's logits and greedy tokens."""
+    torch.manual_seed(0)
+    pm, _ = fit_all(tiny_model("llama"), PruningPlan.from_layers(PLANS["two_gaps"][0], 6), METHODS[1:])
+    folder = export_view(pm, view, tmp_path / view, method=FOLDED[view], tokenizer=tiny_tokenizer)
+    ids, mask = _inputs()
+    torch.save({"ids": ids, "mask": mask}, tmp_path / "inputs.pt")
+    env = {**os.environ, "PYTHONPATH": "", "HF_MODULES_CACHE": str(tmp_path / "modules"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", RELOAD, str(folder), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt")
+    assert out["class"] == "transformers.models.llama.modeling_llama.LlamaForCausalLM"
+    with pm.use(view) as model:
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        expected_tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    _close(out["logits"], expected)
+    assert torch.equal(out["tokens"], expected_tokens), "greedy generation differs in the fresh process"
 
 
 @torch.no_grad()
@@ -92,7 +144,8 @@ def test_apart_exports_as_an_operator_view(fitted, tmp_path):
 
 
 @torch.no_grad()
-def test_tied_embedding_is_untied(tmp_path):
+@pytest.mark.parametrize("view", list(FOLDED))
+def test_tied_embedding_is_untied(view, tmp_path):
     """The embedding takes the rotation; the head keeps the original matrix (vocab × hidden more)."""
     from conftest import tiny_config
     from transformers import AutoModelForCausalLM
@@ -107,13 +160,13 @@ def test_tied_embedding_is_untied(tmp_path):
             if p.ndim == 2 and "embed" not in name:
                 p.mul_(4.0)
     pm, _ = fit_all(model, PruningPlan.from_layers([2, 3], 6), METHODS[1:])
-    folder = export_view(pm, "rot_through", tmp_path / "rt", method="rotation_through")
+    folder = export_view(pm, view, tmp_path / "rt", method=FOLDED[view])
     assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is False
     plain = AutoModelForCausalLM.from_pretrained(folder).eval()
     assert plain.lm_head.weight is not plain.model.embed_tokens.weight
     torch.testing.assert_close(plain.lm_head.weight, model.model.embed_tokens.weight)
     ids, mask = _inputs()
-    with pm.use("rot_through") as live:
+    with pm.use(view) as live:
         expected = live(input_ids=ids, attention_mask=mask).logits
         params = sum(p.numel() for p in live.parameters())
     _close(plain(input_ids=ids, attention_mask=mask).logits, expected)

@@ -1,6 +1,6 @@
 """vLLM serves what ghostdistill exports, token for token (SmolLM2-135M at 7 removed blocks): a plain folder
-(pruned) through vLLM's own model, a folded one (rotation_through) likewise, and a folder with operators (ghost)
-through vLLM's Transformers backend and the folder's `modeling_ghostdistill.py`.
+(pruned) through vLLM's own model, the folded ones (rotation_through, rotation_anchored) likewise, and a folder
+with operators (ghost) through vLLM's Transformers backend and the folder's `modeling_ghostdistill.py`.
 
 Opt-in: it needs the serving environment (`bash scripts/setup.sh --serve` makes `.venv-serve`, ghostdistill and
 vLLM in one environment; or name its python in GHOSTDISTILL_VLLM_PYTHON) and is skipped, with the reason, where
@@ -39,14 +39,15 @@ def test_vllm_serves_plain_folded_and_operator_exports_token_for_token(tmp_path)
     out = tmp_path / "serving.json"
     check = [
         sys.executable, str(ROOT / "scripts" / "check_serving.py"), str(run), "--views", "pruned", "ghost",
-        "rotation_through", "--dir", str(tmp_path / "served"), "--stacks", "transformers", "vllm",
+        "rotation_through", "rotation_anchored", "--dir", str(tmp_path / "served"), "--stacks", "transformers", "vllm",
         "--vllm-python", str(VLLM_PYTHON), "--new", "12", "--json", str(out),
     ]  # fmt: skip
     done = subprocess.run(check, capture_output=True, text=True, cwd=ROOT, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["views"]["ghost"]["kind"] == "operators"
-    assert report["views"]["rotation_through"]["kind"] == report["views"]["pruned"]["kind"] == "plain"
+    for view in ("rotation_through", "rotation_anchored"):
+        assert report["views"][view]["kind"] == report["views"]["pruned"]["kind"] == "plain", view
     for view, r in report["views"].items():
         assert r["transformers"]["same_tokens_as_run"], f"{view}: the exported folder's tokens differ from the run's"
         assert abs(r["transformers"]["ppl"] - r["ppl_run"]) / r["ppl_run"] < 1e-4, view

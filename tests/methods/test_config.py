@@ -49,6 +49,7 @@ KEYS = {
     "magnitude": ["order"],
     "rotation": ["order"],
     "rotation_through": ["order"],
+    "rotation_anchored": ["order"],
 }
 # A valid value for every key, different from its default where the key has choices.
 VALUES = dict(fit="plain", bias=True, scale="norm", solver="lstsq", ridge=1e-3, variant="diag", order="independent")

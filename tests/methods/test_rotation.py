@@ -8,7 +8,7 @@ import torch
 from ghostdistill.core.plan import Gap
 from ghostdistill.methods import GapTaps, RecoveryConfig, fit_gap, get_method, make_collectors, validate_recovery
 from ghostdistill.methods.ghost import GhostStatistics
-from ghostdistill.methods.rotation import procrustes
+from ghostdistill.methods.rotation import anchored_procrustes, first_direction, procrustes
 
 C = 8
 GAP = Gap(2, 4)
@@ -97,5 +97,116 @@ def test_registry_keys_and_folding():
     with pytest.raises(NotImplementedError):
         get_method("rotation").fold([], GAP, None)
     identity = get_method("rotation_through").identity(RecoveryConfig(method="rotation_through"), C)
+    x = torch.randn(2, 5, C)
+    torch.testing.assert_close(identity.operator(x), x)
+
+
+def _fixing(u: torch.Tensor, seed: int) -> torch.Tensor:
+    """A random rotation Q with u·Q = u: the identity on u, a random rotation on its complement."""
+    basis, _ = torch.linalg.qr(u[:, None], mode="complete")
+    b = basis[:, 1:]
+    return torch.outer(u, u) + b @ _orthogonal_of(C - 1, seed) @ b.T
+
+
+def _orthogonal_of(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    return q
+
+
+def _massive_taps(c: float, q: torch.Tensor, u: torch.Tensor, noise: float = 0.0, seed: int = 0) -> GapTaps:
+    """As `_taps`, but the first position is a massive activation along u (as SmolLM2's channel 507)."""
+    taps = _taps(c, q, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    x = taps.x_pre.clone()
+    x[:, 0] = 300 * u + torch.randn(3, C, generator=g, dtype=torch.float64)
+    post = c * x @ q + noise * torch.randn(x.shape, generator=g, dtype=torch.float64)
+    return GapTaps(x, post, taps.mask, taps.first)
+
+
+def _unit(seed: int) -> torch.Tensor:
+    u = torch.randn(C, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return u / u.norm()
+
+
+def test_anchored_fit_recovers_a_scaled_rotation_that_fixes_u():
+    u = _unit(5)
+    q, c = _fixing(u, 6), 1.4
+    assert torch.allclose(u @ q, u, atol=1e-12)
+    op, stats = _fitted("rotation_anchored", _massive_taps(c, q, u))
+    assert not op.separate_first and op.fused and op.inference_parameters() == 0
+    assert stats.groups == ("weighted_rest", "weighted_first")
+    # u from the statistics: the first positions' direction (their noise is 1/300 of the massive part).
+    u_fit = first_direction(stats)
+    assert float(u_fit @ u) > 1 - 1e-4
+    xtx, xtd = stats.normal_equations("weighted", include_first=True)
+    c_fit, q_fit = anchored_procrustes(xtx, xtx + xtd, u)
+    assert abs(c_fit - c) < 1e-8 and torch.allclose(q_fit, q, atol=1e-8)
+    # The stored operator is the float32 copy of c·Q with the fitted u.
+    c_op, q_op = anchored_procrustes(xtx, xtx + xtd, u_fit)
+    w = op.delta.double() + torch.eye(C, dtype=torch.float64)
+    assert torch.allclose(w, c_op * q_op, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_anchored_q_is_orthogonal_fixes_u_and_is_the_best_such_rotation(seed):
+    """On data whose true map turns u away (a free rotation plus noise): Q stays orthogonal, fixes u exactly,
+    no rotation near it that fixes u does better, and the free Procrustes (no constraint) does no worse."""
+    u = _unit(10 + seed)
+    stats = GhostStatistics(C, groups=("weighted_rest", "weighted_first"))
+    stats.update(_massive_taps(0.9, _orthogonal(20 + seed), u, noise=1.0, seed=seed))
+    xtx, xtd = stats.normal_equations("weighted", include_first=True)
+    xty = xtx + xtd
+    c, q = anchored_procrustes(xtx, xty, u)
+    eye = torch.eye(C, dtype=torch.float64)
+    assert (q.T @ q - eye).abs().max() < 1e-10
+    assert (u @ q - u).abs().max() < 1e-10
+
+    def err(c, q):  # Σ w²‖x·cQ‖² − 2 Σ w² tr(cQᵀ xᵀy) (+ const)
+        return float(c * c * torch.trace(q.T @ xtx @ q) - 2 * c * torch.trace(q.T @ xty))
+
+    best = err(c, q)
+    g = torch.Generator().manual_seed(seed)
+    basis, _ = torch.linalg.qr(u[:, None], mode="complete")
+    b = basis[:, 1:]
+    for _ in range(20):
+        s = torch.randn(C - 1, C - 1, generator=g, dtype=torch.float64) * 1e-2
+        near = torch.outer(u, u) + b @ torch.linalg.matrix_exp(s - s.T) @ b.T  # fixes u, near the identity
+        assert (u @ (q @ near) - u).abs().max() < 1e-10
+        assert err(c * (1 + 1e-2 * float(torch.randn(1, generator=g))), q @ near) >= best - 1e-9
+    c_free, q_free = procrustes(xtx, xty)
+    assert err(c_free, q_free) <= best + 1e-9
+    assert float(u @ q_free @ u) < 1 - 1e-3, "the data should turn u away, or the constraint tests nothing"
+
+
+def test_anchored_refuses_what_cannot_fold_or_has_no_direction():
+    u = _unit(7)
+    stats = GhostStatistics(C, groups=("weighted_rest", "weighted_first"))
+    stats.update(_massive_taps(1.2, _fixing(u, 8), u))
+    xtx, xtd = stats.normal_equations("weighted", include_first=True)
+    with pytest.raises(ValueError, match=r"direction u has norm 0"):
+        anchored_procrustes(xtx, xtx + xtd, torch.zeros(C))
+    # y = −x along u and nothing else: Q cannot turn u over, so the best scale is negative, which no fold writes.
+    with pytest.raises(ValueError, match=r"best scale c = -.* is not positive.*rotation_through"):
+        anchored_procrustes(torch.outer(u, u), -torch.outer(u, u), u)
+    empty = GhostStatistics(C, groups=("weighted_rest", "weighted_first"))
+    with pytest.raises(ValueError, match="no first-position tokens"):
+        first_direction(empty)
+    rest_only = GhostStatistics(C, groups=("weighted_rest",))
+    rest_only.update(_massive_taps(1.2, _fixing(u, 8), u))
+    with pytest.raises(ValueError, match=r"not \['weighted_first'\]"):
+        first_direction(rest_only)
+    with pytest.raises(ValueError, match="gap 2-3: no calibration tokens"):
+        fit_gap(RecoveryConfig(method="rotation_anchored"), GAP, empty, C)
+
+
+def test_anchored_registry_keys_and_folding():
+    method = get_method("rotation_anchored")
+    assert method.folds and method.folds_embedding
+    cfg = RecoveryConfig(name="anchored", method="rotation_anchored")
+    assert cfg.settings() == {"name": "anchored", "method": "rotation_anchored", "order": "sequential"}
+    with pytest.raises(ValueError, match="key 'fit' is not read"):
+        validate_recovery([RecoveryConfig(name="a", method="rotation_anchored", fit="plain")])
+    identity = method.identity(cfg, C)
     x = torch.randn(2, 5, C)
     torch.testing.assert_close(identity.operator(x), x)
