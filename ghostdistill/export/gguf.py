@@ -42,7 +42,7 @@ import torch
 
 from ..core.io import atomic_path
 from ..core.views import PrunedModel
-from ..methods import get_method
+from ..methods import ships_stock
 from .gguf_vocab import add_vocab
 from .writer import view_state
 
@@ -81,10 +81,7 @@ def gguf_path(root: str | os.PathLike, view: str, gguf_type: str) -> Path:
 
 def inserts_operators(method: str | None) -> bool:
     """Whether a view of `method` keeps modules llama.cpp cannot run (the pruned model's ``none`` keeps none)."""
-    if method is None:
-        return False
-    spec = get_method(method)
-    return not spec.folds and spec.name != "none"
+    return not ships_stock(method)
 
 
 def refusal(view: str, method: str | None) -> str:

@@ -65,6 +65,7 @@ from .interface import (
     registered,
     residual_identity,
     setting_keys,
+    ships_stock,
     unregister,
 )
 
@@ -92,6 +93,7 @@ __all__ = [
     "registered",
     "residual_identity",
     "setting_keys",
+    "ships_stock",
     "statistics_layout",
     "unregister",
     "validate_recovery",

@@ -230,3 +230,18 @@ def get_method(name: str) -> Method:
     if name not in _REGISTRY:
         raise ValueError(f"recovery method {name!r} is not known; choose one of {list(_REGISTRY)}")
     return _REGISTRY[name]
+
+
+# What a view that is not a method's names as its method: the dense model and the pruned one (`core.views`).
+_PLAIN_VIEWS = ("dense", "pruned")
+
+
+def ships_stock(method: str | None) -> bool:
+    """Whether a training-free view of `method` exports as the model's own architecture, which every serving
+    stack runs (no operator module, no remote code): the dense and pruned models (`None`, ``none``,
+    ``dense``, ``pruned``) and the methods that fold into the weights. A student of such a method stays
+    stock when it trains LoRA, norms, the tail or blocks; trained operators leave the fold's form."""
+    if method is None or method in _PLAIN_VIEWS:
+        return True
+    spec = get_method(method)
+    return bool(spec.folds) or spec.name == "none"

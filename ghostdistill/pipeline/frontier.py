@@ -31,6 +31,7 @@ from ..core.io import atomic_write_json, json_digest
 from ..core.model import decoder_stack, text_config
 from ..core.plan import PruningPlan
 from ..core.views import DENSE, PRUNED, PrunedModel
+from ..methods import ships_stock
 from ..planning import check_plan, score_runs
 from .config import RunConfig
 from .data import RunData
@@ -103,6 +104,8 @@ def frontier_point(
                         "criterion": criterion,
                         "view": view,
                         "method": methods.get(view, view),
+                        # Exports as the model's own architecture (`methods.ships_stock`): what a user can ship.
+                        "stock": ships_stock(methods.get(view)),
                         "removed": list(plan.removed) if view != DENSE else [],
                         "selection_kl": None if view == DENSE else runs.rows[first][f"{view}_kl"],
                         "params": result.params,

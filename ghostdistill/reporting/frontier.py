@@ -12,6 +12,12 @@ data), the run root, the depths and the criteria:
 frontier.json (every row), frontier.csv (one row per depth, criterion, view and source), frontier.md (a
 table per evaluation source) and frontier.png (perplexity against blocks removed, log scale, one line per
 view and criterion).
+
+What a user can ship: per depth, the best *stock* point (a view that exports as the model's own
+architecture, `methods.ships_stock`: the pruned model and the folding methods, e.g. ``rotation_anchored``)
+beside the best point that needs the operator module (remote code in transformers, vLLM's Transformers
+backend, no GGUF): `shipping` in frontier.md, two envelope lines in frontier.png. The parameter column
+counts what the export holds: a folded rotation unties a tied embedding (+ vocab × hidden).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import io
 from pathlib import Path
 
 from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text, read_mapping
+from ..methods import ships_stock
 
 SPEC_KEYS = {"base", "root", "num_layers", "criteria"}
 CRITERIA = ("streamline", "repair")
@@ -81,9 +88,48 @@ def flat_rows(points: list[dict]) -> list[dict]:
                         "kl": m.get("kl"),
                         "top1": m.get("top1"),
                         "selection_kl": row["selection_kl"],
+                        # Points written before the flag existed: from the method, as the run decides it.
+                        "stock": row.get("stock", _stock_method(row["method"])),
                     }
                 )
     return rows
+
+
+def _stock_method(method: str) -> bool:
+    try:
+        return ships_stock(method)
+    except ValueError:  # a method this version no longer registers: not one that folds here
+        return False
+
+
+def best_by_depth(rows: list[dict], source: str) -> dict[int, dict[bool, dict]]:
+    """Per depth, the lowest-perplexity row among the stock views (key True) and among the others (False)."""
+    best: dict[int, dict[bool, dict]] = {}
+    for r in rows:
+        if r["source"] != source or r["view"] == "dense":
+            continue
+        here = best.setdefault(r["blocks_removed"], {})
+        if r["stock"] not in here or r["ppl"] < here[r["stock"]]["ppl"]:
+            here[r["stock"]] = r
+    return best
+
+
+def shipping(rows: list[dict], source: str) -> list[str]:
+    """ "What can I ship at depth n, and how good is it": per depth the best stock checkpoint (view, criterion,
+    blocks removed, parameters, perplexity) beside the best one that keeps operators."""
+
+    def cell(r: dict | None) -> str:
+        if r is None:
+            return "- | - | -"
+        return f"{r['view']} ({r['criterion']}, {r['removed'] or '-'}) | {r['params'] / 1e6:.1f}M | {r['ppl']:.2f}"
+
+    lines = [
+        "| blocks removed | best stock checkpoint | params | PPL | best with operators | params | PPL |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n, pair in sorted(best_by_depth(rows, source).items()):
+        lines.append(f"| {n} | {cell(pair.get(True))} | {cell(pair.get(False))} |")
+    return lines
 
 
 def _fmt(v, digits: int) -> str:
@@ -135,6 +181,14 @@ def markdown(points: list[dict], spec: dict) -> str:
             "",
             *pivot(rows, source),
             "",
+            f"## {source}: what you can ship at each depth",
+            "",
+            "Stock: the model's own architecture (the pruned model, or a repair folded into the weights), which "
+            "transformers, vLLM and llama.cpp run as they are. With operators: the operator module, served through "
+            "transformers' remote code or vLLM's Transformers backend, no GGUF.",
+            "",
+            *shipping(rows, source),
+            "",
             f"## {source}",
             "",
             "| blocks removed | criterion | view | removed | params | PPL | KL | top-1 | selection KL |",
@@ -184,6 +238,19 @@ def plot(points: list[dict], path: Path, source: str | None = None) -> None:
             linestyle="-" if criterion == "repair" else "--",
             label=f"{view} ({criterion})",
         )
+    best = best_by_depth(rows, source)
+    for stock, label, style in ((True, "best stock", "-"), (False, "best with operators", ":")):
+        depths = [n for n in sorted(best) if stock in best[n]]
+        if depths:
+            ax.plot(
+                depths,
+                [best[n][stock]["ppl"] for n in depths],
+                color="black",
+                linewidth=2.2,
+                alpha=0.35,
+                linestyle=style,
+                label=label,
+            )
     ax.set_yscale("log")
     ax.set_xlabel("blocks removed")
     ax.set_ylabel(f"{source} perplexity (log scale)")

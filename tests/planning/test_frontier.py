@@ -13,6 +13,7 @@ from test_repair_run import repair_args
 from ghostdistill.cli import main
 from ghostdistill.methods import RecoveryConfig
 from ghostdistill.planning import PlanConfig, score_runs
+from ghostdistill.reporting.frontier import best_by_depth, flat_rows, shipping
 
 
 def frontier_file(tmp_path, tiny_dir, text_files, depths):
@@ -56,6 +57,12 @@ def test_the_frontier_reports_every_view_and_criterion_per_depth_and_resumes(
         assert f"**{best['ppl']:.2f} ({best['removed']})**" in line, line
         assert all(f"{r['ppl']:.2f} ({r['removed']})" in line for r in mine), line
     assert len((root / "frontier.csv").read_text().splitlines()) == 1 + 1 + 2 * 6
+    # What can be shipped: here only the pruned model is stock (ghost and linearpatch keep operators).
+    assert {r["view"] for r in flat if r["stock"]} == {"pruned"}
+    for n in (1, 2):
+        pruned = min((r for r in flat if r["blocks_removed"] == n and r["stock"]), key=lambda r: r["ppl"])
+        line = next(x for x in md.splitlines() if x.startswith(f"| {n} | pruned ("))
+        assert f"| {pruned['ppl']:.2f} | " in line and line.count("|") == 8, line
 
     # Resumed: every depth is read back, none computed again.
     import ghostdistill.pipeline.frontier as frontier
@@ -65,6 +72,29 @@ def test_the_frontier_reports_every_view_and_criterion_per_depth_and_resumes(
 
     monkeypatch.setattr(frontier, "frontier_point", fail)
     main(["frontier", str(path), *overrides])
+
+
+def test_the_shipping_table_sets_the_best_stock_point_beside_the_best_with_operators():
+    def row(n, view, method, ppl, params=100e6, criterion="repair"):
+        return {"n": n, "criterion": criterion, "view": view, "method": method, "removed": [3, 3 + n - 1],
+                "selection_kl": 0.1, "params": params, "metrics": {"wiki": {"ppl": ppl}}}  # fmt: skip
+
+    points = [
+        {"n": 2, "rows": [row(0, "dense", "dense", 30.0), row(2, "pruned", "pruned", 60.0),
+                          row(2, "rotation_anchored", "rotation_anchored", 45.0, 130e6), row(2, "ghost", "ghost", 40.0),
+                          row(2, "magnitude", "magnitude", 50.0, criterion="streamline")]},
+        {"n": 3, "rows": [row(3, "pruned", "pruned", 90.0), row(3, "ghost", "ghost", 70.0)]},
+    ]  # fmt: skip
+    rows = flat_rows(points)  # rows without a `stock` flag (as points written before it): from the method
+    assert {r["view"]: r["stock"] for r in rows} == {
+        "dense": True, "pruned": True, "rotation_anchored": True, "ghost": False, "magnitude": True
+    }  # fmt: skip
+    best = best_by_depth(rows, "wiki")
+    assert best[2][True]["view"] == "rotation_anchored" and best[2][False]["view"] == "ghost"
+    assert best[3][True]["view"] == "pruned" and best[3][False]["ppl"] == 70.0
+    lines = shipping(rows, "wiki")
+    assert lines[2] == "| 2 | rotation_anchored (repair, 3-4) | 130.0M | 45.00 | ghost (repair, 3-4) | 100.0M | 40.00 |"
+    assert lines[3] == "| 3 | pruned (repair, 3-5) | 100.0M | 90.00 | ghost (repair, 3-5) | 100.0M | 70.00 |"
 
 
 def test_bad_frontier_files_are_refused(tmp_path):
