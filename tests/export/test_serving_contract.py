@@ -111,3 +111,36 @@ def test_a_folding_view_exports_beside_a_lora_student(tmp_path):
         with pm.use(view) as model:
             expected = model(input_ids=ids).logits
         torch.testing.assert_close(plain(input_ids=ids).logits, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("train", [["lora", "norms"], ["tail"], ["blocks"]], ids=["lora+norms", "tail", "blocks"])
+def test_a_stock_student_exports_as_the_plain_architecture(train, tmp_path):
+    """Stock students: on a folding view (`rotation_anchored`), whatever trains besides its operators (LoRA,
+    norm gains, the tail, whole blocks) is merged at export, so the folder is the plain architecture with the
+    student's logits; the operators, had they trained, would leave the scaled rotations (refused at export)."""
+    from transformers import AutoModelForCausalLM
+
+    from ghostdistill.distill.config import DistillConfig, StudentConfig
+    from ghostdistill.pipeline.train import build_students
+
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    pm, _ = fit_all(model, PruningPlan.from_layers([2, 3], 6), [RecoveryConfig(name="ra", method="rotation_anchored")])
+    spec = StudentConfig(name="ra_ft", method="ra", train=train, **({"tail_blocks": 1} if train == ["tail"] else {}))
+    students = build_students(pm, DistillConfig(methods=[], students=[spec]))
+    params = students.params["ra_ft"].all()
+    assert params and not students.params["ra_ft"].operators
+    with torch.no_grad():
+        for p in params:
+            p.add_(torch.randn_like(p) * 0.05)  # a student that moved off the closed form
+    ids = _ids(5)
+    folder = export_view(pm, "ra_ft", tmp_path / "ra_ft", method="rotation_anchored")
+    assert "auto_map" not in json.loads((folder / "config.json").read_text())
+    plain = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert not any("lora" in name for name, _ in plain.named_parameters())
+    with torch.no_grad(), pm.use("ra_ft") as view:
+        expected = view(input_ids=ids).logits
+    with torch.no_grad(), pm.use("ra") as view:
+        closed_form = view(input_ids=ids).logits
+    assert not torch.allclose(expected, closed_form, atol=1e-3), "the student moved off its closed form"
+    torch.testing.assert_close(plain(input_ids=ids).logits, expected, atol=1e-4, rtol=1e-4)
