@@ -110,15 +110,8 @@ def test_a_folded_folder_reloads_in_a_fresh_process_as_a_stock_checkpoint(view, 
     ids, mask = _inputs()
     torch.save({"ids": ids, "mask": mask}, tmp_path / "inputs.pt")
     env = {**os.environ, "PYTHONPATH": "", "HF_MODULES_CACHE": str(tmp_path / "modules"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", RELOAD, str(folder), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    cmd = [sys.executable, "-c", RELOAD, str(folder), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")]
+    done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     out = torch.load(tmp_path / "out.pt")
     assert out["class"] == "transformers.models.llama.modeling_llama.LlamaForCausalLM"
