@@ -112,14 +112,13 @@ def random_batches(n: int = 8, batch: int = 4, seq: int = 32, seed: int = 0, voc
     return [{"input_ids": torch.randint(0, vocab, (batch, seq), generator=g)} for _ in range(n)]
 
 
-def fit_all(model, plan, methods, hidden: int = 64):
+def fit_all(model, plan, methods):
     """Calibrate every method of `methods` (RecoveryConfigs) on random batches and register each as a view:
     the plan → statistics → operators phase a `Run` runs (`pipeline.calibrate.calibrate`), on a model and
     batches made here instead of a run's data. Returns (PrunedModel, statistics)."""
     from ghostdistill.pipeline.calibrate import calibrate
     from ghostdistill.planning import PlanConfig
 
-    assert hidden == model.config.hidden_size, "fit_all: `hidden` is the model's hidden size"
     edges = plan.removed[0] == 0 or plan.removed[-1] == plan.num_layers - 1
     plan_cfg = PlanConfig(layers=list(plan.removed), num_layers=None, allow_edges=edges)
     cal = calibrate(model, plan_cfg, list(methods), random_batches(), log=lambda message: None)

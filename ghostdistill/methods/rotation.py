@@ -55,10 +55,15 @@ def procrustes(xtx: torch.Tensor, xty: torch.Tensor) -> tuple[float, torch.Tenso
     xtx, xty = xtx.to(torch.float64), xty.to(torch.float64)
     u, s, vh = torch.linalg.svd(xty)
     q = u @ vh
+    return float(s.sum()) / _scale_denominator(xtx), q
+
+
+def _scale_denominator(xtx: torch.Tensor) -> float:
+    """tr(A) = Σ w²‖x‖², the denominator of the best scale c = tr(Qᵀ M) / tr(A)."""
     denom = float(torch.trace(xtx))
     if denom <= 0:
         raise ValueError("rotation fit: Σ w²‖x‖² is zero (no calibration tokens, or all of them zero)")
-    return float(s.sum()) / denom, q
+    return denom
 
 
 def anchored_procrustes(xtx: torch.Tensor, xty: torch.Tensor, u: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -74,10 +79,7 @@ def anchored_procrustes(xtx: torch.Tensor, xty: torch.Tensor, u: torch.Tensor) -
     b = basis[:, 1:]
     left, _, right = torch.linalg.svd(b.T @ xty @ b)
     q = torch.outer(u, u) + b @ (left @ right) @ b.T
-    denom = float(torch.trace(xtx))
-    if denom <= 0:
-        raise ValueError("rotation fit: Σ w²‖x‖² is zero (no calibration tokens, or all of them zero)")
-    c = float(torch.trace(q.T @ xty)) / denom
+    c = float(torch.trace(q.T @ xty)) / _scale_denominator(xtx)
     if not c > 0:
         raise ValueError(
             f"anchored rotation fit: the best scale c = {c:.3g} is not positive (x_post points against x_pre "
@@ -119,12 +121,19 @@ class _Rotation:
     def validate(self, cfg: RecoveryConfig) -> None:
         pass  # `order` is checked with every recovery entry (`validate_recovery`)
 
+    def solve(self, xtx: torch.Tensor, xty: torch.Tensor, stats: GhostStatistics) -> tuple[float, torch.Tensor]:
+        """(c, Q) from A = Σ w² xᵀx and M = Σ w² xᵀy: the free Procrustes (`rotation_anchored` constrains it)."""
+        return procrustes(xtx, xty)
+
     def fit(self, cfg: RecoveryConfig, gap: Gap, stats: GhostStatistics, hidden_size: int) -> GapFit:
         tokens = stats.counts.regular + (stats.counts.first if self.through else 0)
         if tokens == 0:
             raise ValueError(f"gap {gap.key}: no calibration tokens to fit on")
         xtx, xtd = stats.normal_equations("weighted", include_first=self.through)
-        c, q = procrustes(xtx, xtx + xtd)
+        try:
+            c, q = self.solve(xtx, xtx + xtd, stats)
+        except ValueError as err:
+            raise ValueError(f"gap {gap.key}: {err}") from None
         eye = torch.eye(hidden_size, dtype=torch.float64, device=q.device)
         op = GhostOperator(hidden_size, separate_first=not self.through, fused=self.through)
         op.load_solution(c * q - eye, None if self.through else stats.first_shift())
@@ -160,18 +169,8 @@ class RotationAnchored(RotationThrough):
 
     name = "rotation_anchored"
 
-    def fit(self, cfg: RecoveryConfig, gap: Gap, stats: GhostStatistics, hidden_size: int) -> GapFit:
-        if stats.counts.regular + stats.counts.first == 0:
-            raise ValueError(f"gap {gap.key}: no calibration tokens to fit on")
-        xtx, xtd = stats.normal_equations("weighted", include_first=True)
-        try:
-            c, q = anchored_procrustes(xtx, xtx + xtd, first_direction(stats))
-        except ValueError as err:
-            raise ValueError(f"gap {gap.key}: {err}") from None
-        eye = torch.eye(hidden_size, dtype=torch.float64, device=q.device)
-        op = GhostOperator(hidden_size, fused=True)
-        op.load_solution(c * q - eye)
-        return GapFit(operator=op)
+    def solve(self, xtx: torch.Tensor, xty: torch.Tensor, stats: GhostStatistics) -> tuple[float, torch.Tensor]:
+        return anchored_procrustes(xtx, xty, first_direction(stats))
 
 
 # Decoder block classes the derivation above covers.
