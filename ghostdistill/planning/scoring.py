@@ -3,7 +3,8 @@
 A candidate whose first gap starts at block i runs the dense model's blocks 0 … i−1 unchanged, so the
 dense pass also keeps the residual stream entering each candidate start and a candidate's forward starts
 there (`PrunedModel.use(view, skip=i)` with the stream as input embeddings): only the blocks after the
-gap run. The shortcut is checked once against a full forward and turned off (with a warning) for a
+gap run. A view that also changes the block before the gap (ReplaceMe's map on its MLP output) starts one
+block earlier, at the stream entering block i − 1, which the dense pass keeps too. The shortcut is checked once against a full forward and turned off (with a warning) for a
 family that transforms its input embeddings, as the distillation students' shared prefix is.
 """
 
@@ -45,7 +46,8 @@ class SelectionScorer:
         self.model = model
         self.inputs = [model_inputs(model, b) for b in batches]
         self.chunk = tokens_per_chunk(model.get_output_embeddings().weight.shape[0], chunk)
-        self.starts = sorted({int(i) for i in starts if i > 0})
+        # Each start i and i − 1: a view with an MLP map acts inside block i − 1 (`_first_block`).
+        self.starts = sorted({j for i in starts if i > 0 for j in (int(i), int(i) - 1) if j > 0})
         layers = decoder_stack(model).layers
         self.dense: list[torch.Tensor] = []
         self.prefix: list[dict[int, torch.Tensor]] = []
@@ -81,8 +83,17 @@ class SelectionScorer:
 
         return hook
 
+    @staticmethod
+    def _first_block(pruned: PrunedModel, view: str, start: int) -> int:
+        """The first block `view` runs differently from the dense model, for a candidate whose first gap
+        starts at `start`: the block before the gap when the view maps that block's MLP output (ReplaceMe),
+        else the first block after the gap (entered by the dense stream at `start`)."""
+        return start - 1 if view in pruned.mlp_maps and len(pruned.mlp_maps[view]) else start
+
     def _hidden(self, pruned: PrunedModel, view: str, b: int, start: int | None) -> torch.Tensor:
         ids, mask = self.inputs[b]
+        if start is not None:
+            start = self._first_block(pruned, view, start)
         if start is None or not self.skip or start not in self.prefix[b]:
             with pruned.use(view) as model:
                 return final_hidden(model, ids, mask)[:, :-1]

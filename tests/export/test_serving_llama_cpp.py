@@ -1,5 +1,5 @@
 """llama.cpp serves ghostdistill's GGUF files (SmolLM2-135M at 7 removed blocks): the pruned view and a folded
-one (rotation_through) as F32, F16 and Q8_0, greedy token ids as transformers' (F32), `llama-perplexity` on the
+ones (rotation_through, rotation_anchored) as F32, F16 and Q8_0, greedy token ids as transformers' (F32), `llama-perplexity` on the
 run's windows within 1% (F32, F16) / 3% (Q8_0) of transformers' figure on the same tokens, llama.cpp's
 tokenisation equal to the run's windows, llama.cpp's own convert_hf_to_gguf.py writing the same tensors; the
 operator view (ghost) refused.
@@ -42,7 +42,7 @@ def test_llama_cpp_serves_plain_and_folded_gguf_token_for_token(tmp_path):
     out = tmp_path / "llama_cpp.json"
     check = [
         sys.executable, str(ROOT / "scripts" / "serving" / "check_llama_cpp.py"), str(run), "--views", "pruned",
-        "rotation_through", "ghost", "--dir", str(tmp_path / "gguf"), "--llama-cpp", str(LLAMA_CPP), "--new", "12",
+        "rotation_through", "rotation_anchored", "ghost", "--dir", str(tmp_path / "gguf"), "--llama-cpp", str(LLAMA_CPP), "--new", "12",
         "--parity", "--json", str(out),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -50,7 +50,7 @@ def test_llama_cpp_serves_plain_and_folded_gguf_token_for_token(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert "rotation_through" in report["views"]["ghost"]["refused"]
-    for view in ("pruned", "rotation_through"):
+    for view in ("pruned", "rotation_through", "rotation_anchored"):
         entry = report["views"][view]
         assert entry["same_windows"], view
         assert entry["F32"]["same_tokens"], (view, entry["F32"]["tokens"], entry["transformers"]["tokens"])

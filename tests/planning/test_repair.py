@@ -290,16 +290,20 @@ def test_starting_candidates_at_their_gap_scores_as_full_forwards():
     plan = PruningPlan.from_layers([3, 4], 7)
     full = SelectionScorer(model, sel)
     short = SelectionScorer(model, sel, starts=[3])
-    fitter = RepairFitter(model, [RecoveryConfig()], random_batches(n=2))
+    # ReplaceMe maps the MLP output of the block before the gap (block 2): its forward must start there.
+    methods = [RecoveryConfig(), RecoveryConfig(name="replaceme", method="replaceme")]
+    fitter = RepairFitter(model, methods, random_batches(n=2))
     fitter.collect_dense(plan.gaps)
     pruned = fitter.repaired(plan)
-    a = full.score(pruned, [PRUNED, "ghost"])
-    b = short.score(pruned, [PRUNED, "ghost"], start=3)
+    views = [PRUNED, "ghost", "replaceme"]
+    a = full.score(pruned, views)
+    b = short.score(pruned, views, start=3)
     pruned.remove_hooks()
     assert short.skip and short._checked
-    for view in (PRUNED, "ghost"):
-        assert b[view]["kl"] == pytest.approx(a[view]["kl"], rel=1e-4)
-        assert b[view]["top1"] == pytest.approx(a[view]["top1"], abs=1e-6)
+    for view in views:
+        assert b[view]["kl"] == pytest.approx(a[view]["kl"], rel=1e-4), view
+        assert b[view]["top1"] == pytest.approx(a[view]["top1"], abs=1e-6), view
+    assert abs(a["replaceme"]["kl"] - a[PRUNED]["kl"]) > 1e-3  # the map is scored, not skipped
 
 
 def test_keeping_the_dense_log_probabilities_scores_as_recomputing_them(monkeypatch):
