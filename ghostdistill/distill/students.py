@@ -4,7 +4,8 @@ Each student (`DistillConfig.specs`: ``<method>_ft`` for each of `distill.method
 `distill.students`) is a view whose trainable parts start from its method's closed-form fit:
 
 - ``operators``: copies of the method's gap operators (and ReplaceMe's MLP maps), trained; the
-  training-free view keeps the frozen originals;
+  training-free view keeps the frozen originals. A method with a `student_operator` trains what that
+  gives instead (rotation: the scaled rotations around its fit, so the student still folds);
 - ``lora``: a peft LoRA adapter named after the view on the surviving blocks, active only while that
   view runs (every other view, the teacher first, runs with adapters off, so its output is bit for bit
   the base model's);
@@ -28,6 +29,7 @@ block after each gap (`stream_sites`).
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +38,7 @@ from torch import nn
 from ..core.head import decoder_of, output_head
 from ..core.model import model_inputs
 from ..core.views import DENSE, PrunedModel, copy_block
+from ..methods import get_method, registered
 from .config import DistillConfig, Student
 from .parts import add_lora, adjacent_blocks, norm_modules, stream_sites, tail_blocks, tail_modules
 
@@ -74,9 +77,12 @@ class StudentPass:
 class Students:
     """The fine-tuned views of one run and what trains in each."""
 
-    def __init__(self, pruned: PrunedModel, cfg: DistillConfig) -> None:
+    def __init__(self, pruned: PrunedModel, cfg: DistillConfig, methods: Mapping[str, str] | None = None) -> None:
+        """`methods`: the registered method behind each recovery name (a run's ``{name: method}``); a name
+        it does not hold is taken as the method's own name."""
         self.pruned = pruned
         self.cfg = cfg
+        self.methods = dict(methods or {})
         self.specs: dict[str, Student] = {s.name: s for s in cfg.specs()}
         self.views = list(self.specs)
         self.params: dict[str, StudentParams] = {}
@@ -111,6 +117,11 @@ class Students:
         pruned.mlp_maps.requires_grad_(False)
         for view, spec in self.specs.items():
             operators = {k: copy.deepcopy(op) for k, op in pruned.operators[spec.method].items()}
+            method = self.methods.get(spec.method, spec.method)
+            student_operator = getattr(get_method(method), "student_operator", None) if method in registered() else None
+            if spec.trains("operators") and student_operator is not None:
+                # A method whose operators fold trains within what folds (rotation: the scaled rotations).
+                operators = {k: student_operator(op) for k, op in operators.items()}
             mlp_maps = {k: copy.deepcopy(op) for k, op in pruned.mlp_maps[spec.method].items()}
             pruned.add_method(view, operators, mlp_maps)
             has_maps = any(True for group in (pruned.operators[view], pruned.mlp_maps[view]) for _ in group.values())

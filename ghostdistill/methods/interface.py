@@ -14,7 +14,10 @@ A method turns what one calibration pass shows of a gap into something that repa
    solved);
 4. `fold(blocks, gap, fit)` writes the fit into existing weights where the method can (ReplaceMe,
    magnitude), so an exported model needs no extra module; `folds` says whether it can;
-5. `keys`: the `RecoveryConfig` keys it reads, with their defaults. Its own configuration is those keys
+5. `student_operator(operator)` (optional): what a fine-tuned student trains in place of a fitted operator,
+   for a method whose fold needs the operator's form (rotation: a scaled rotation; magnitude: a scale);
+   without it a student trains the operator's W = I + M freely;
+6. `keys`: the `RecoveryConfig` keys it reads, with their defaults. Its own configuration is those keys
    and nothing else: a config is resolved to their defaults when made, and `validate_recovery` rejects a
    key the method does not read, naming the key and the method's keys.
 
@@ -240,7 +243,8 @@ def ships_stock(method: str | None) -> bool:
     """Whether a training-free view of `method` exports as the model's own architecture, which every serving
     stack runs (no operator module, no remote code): the dense and pruned models (`None`, ``none``,
     ``dense``, ``pruned``) and the methods that fold into the weights. A student of such a method stays
-    stock when it trains LoRA, norms, the tail or blocks; trained operators leave the fold's form."""
+    stock whatever it trains: LoRA, norms, the tail and blocks are merged at export, and operators train
+    within what folds (the method's `student_operator`: scaled rotations, a residual scale)."""
     if method is None or method in _PLAIN_VIEWS:
         return True
     spec = get_method(method)

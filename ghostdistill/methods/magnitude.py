@@ -4,6 +4,9 @@ x ← s·x on the residual stream at the gap. In a pre-norm model every later bl
 through a scale-invariant norm, so the same function results from dividing each later block's writes
 to the residual stream (attention output and MLP down projections) by s, the final norm removing the
 overall factor (exact up to the norm's ε): `fold` does that, and the method adds no parameters.
+
+A fine-tuned student trains the scale alone (`student_operator`: W = e^t·s·I, t trainable from 0), so it
+still folds; `fold` refuses an operator that is not a multiple of the identity rather than drop the rest.
 """
 
 from __future__ import annotations
@@ -60,13 +63,51 @@ class Magnitude:
     def identity(self, cfg: RecoveryConfig, hidden_size: int) -> GapFit:
         return residual_identity(cfg, hidden_size, fused=True)
 
+    def student_operator(self, operator: GhostOperator) -> ResidualScaleOperator:
+        """What a student trains in place of the fitted s·I: the scale (module docstring)."""
+        return ResidualScaleOperator(operator)
+
     def fold(self, blocks: list[nn.Module], gap: Gap, fit: GapFit) -> None:
         """`blocks`: the dense model's blocks (None where a block is gone); every surviving block after
         the gap gets its writes / s.
 
         With several gaps the scales compound, which is what dividing block by block gives."""
-        s = float(fit.operator.delta.detach()[0, 0]) + 1.0
+        delta = fit.operator.delta.detach().to(torch.float64)
+        s = float(delta[0, 0]) + 1.0
+        eye = torch.eye(delta.shape[0], dtype=torch.float64, device=delta.device)
+        off = float((delta + eye - s * eye).abs().max())
+        if off > SCALE_TOL * max(1.0, abs(s)):
+            raise ValueError(
+                f"gap {gap.key}: the magnitude operator is not a multiple of the identity (max |W − s·I| = "
+                f"{off:.2g}); only a scale folds: train it as `magnitude`'s students do (`student_operator`)"
+            )
         fold_residual_scale([b for b in blocks[gap.stop :] if b is not None], s)
+
+
+# W = s·I is stored in float32: its off-scale entries are exact zeros, its diagonal equal to the bit.
+SCALE_TOL = 1e-6
+
+
+class ResidualScaleOperator(GhostOperator):
+    """W = e^t·(I + M₀) with M₀ = (s − 1)·I the fitted scale's delta and t trainable (0 at the start, where
+    `delta` is M₀ to the bit)."""
+
+    def __init__(self, fitted: GhostOperator) -> None:
+        nn.Module.__init__(self)
+        self.separate_first, self.fused, self.bias = False, fitted.fused, None
+        self.register_buffer("base", fitted.delta.detach().clone())
+        self.log_scale = nn.Parameter(torch.zeros((), device=self.base.device))
+
+    @property
+    def delta(self) -> torch.Tensor:
+        t = self.base + torch.eye(self.base.shape[0], dtype=self.base.dtype, device=self.base.device)
+        return self.base + (self.log_scale.exp() - 1) * t
+
+    def inference_parameters(self) -> int:
+        return 0  # folded at export
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.base.shape[0]}"
 
 
 @torch.no_grad()

@@ -28,6 +28,13 @@ Registered three times (the first-position option is a method name, not a `Recov
 | `rotation_through`  | every token, weighted  | x·c·Q like every token             | folded: plain architecture |
 | `rotation_anchored` | every token, weighted; u·Q = u | x·c·Q like every token     | folded: plain architecture |
 
+Their fine-tuned students (`train: [operators, ...]`) train within the scaled rotations, so they still fold:
+`student_operator` turns the fitted c₀·Q₀ into W = e^s·c₀·Q₀·exp(A) with s (a scalar) and A trainable, both
+zero at the start (the closed form exactly). A = G − Gᵀ for `rotation_through` (any rotation); for
+`rotation_anchored` A = P(G − Gᵀ)P with P = I − uᵀu, so u·A = 0, u·exp(A) = u and u·Q = u stays true. The
+exponential of a skew matrix is orthogonal, and W's off-orthogonality stays at float rounding
+(`ScaledRotationOperator`). A freely trained W = I + M would not fold (`scaled_rotation` refuses it).
+
 `rotation_through` and `rotation_anchored` fold (SliceGPT's computational invariance of pre-norm RMSNorm
 models): the embedding and the blocks before the gap are rotated by Q and the blocks after it write ÷ c (the
 blocks: `fold_rotation` here; the embedding: `ghostdistill.export.fold`, whose docstring derives the fold),
@@ -137,7 +144,16 @@ class _Rotation:
         eye = torch.eye(hidden_size, dtype=torch.float64, device=q.device)
         op = GhostOperator(hidden_size, separate_first=not self.through, fused=self.through)
         op.load_solution(c * q - eye, None if self.through else stats.first_shift())
+        anchor = self.anchor(stats)
+        if anchor is not None:
+            # What a student keeps fixed when it trains this rotation (`student_operator`); not saved: a
+            # resumed run solves the operators again from the statistics.
+            op.register_buffer("anchor", anchor.to(torch.float32), persistent=False)
         return GapFit(operator=op)
+
+    def anchor(self, stats: GhostStatistics) -> torch.Tensor | None:
+        """The direction the fitted Q fixes (u·Q = u), or None."""
+        return None
 
 
 class Rotation(_Rotation, NoFold):
@@ -157,6 +173,11 @@ class RotationThrough(_Rotation):
     def identity(self, cfg: RecoveryConfig, hidden_size: int) -> GapFit:
         return residual_identity(cfg, hidden_size, fused=True)
 
+    def student_operator(self, operator: GhostOperator) -> ScaledRotationOperator:
+        """What a student trains in place of the fitted operator: the scaled rotations around it (module
+        docstring), so that the fine-tuned view still folds."""
+        return ScaledRotationOperator(operator)
+
     def fold(self, blocks: list[nn.Module | None], gap: Gap, fit: GapFit) -> None:
         """`blocks`: the dense model's blocks (None where gone): the surviving blocks before the gap are
         rotated by Q, those after it write ÷ c; the writer puts Q₁⋯Qₙ into the embedding. Called gap by gap
@@ -171,6 +192,54 @@ class RotationAnchored(RotationThrough):
 
     def solve(self, xtx: torch.Tensor, xty: torch.Tensor, stats: GhostStatistics) -> tuple[float, torch.Tensor]:
         return anchored_procrustes(xtx, xty, first_direction(stats))
+
+    def anchor(self, stats: GhostStatistics) -> torch.Tensor:
+        return first_direction(stats)
+
+
+class ScaledRotationOperator(GhostOperator):
+    """W = e^s·T·exp(A) on every token, T = I + M₀ = c₀·Q₀ the fitted scaled rotation; trainable: s and the
+    generator G (A = G − Gᵀ, projected to fix `anchor` u when the fit has one: A = P(G − Gᵀ)P, P = I − uᵀu).
+
+    `delta` (W − I, what the fold and the export read) is computed as M₀ + (e^s·T·exp(A) − T), so at the
+    start (s = 0, G = 0: exp(0) = I exactly) it is M₀ to the bit and the student starts from its closed
+    form. Applied like any operator: x ← x + x·delta, one C × C matrix exponential per forward."""
+
+    def __init__(self, fitted: GhostOperator) -> None:
+        if fitted.separate_first or fitted.bias is not None:
+            raise ValueError(
+                "only an operator mapping every token through W (no first shift, no bias) is a scaled rotation"
+            )
+        nn.Module.__init__(self)
+        self.separate_first, self.fused = False, fitted.fused
+        self.bias = None
+        self.register_buffer("base", fitted.delta.detach().clone())
+        anchor = getattr(fitted, "anchor", None)
+        if anchor is not None:
+            u = anchor.to(torch.float32) / anchor.norm()
+            self.register_buffer("anchor", u.clone())
+        else:
+            self.anchor = None
+        self.generator = nn.Parameter(torch.zeros_like(self.base))
+        self.log_scale = nn.Parameter(torch.zeros((), device=self.base.device))
+
+    @property
+    def delta(self) -> torch.Tensor:
+        a = self.generator - self.generator.T
+        if self.anchor is not None:
+            # P·A·P with P = I − uᵀu, without forming P: A − uᵀ(u·A) − (A·uᵀ)u + uᵀ(u·A·uᵀ)u.
+            u = self.anchor
+            ua = u @ a
+            au = a @ u
+            a = a - torch.outer(u, ua) - torch.outer(au, u) + (ua @ u) * torch.outer(u, u)
+        t = self.base + torch.eye(self.base.shape[0], dtype=self.base.dtype, device=self.base.device)
+        return self.base + (self.log_scale.exp() * (t @ torch.linalg.matrix_exp(a)) - t)
+
+    def inference_parameters(self) -> int:
+        return 0  # folded at export
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.base.shape[0]}, anchored={self.anchor is not None}"
 
 
 # Decoder block classes the derivation above covers.

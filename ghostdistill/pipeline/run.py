@@ -205,7 +205,8 @@ class Run:
     def build_students(self, check: bool = True):
         """The students, each from its method's closed form (before any optimizer exists)."""
         with self.phase("distil"):
-            self.students = build_students(self.pruned, self.cfg.distill, self._batches[0] if check else None)
+            methods = {r.name: r.method for r in self.cfg.recovery}
+            self.students = build_students(self.pruned, self.cfg.distill, self._batches[0] if check else None, methods)
         specs = self.students.specs.items()
         self.log(
             "distilling "

@@ -10,7 +10,7 @@ The Lightning module calls these from its hooks; a script can call them in its o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -27,11 +27,17 @@ from .evaluate import score_views
 Batch = dict[str, torch.Tensor]
 
 
-def build_students(pruned: PrunedModel, cfg: DistillConfig, check_batch: Batch | None = None) -> Students:
+def build_students(
+    pruned: PrunedModel,
+    cfg: DistillConfig,
+    check_batch: Batch | None = None,
+    methods: Mapping[str, str] | None = None,
+) -> Students:
     """The fine-tuned views (`DistillConfig.specs`), each starting from its method's fitted view; everything
-    else frozen. With
-    `check_batch`, the shared-prefix shortcut is verified against a full student forward on it."""
-    students = Students(pruned, cfg)
+    else frozen. With `check_batch`, the shared-prefix shortcut is verified against a full student forward
+    on it. `methods`: the registered method of each recovery name (where a name is not one), which decides
+    how a student trains its operators (`Students`)."""
+    students = Students(pruned, cfg, methods)
     students.build()
     if check_batch is not None:
         students.check_prefix(check_batch)

@@ -13,6 +13,9 @@ and with `order: sequential` one student pass over the calibration windows per g
 changed one (at most k_t − 1 per candidate, k_t ≤ t + 1 gaps): at most Σ_t (r − t)·t student passes,
 O(n²·L). Plans that stay contiguous (one gap) cost no student pass.
 
+`plan.greedy_start` removes its blocks before the first step (their gaps fitted as a kept plan's: one dense
+pass), and the steps add the other n − |start| blocks; the steps are numbered from |start| + 1.
+
 The search is deterministic, so a run with the same settings and another n has taken the same first
 steps: `taken` (its report's steps, `plan.greedy_from`) starts the search after them, at the cost of one
 dense pass for the kept plan's first gap; with n no more than the steps taken, nothing is searched.
@@ -58,6 +61,16 @@ def repair_greedy_plan(
     fitter = RepairFitter(model, [cfg], batches, progress)
     removed = [int(step["kept"]) for step in taken[:n]]
     steps = {f"step {t + 1}": {**step, "reused": True} for t, step in enumerate(taken[:n])}
+    start_blocks = list(plan_cfg.greedy_start or ())
+    outside = sorted(set(start_blocks) - set(blocks))
+    if outside:
+        raise ValueError(
+            f"plan.greedy_start {start_blocks}: blocks {outside} are not removable here (the model has "
+            f"{num_layers} blocks; keep_first {keep_first} and keep_last {keep_last} protect the edges); "
+            f"removable: {blocks[0]}..{blocks[-1]}"
+        )
+    if start_blocks:
+        removed = list(start_blocks)
     if removed and len(removed) < n:
         # The kept plan's fits are made afresh (its first gap's dense statistics: one pass); the later
         # gaps' sequential fits are made by the first candidate that needs them, as in any step.
@@ -91,7 +104,7 @@ def repair_greedy_plan(
         num_layers,
         allow_edges=keep_first == 0 or keep_last == 0,
         chosen_by=f"repair_greedy ({cfg.name})",
-        scores={str(b): steps[f"step {t + 1}"]["kl"] for t, b in enumerate(removed)},
+        scores={str(b): steps[f"step {t + 1}"]["kl"] for t, b in enumerate(removed) if f"step {t + 1}" in steps},
         candidates=steps,
         costs={
             "total_s": round(seconds, 4),
@@ -99,6 +112,7 @@ def repair_greedy_plan(
             "student_passes": fitter.passes["student"],
             "selection_forwards": scorer.forwards,
             "reused_steps": len(taken[:n]),
+            **({"start": sorted(start_blocks)} if start_blocks else {}),
         },
     )
 

@@ -44,7 +44,7 @@ def no_progress(items: Iterable, desc: str) -> Iterable:
 
 # PlanConfig keys added after run folders were fingerprinted: left out of a digest while unset (None), so
 # the statistics saved before they existed keep their key.
-LATER_KEYS = ("repair_method", "repair_chunk", "greedy_from")
+LATER_KEYS = ("repair_method", "repair_chunk", "greedy_from", "greedy_start")
 # Keys that change what a plan costs, never which plan it is: no part of a fingerprint.
 COST_KEYS = ("repair_chunk", "greedy_from")
 
@@ -91,6 +91,9 @@ class PlanConfig:
             steps (the greedy is deterministic), so they are taken from its report and the search goes
             on from there; checked by fingerprint, so a run with other settings is refused by name.
             Only time depends on it, not the plan. `compare` sets it between its own greedy plans.
+        greedy_start: (``repair_greedy``) blocks removed before the search starts (fewer than
+            `num_layers`); the search adds the others one at a time. E.g. the best contiguous plan of a
+            smaller depth, so that the search looks only for what to remove besides it.
     """
 
     layers: list[int] | None = None
@@ -103,6 +106,7 @@ class PlanConfig:
     repair_method: str | None = None
     repair_chunk: int | None = None
     greedy_from: str | None = None
+    greedy_start: list[int] | None = None
 
     def validate(self) -> None:
         """The checks the values alone decide, run before the model is loaded (depth-dependent checks:
@@ -153,6 +157,30 @@ class PlanConfig:
             raise ValueError(
                 f"plan.greedy_from names a repair_greedy run to take steps from, and plan.criterion is "
                 f"{self.criterion!r}: set plan.criterion repair_greedy or remove plan.greedy_from"
+            )
+
+        if self.greedy_start is not None:
+            self._validate_greedy_start()
+
+    def _validate_greedy_start(self) -> None:
+        start = self.greedy_start
+        if self.criterion != "repair_greedy":
+            raise ValueError(
+                f"plan.greedy_start {start} is where a repair_greedy search starts, and plan.criterion is "
+                f"{self.criterion!r}: set plan.criterion repair_greedy or remove plan.greedy_start"
+            )
+        if self.greedy_from is not None:
+            raise ValueError(
+                "plan.greedy_start and plan.greedy_from both say where the search starts; keep one of them"
+            )
+        if not start or any(i < 0 for i in start) or len(set(start)) != len(start):
+            raise ValueError(
+                f"plan.greedy_start {start} must be distinct 0-based block indices, at least one (or null)"
+            )
+        if len(start) >= self.num_layers:
+            raise ValueError(
+                f"plan.greedy_start removes {len(start)} blocks and plan.num_layers is {self.num_layers}: the "
+                "search adds blocks to the start, so name fewer blocks than num_layers (or set plan.layers)"
             )
 
     def repair_aware(self) -> bool:

@@ -37,6 +37,7 @@ PLAN_KEYS = {
     "repair_method",
     "repair_chunk",
     "greedy_from",
+    "greedy_start",
 }
 
 
@@ -76,7 +77,7 @@ def check_plan_values(plan: dict, path: str) -> None:
         if key in _INT_KEYS:
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
             what = "an integer >= 0"
-        elif key == "layers":
+        elif key in ("layers", "greedy_start"):
             ok = isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
             what = "a list of layer indices"
         elif key == "allow_edges":
@@ -95,6 +96,7 @@ _NAME_DEFAULTS = {
     "keep_last": 1,
     "criterion_samples": None,
     "repair_method": None,
+    "greedy_start": None,
 }
 _NAME_TAGS = {
     "allow_edges": "edges",
@@ -102,6 +104,7 @@ _NAME_TAGS = {
     "keep_last": "kl",
     "criterion_samples": "cs",
     "repair_method": "by_",
+    "greedy_start": "from",
 }
 # Keys that change what a run costs, not what it computes: set on every plan, never in its name.
 _UNNAMED_DEFAULTS = {"repair_chunk": None, "greedy_from": None}
@@ -117,7 +120,10 @@ def plan_name(plan: dict) -> str:
     for key, default in _NAME_DEFAULTS.items():
         value = plan.get(key, default)
         if value != default:
-            name += f"_{_NAME_TAGS[key]}" + ("" if isinstance(value, bool) else str(value))
+            text = (
+                "_".join(map(str, value)) if isinstance(value, list) else "" if isinstance(value, bool) else str(value)
+            )
+            name += f"_{_NAME_TAGS[key]}{text}"
     return name
 
 
@@ -127,6 +133,8 @@ def greedy_source(plan: dict, finished: list[dict]) -> dict | None:
     search, and of those the shortest. None when `plan` is no greedy plan or sets `greedy_from` itself."""
     if plan.get("criterion") != "repair_greedy" or plan.get("greedy_from") is not None:
         return None
+    if plan.get("greedy_start") is not None:
+        return None  # its search starts from its own blocks (`plan.greedy_start`), not from other steps
 
     def settings(p: dict) -> dict:
         full = {**_NAME_DEFAULTS, **p}

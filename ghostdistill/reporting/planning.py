@@ -48,6 +48,7 @@ def plan_section(report: dict) -> str:
             lines += [
                 "",
                 (f"Steps 1–{reused} taken from plan.greedy_from's run (searched there); here: " if reused else "")
+                + (f"started from plan.greedy_start {costs['start']} removed; " if costs.get("start") else "")
                 + f"{costs.get('dense_passes')} dense and {costs.get('student_passes')} student passes of statistics, "
                 f"{costs.get('selection_forwards')} candidate forwards over the selection windows; "
                 f"{costs.get('total_s', 0):.1f} s.",

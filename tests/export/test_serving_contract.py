@@ -113,12 +113,15 @@ def test_a_folding_view_exports_beside_a_lora_student(tmp_path):
         torch.testing.assert_close(plain(input_ids=ids).logits, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("train", [["lora", "norms"], ["tail"], ["blocks"]], ids=["lora+norms", "tail", "blocks"])
+@pytest.mark.parametrize(
+    "train",
+    [["lora", "norms"], ["tail"], ["blocks"], ["operators"], ["operators", "lora", "norms"]],
+    ids=["lora+norms", "tail", "blocks", "operators", "operators+lora+norms"],
+)
 def test_a_stock_student_exports_as_the_plain_architecture(train, tmp_path):
-    """Stock students: on a folding view (`rotation_anchored`), whatever trains besides its operators (LoRA,
-    norm gains, the tail, whole blocks) is merged at export, so the folder is the plain architecture with the
-    student's logits; the operators, had they trained, would leave the scaled rotations (refused at export)."""
-    from transformers import AutoModelForCausalLM
+    """Stock students: on a folding view (`rotation_anchored`), what trains is merged at export (LoRA, norm
+    gains, the tail, whole blocks) or folded (the operators, trained within the scaled rotations), so the
+    folder is the plain architecture with the student's logits."""
 
     from ghostdistill.distill.config import DistillConfig, StudentConfig
     from ghostdistill.pipeline.train import build_students
@@ -127,20 +130,70 @@ def test_a_stock_student_exports_as_the_plain_architecture(train, tmp_path):
     model = tiny_model("llama")
     pm, _ = fit_all(model, PruningPlan.from_layers([2, 3], 6), [RecoveryConfig(name="ra", method="rotation_anchored")])
     spec = StudentConfig(name="ra_ft", method="ra", train=train, **({"tail_blocks": 1} if train == ["tail"] else {}))
-    students = build_students(pm, DistillConfig(methods=[], students=[spec]))
+    students = build_students(pm, DistillConfig(methods=[], students=[spec]), methods={"ra": "rotation_anchored"})
     params = students.params["ra_ft"].all()
-    assert params and not students.params["ra_ft"].operators
+    assert params and bool(students.params["ra_ft"].operators) == ("operators" in train)
     with torch.no_grad():
         for p in params:
             p.add_(torch.randn_like(p) * 0.05)  # a student that moved off the closed form
+    _exports_the_student_stock(pm, "ra_ft", "ra", "rotation_anchored", tmp_path)
+
+
+def _exports_the_student_stock(pm, student: str, closed_form: str, method: str, tmp_path) -> None:
+    """`student`'s folder is the plain architecture (no `auto_map`, no adapter) and computes the student's
+    logits, which differ from its closed form's."""
+    from transformers import AutoModelForCausalLM
+
     ids = _ids(5)
-    folder = export_view(pm, "ra_ft", tmp_path / "ra_ft", method="rotation_anchored")
+    folder = export_view(pm, student, tmp_path / student, method=method)
     assert "auto_map" not in json.loads((folder / "config.json").read_text())
     plain = AutoModelForCausalLM.from_pretrained(folder).eval()
     assert not any("lora" in name for name, _ in plain.named_parameters())
-    with torch.no_grad(), pm.use("ra_ft") as view:
+    with torch.no_grad(), pm.use(student) as view:
         expected = view(input_ids=ids).logits
-    with torch.no_grad(), pm.use("ra") as view:
-        closed_form = view(input_ids=ids).logits
-    assert not torch.allclose(expected, closed_form, atol=1e-3), "the student moved off its closed form"
-    torch.testing.assert_close(plain(input_ids=ids).logits, expected, atol=1e-4, rtol=1e-4)
+    with torch.no_grad(), pm.use(closed_form) as view:
+        start = view(input_ids=ids).logits
+    assert not torch.allclose(expected, start, atol=1e-3), "the student moved off its closed form"
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=ids).logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_freely_trained_operator_of_a_folding_method_is_refused_at_export(tmp_path):
+    """Without its method's `student_operator` (a recovery name `build_students` is not told the method of),
+    a rotation student trains W = I + M freely; the export refuses it instead of folding another model."""
+    from ghostdistill.distill.config import DistillConfig, StudentConfig
+    from ghostdistill.pipeline.train import build_students
+
+    torch.manual_seed(0)
+    pm, _ = fit_all(
+        tiny_model("llama"), PruningPlan.from_layers([2, 3], 6), [RecoveryConfig(name="ra", method="rotation_anchored")]
+    )
+    students = build_students(pm, DistillConfig(methods=[], students=[StudentConfig(name="ra_ft", method="ra")]))
+    with torch.no_grad():
+        for p in students.params["ra_ft"].operators:
+            p.add_(torch.randn_like(p) * 0.05)
+    with pytest.raises(ValueError, match="not a scaled rotation"):
+        export_view(pm, "ra_ft", tmp_path / "ra_ft", method="rotation_anchored")
+    assert not (tmp_path / "ra_ft").exists()
+
+
+def test_a_magnitude_student_trains_its_scale_and_folds(tmp_path):
+    """`magnitude`'s student trains the scale alone (W = e^t·s·I), so its folder is the plain architecture
+    with the student's logits; a W that is not a scale is refused at export rather than folded as W[0, 0]."""
+
+    from ghostdistill.distill.config import DistillConfig
+    from ghostdistill.pipeline.train import build_students
+
+    torch.manual_seed(0)
+    pm, _ = fit_all(
+        tiny_model("llama"), PruningPlan.from_layers([2, 3], 6), [RecoveryConfig(name="magnitude", method="magnitude")]
+    )
+    students = build_students(pm, DistillConfig(methods=["magnitude"]))
+    assert [p.shape for p in students.params["magnitude_ft"].operators] == [torch.Size([])]
+    with torch.no_grad():
+        students.params["magnitude_ft"].operators[0].fill_(0.3)
+    _exports_the_student_stock(pm, "magnitude_ft", "magnitude", "magnitude", tmp_path)
+    with torch.no_grad():
+        pm.operators["magnitude"][pm.plan.gaps[0].key].delta[0, 1] = 0.1
+    with pytest.raises(ValueError, match="not a multiple of the identity"):
+        export_view(pm, "magnitude", tmp_path / "bad", method="magnitude")

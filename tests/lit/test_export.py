@@ -107,3 +107,62 @@ def test_export_names_bad_views_before_the_run(tiny_dir, text_files, tmp_path):
     with pytest.raises(ValueError, match=r"export.views \['ghots'\] are not views of this run"):
         main(_args(tiny_dir, text_files, tmp_path / "run", "--export.views", "[ghots]"))
     assert not (tmp_path / "run" / "results.json").exists()
+
+
+def test_a_stock_student_that_trains_its_rotation_exports_stock_from_the_run_and_its_folder(
+    tiny_dir, text_files, tmp_path
+):
+    """A `rotation_anchored` student whose recovery has its own name trains c·Q within the scaled rotations
+    (the run tells the students each recovery name's method): after 3 steps its folder, written at the end of
+    `fit` and again from the run folder, is the plain architecture (no `auto_map`, no operator), loads with a
+    plain `from_pretrained`, differs from the closed form's, and scores the run's perplexity."""
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    student = {"name": "ra_ft", "method": "ra", "train": ["operators", "lora"]}
+    args = tiny_run_args(
+        tiny_dir, text_files, run, recovery=[{"name": "ra", "method": "rotation_anchored"}], eval_windows=4
+    )
+    main(
+        [
+            *args,
+            "--trainer.max_steps",
+            "3",
+            "--model.distill.students",
+            json.dumps([student]),
+            "--model.distill.lr",
+            "1e-2",
+            "--model.distill.keep",
+            "last",
+            "--export.views",
+            '["ra", "ra_ft"]',
+        ]
+    )
+    results = json.loads((run / "results.json").read_text())
+    folders = {v: run / "export" / v for v in ("ra", "ra_ft")}
+    for folder in folders.values():
+        config = json.loads((folder / "config.json").read_text())
+        assert "auto_map" not in config and config["architectures"] == ["LlamaForCausalLM"]
+        assert not any("gap_operators" in k or "lora" in k for k in _weights(folder))
+        AutoModelForCausalLM.from_pretrained(folder)  # a plain load, no remote code
+    embed = next(k for k in _weights(folders["ra"]) if k.endswith("embed_tokens.weight"))
+    assert not torch.equal(_weights(folders["ra"])[embed], _weights(folders["ra_ft"])[embed]), "the trained Q is folded"
+    again = tmp_path / "again"
+    main(["export", str(run), "--views", "ra_ft", "--dir", str(again)])
+    a, b = _weights(folders["ra_ft"]), _weights(again / "ra_ft")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=1e-6, msg=key)
+    check = tmp_path / "check"
+    main(
+        tiny_run_args(
+            folders["ra_ft"],
+            text_files,
+            check,
+            layers=(1,),
+            recovery=[{"name": "none", "method": "none"}],
+            eval_windows=4,
+        )
+    )
+    reloaded = json.loads((check / "results.json").read_text())["views"]["dense"]["metrics"]["held_out"]
+    assert reloaded["ppl"] == pytest.approx(results["views"]["ra_ft"]["metrics"]["held_out"]["ppl"], rel=1e-5)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import math
+
 import pytest
 import torch
 
@@ -210,3 +213,41 @@ def test_anchored_registry_keys_and_folding():
     identity = method.identity(cfg, C)
     x = torch.randn(2, 5, C)
     torch.testing.assert_close(identity.operator(x), x)
+
+
+@pytest.mark.parametrize("method", ["rotation_through", "rotation_anchored"])
+def test_a_student_trains_within_the_scaled_rotations(method):
+    """A student's operator (`student_operator`) starts at the fit to the bit, and wherever its generator and
+    scale go, W stays c·Q with Q orthogonal (so it folds: `scaled_rotation` accepts it), and for
+    `rotation_anchored` u·Q = u with the fit's u; gradients reach both parameters."""
+    from ghostdistill.methods.rotation import ScaledRotationOperator, scaled_rotation
+
+    u = _unit(5)
+    op, stats = _fitted(method, _massive_taps(1.4, _fixing(u, 6), u, noise=0.05))
+    student = get_method(method).student_operator(copy.deepcopy(op))
+    assert isinstance(student, ScaledRotationOperator)
+    assert torch.equal(student.delta, op.delta)  # exp(0) = I exactly: the closed form to the bit
+    assert {n for n, _ in student.named_parameters()} == {"generator", "log_scale"}
+    x = torch.randn(2, 7, C)
+    student(x).square().sum().backward()
+    assert student.generator.grad.abs().sum() > 0 and student.log_scale.grad.abs() > 0
+    with torch.no_grad():
+        student.generator.normal_(0, 0.3)  # far from the fit: a turn of order one
+        student.log_scale.fill_(0.2)
+    c, q, _ = scaled_rotation(student)  # refuses anything off c·Q by more than 1e-4
+    c_fit, q_fit, _ = scaled_rotation(op)
+    assert abs(c - c_fit * math.exp(0.2)) < 1e-5
+    assert float((q - q_fit).abs().max()) > 0.05, "the generator turned Q"
+    anchored = method == "rotation_anchored"
+    u_fit = first_direction(stats)
+    assert torch.allclose(u_fit @ q, u_fit, atol=1e-5) == anchored
+
+
+def test_a_rotation_operator_without_a_fixed_direction_or_with_a_first_shift_is_refused():
+    """`rotation` (first positions shifted apart) does not fold, so it has no scaled-rotation student."""
+    from ghostdistill.methods.rotation import ScaledRotationOperator
+
+    op, _ = _fitted("rotation", _taps(1.7, _orthogonal(1)))
+    assert not hasattr(get_method("rotation"), "student_operator")
+    with pytest.raises(ValueError, match="no first shift"):
+        ScaledRotationOperator(op)

@@ -339,3 +339,53 @@ def test_criterion_samples_caps_the_windows_the_candidates_are_fitted_on():
         selection=selection_batches(),
     )
     assert a.candidates == b.candidates
+
+
+def test_greedy_from_a_start_is_the_search_after_those_blocks():
+    """`plan.greedy_start` removes its blocks first: started from the scratch search's first two blocks, the
+    search takes the same third step (the same KLs); started elsewhere it keeps the start and adds to it."""
+    model = built_model()
+    batches, selection = random_batches(n=2), selection_batches()
+    scratch = repair_greedy_plan(
+        PlanConfig(criterion="repair_greedy", num_layers=3), PLAIN, model, model.model, batches, selection
+    )
+    first_two = [scratch.candidates[f"step {t}"]["kept"] for t in (1, 2)]
+    cfg = PlanConfig(criterion="repair_greedy", num_layers=3, greedy_start=first_two)
+    cfg.validate()
+    started = repair_greedy_plan(cfg, PLAIN, model, model.model, batches, selection)
+    assert started.removed == scratch.removed
+    assert list(started.candidates) == ["step 3"] and started.costs["start"] == sorted(first_two)
+    for block, kl in scratch.candidates["step 3"]["tried"].items():
+        assert started.candidates["step 3"]["tried"][block] == pytest.approx(kl, rel=1e-6, abs=1e-9)
+    assert started.costs["selection_forwards"] == 3
+    other = repair_greedy_plan(
+        PlanConfig(criterion="repair_greedy", num_layers=3, greedy_start=[4, 5]),
+        PLAIN,
+        model,
+        model.model,
+        batches,
+        selection,
+    )
+    assert {4, 5} < set(other.removed) and list(other.scores) == [str(other.candidates["step 3"]["kept"])]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"criterion": "repair", "greedy_start": [3]}, "set plan.criterion repair_greedy"),
+        ({"greedy_start": [3, 4, 5]}, "name fewer blocks than num_layers"),
+        ({"greedy_start": [3, 3]}, "distinct 0-based block indices"),
+        ({"greedy_start": [-1]}, "distinct 0-based block indices"),
+        ({"greedy_start": [3], "greedy_from": "runs/x"}, "keep one of them"),
+    ],
+)
+def test_a_bad_greedy_start_is_refused_before_any_work(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PlanConfig(**{"criterion": "repair_greedy", "num_layers": 3, **kwargs}).validate()
+
+
+def test_a_greedy_start_block_that_is_not_removable_is_named():
+    model = built_model()
+    cfg = PlanConfig(criterion="repair_greedy", num_layers=3, greedy_start=[0])  # keep_first 1 protects block 0
+    with pytest.raises(ValueError, match=r"blocks \[0\] are not removable"):
+        repair_greedy_plan(cfg, PLAIN, model, model.model, random_batches(n=1), selection_batches())

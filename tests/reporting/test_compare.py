@@ -4,7 +4,7 @@ import pytest
 
 
 def test_compare_plan_names_tell_every_plan_key_apart():
-    from ghostdistill.reporting.compare import plan_args, plan_name
+    from ghostdistill.reporting.compare import greedy_source, plan_args, plan_name
 
     plans = [
         {"criterion": "taylor", "num_layers": 7},
@@ -36,6 +36,7 @@ def test_compare_plan_names_tell_every_plan_key_apart():
             "repair_method",
             "repair_chunk",
             "greedy_from",
+            "greedy_start",
         )
     }
     # The repair method is in the folder name (each method's own best plan); the chunk size is not (memory only).
@@ -44,6 +45,10 @@ def test_compare_plan_names_tell_every_plan_key_apart():
     )
     assert plan_name({"criterion": "repair", "num_layers": 7, "repair_chunk": 4}) == "repair_7"
     assert plan_name({"criterion": "repair_greedy", "num_layers": 7, "greedy_from": "x"}) == "repair_greedy_7"
+    # A greedy search's start decides its plan: in the name, and never taken from another depth's steps.
+    started = {"criterion": "repair_greedy", "num_layers": 11, "greedy_start": [12, 13, 14]}
+    assert plan_name(started) == "repair_greedy_11_from12_13_14"
+    assert greedy_source(started, [{**started, "num_layers": 9}]) is None
     assert args[args.index("--model.plan.num_layers") + 1] == "null"
 
 
