@@ -273,13 +273,17 @@ def test_plan_fingerprints_of_other_criteria_are_unchanged_by_the_repair_keys():
     from dataclasses import asdict
 
     cfg = PlanConfig(num_layers=7)
-    old = {k: v for k, v in asdict(cfg).items() if k not in ("repair_method", "repair_chunk", "greedy_from")}
+    later = ("repair_method", "repair_chunk", "greedy_from", "greedy_start")
+    old = {k: v for k, v in asdict(cfg).items() if k not in later}
     assert cfg.digest_dict() == old
     repair = PlanConfig(criterion="repair", num_layers=7, repair_method="ghost", repair_chunk=4)
     assert repair.digest_dict()["repair_method"] == "ghost" and "repair_chunk" not in repair.digest_dict()
     # Where a greedy search takes its first steps from changes its time, not its plan.
     greedy = PlanConfig(criterion="repair_greedy", num_layers=7, greedy_from="runs/repair_greedy_5")
     assert greedy.digest_dict() == PlanConfig(criterion="repair_greedy", num_layers=7).digest_dict()
+    # Where a greedy search starts decides its plan.
+    started = PlanConfig(criterion="repair_greedy", num_layers=7, greedy_start=[3, 4])
+    assert started.digest_dict()["greedy_start"] == [3, 4]
     with pytest.raises(ValueError, match="plan.greedy_from names a repair_greedy run .* plan.criterion is 'repair'"):
         PlanConfig(criterion="repair", num_layers=7, greedy_from="runs/x").validate()
 
