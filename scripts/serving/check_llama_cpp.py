@@ -36,6 +36,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -210,9 +211,14 @@ def check_views(
     parity: bool = False,
     root: Path = LLAMA_CPP,
     seed=None,
+    discard: bool = False,
     log=print,
 ) -> dict:
-    """The llama.cpp check of `views` of a loaded run (`pipeline.reload.load_run`); GGUF and folders go to `out`."""
+    """The llama.cpp check of `views` of a loaded run (`pipeline.reload.load_run`); GGUF and folders go to `out`.
+
+    With `discard`, each file is deleted once it has been checked (and a view's folder that this check wrote
+    itself, once its converter parity is done), so the disk holds one view's files at a time: a float32 GGUF of
+    SmolLM2-135M is 439 MB, and three views of three types with folders run a small disk out (CI did)."""
     from ghostdistill.export.gguf import inserts_operators, refusal
     from ghostdistill.pipeline.export import export_views
 
@@ -243,6 +249,7 @@ def check_views(
                 continue
             # With --parity the view's Hugging Face folder is needed too (check_serving.py has written it already).
             formats = ["hf", "gguf"] if parity and not (out / view / "config.json").is_file() else ["gguf"]
+            wrote_folder = "hf" in formats
             paths = export_views(
                 loaded.pruned,
                 loaded.tokenizer,
@@ -292,9 +299,16 @@ def check_views(
                     f"({entry[gguf_type]['same_prompts']}/{len(prompts)}), PPL {ppl['ppl']:.4f} vs transformers "
                     f"{reference['ppl_second_half']:.4f} ({100 * rel:+.3f}%)"
                 )
+                if discard and not (parity and f32):  # the parity below reads our F32 file
+                    path.unlink()
             if parity:
                 entry["converter_parity"] = converter_parity(out / view, files["F32"], tmp, root)
                 log(f"llama.cpp {view}: convert_hf_to_gguf.py parity {entry['converter_parity']}")
+                if discard:
+                    files["F32"].unlink()
+                    if wrote_folder:
+                        shutil.rmtree(out / view)
+            entry["discarded"] = discard
             report["views"][view] = entry
     return report
 
@@ -333,6 +347,9 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=20, help="tokens to generate per prompt")
     parser.add_argument("--parity", action="store_true", help="also compare with llama.cpp's convert_hf_to_gguf.py")
     parser.add_argument("--llama-cpp", default=str(LLAMA_CPP), help="the build of scripts/serving/llama_cpp.sh")
+    parser.add_argument(
+        "--discard", action="store_true", help="delete each file once checked (one view's files on disk at a time)"
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
@@ -343,7 +360,16 @@ def main() -> None:
     views = args.views or [v for v in cfg.views() if v != "dense"]
     loaded = load_run(run, cfg, views)
     report = check_views(
-        loaded, cfg, views, Path(args.dir), types=args.types, new=args.new, parity=args.parity, root=root, seed=seed
+        loaded,
+        cfg,
+        views,
+        Path(args.dir),
+        types=args.types,
+        new=args.new,
+        parity=args.parity,
+        root=root,
+        seed=seed,
+        discard=args.discard,
     )
     report["run"] = str(run)
     text = table(report)

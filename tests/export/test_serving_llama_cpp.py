@@ -43,7 +43,7 @@ def test_llama_cpp_serves_plain_and_folded_gguf_token_for_token(tmp_path):
     check = [
         sys.executable, str(ROOT / "scripts" / "serving" / "check_llama_cpp.py"), str(run), "--views", "pruned",
         "rotation_through", "rotation_anchored", "ghost", "--dir", str(tmp_path / "gguf"), "--llama-cpp", str(LLAMA_CPP), "--new", "12",
-        "--parity", "--json", str(out),
+        "--parity", "--discard", "--json", str(out),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(check, capture_output=True, text=True, cwd=ROOT, env=env, check=False)  # this checkout's
@@ -58,3 +58,6 @@ def test_llama_cpp_serves_plain_and_folded_gguf_token_for_token(tmp_path):
             assert entry[gguf_type]["within_tolerance"], (view, gguf_type, entry[gguf_type]["rel_diff"])
         parity = entry["converter_parity"]
         assert parity["same_tensors"] and not parity["metadata_differing"], (view, parity)
+    # --discard kept one view's files on disk at a time (CI's disk ran out with all of them) and left none behind
+    assert not list((tmp_path / "gguf").rglob("*.gguf")), sorted((tmp_path / "gguf").rglob("*"))
+    assert not list((tmp_path / "gguf").rglob("*.safetensors")), sorted((tmp_path / "gguf").rglob("*"))
