@@ -90,7 +90,7 @@ def cost_worker(run: str, student: str, steps: int, out: str) -> None:
     batches = [{"input_ids": ids[i * size : (i + 1) * size]} for i in range(steps + 1)]
     for b in batches:
         b["attention_mask"] = torch.ones_like(b["input_ids"])
-    students = build_students(loaded.pruned, alone, batches[0], {r.name: r.method for r in cfg.recovery})
+    students = build_students(loaded.pruned, alone, batches[0], cfg.methods())
     optimizer, scheduler = make_optimizer(students.params, alone, steps + 1)
     seconds = []
     before = _rss_bytes()

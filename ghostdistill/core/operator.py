@@ -16,7 +16,7 @@ from torch import nn
 # folders carry, so the in-memory views and the exported models share one definition.
 from .modeling_ghostdistill import GapOperator, first_position_mask
 
-__all__ = ["GhostOperator", "first_position_mask"]
+__all__ = ["GhostOperator", "ReparametrisedOperator", "first_position_mask"]
 
 
 class GhostOperator(GapOperator):
@@ -70,3 +70,48 @@ class GhostOperator(GapOperator):
             f"hidden_size={self.delta.shape[0]}, separate_first={self.separate_first}, fused={self.fused}, "
             f"affine={self.bias is not None}"
         )
+
+
+class ReparametrisedOperator(GhostOperator):
+    """A fine-tuned student's operator that stays within what its method folds: W = I + delta is computed
+    from the fitted T = I + M₀ (`base` = M₀, a buffer) and a few trainable parameters, every token through W
+    (no first shift, no bias). A subclass gives `change(T)` = W − T, zero when its parameters are at their
+    start, so that `delta` = M₀ + (W − T) is M₀ to the bit there and the student starts from its closed form.
+    Folded at export: no parameters at inference. (`methods.rotation.ScaledRotationOperator`,
+    `methods.magnitude.ResidualScaleOperator`.)"""
+
+    def __init__(self, fitted: GhostOperator) -> None:
+        if fitted.separate_first or fitted.bias is not None:
+            raise ValueError(
+                f"{type(self).__name__} maps every token through W: the fitted operator must have no first "
+                "shift and no bias"
+            )
+        # nn.Module's own init, not GapOperator's: `delta` is a property here, computed, not a parameter.
+        nn.Module.__init__(self)
+        self.separate_first, self.fused, self.bias = False, fitted.fused, None
+        self.register_buffer("base", fitted.delta.detach().clone())
+        # The overall scale e^s, 0 at the start. Shape (1,), not a 0-dim tensor: FSDP2's fully_shard refuses
+        # scalar parameters.
+        self.log_scale = nn.Parameter(torch.zeros(1, device=self.base.device))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # Checkpoints written before log_scale had shape (1,) hold a 0-dim tensor: the same value.
+        key = prefix + "log_scale"
+        if key in state_dict and state_dict[key].dim() == 0:
+            state_dict[key] = state_dict[key].reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def change(self, t: torch.Tensor) -> torch.Tensor:
+        """W − T for the current parameters."""
+        raise NotImplementedError
+
+    @property
+    def delta(self) -> torch.Tensor:
+        t = self.base + torch.eye(self.base.shape[0], dtype=self.base.dtype, device=self.base.device)
+        return self.base + self.change(t)
+
+    def inference_parameters(self) -> int:
+        return 0  # folded at export
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.base.shape[0]}"

@@ -328,6 +328,8 @@ class Students:
             )
         for name, p in params.items():
             value = state[name]
+            if value.dim() == 0 and tuple(p.shape) == (1,):
+                value = value.reshape(1)  # a scale saved 0-dim, before FSDP2 needed it 1-D (ReparametrisedOperator)
             if tuple(value.shape) != tuple(p.shape):
                 raise ValueError(f"{view}: {name} has shape {tuple(value.shape)} saved, {tuple(p.shape)} here")
             if hasattr(p, "full_tensor") and not hasattr(value, "full_tensor"):

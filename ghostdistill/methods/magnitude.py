@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..core.model import ATTN_OUT, MLP_OUT, last_linear, mlp_module
-from ..core.operator import GhostOperator
+from ..core.operator import GhostOperator, ReparametrisedOperator
 from ..core.plan import Gap
 from .interface import ORDER_KEYS, GapFit, GapTaps, RecoveryConfig, register, residual_identity
 
@@ -88,26 +88,12 @@ class Magnitude:
 SCALE_TOL = 1e-6
 
 
-class ResidualScaleOperator(GhostOperator):
-    """W = e^t·(I + M₀) with M₀ = (s − 1)·I the fitted scale's delta and t trainable (0 at the start, where
-    `delta` is M₀ to the bit)."""
+class ResidualScaleOperator(ReparametrisedOperator):
+    """W = e^t·(I + M₀) with M₀ = (s − 1)·I the fitted scale's delta and t trainable (`log_scale`, 0 at the
+    start, where `delta` is M₀ to the bit)."""
 
-    def __init__(self, fitted: GhostOperator) -> None:
-        nn.Module.__init__(self)
-        self.separate_first, self.fused, self.bias = False, fitted.fused, None
-        self.register_buffer("base", fitted.delta.detach().clone())
-        self.log_scale = nn.Parameter(torch.zeros((), device=self.base.device))
-
-    @property
-    def delta(self) -> torch.Tensor:
-        t = self.base + torch.eye(self.base.shape[0], dtype=self.base.dtype, device=self.base.device)
-        return self.base + (self.log_scale.exp() - 1) * t
-
-    def inference_parameters(self) -> int:
-        return 0  # folded at export
-
-    def extra_repr(self) -> str:
-        return f"hidden_size={self.base.shape[0]}"
+    def change(self, t: torch.Tensor) -> torch.Tensor:
+        return (self.log_scale.exp() - 1) * t
 
 
 @torch.no_grad()

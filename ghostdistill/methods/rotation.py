@@ -49,7 +49,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ..core.operator import GhostOperator
+from ..core.operator import GhostOperator, ReparametrisedOperator
 from ..core.plan import Gap
 from .ghost import GhostStatistics
 from .interface import ORDER_KEYS, GapFit, NoFold, RecoveryConfig, register, residual_identity
@@ -197,23 +197,16 @@ class RotationAnchored(RotationThrough):
         return first_direction(stats)
 
 
-class ScaledRotationOperator(GhostOperator):
+class ScaledRotationOperator(ReparametrisedOperator):
     """W = e^s·T·exp(A) on every token, T = I + M₀ = c₀·Q₀ the fitted scaled rotation; trainable: s and the
     generator G (A = G − Gᵀ, projected to fix `anchor` u when the fit has one: A = P(G − Gᵀ)P, P = I − uᵀu).
 
-    `delta` (W − I, what the fold and the export read) is computed as M₀ + (e^s·T·exp(A) − T), so at the
-    start (s = 0, G = 0: exp(0) = I exactly) it is M₀ to the bit and the student starts from its closed
-    form. Applied like any operator: x ← x + x·delta, one C × C matrix exponential per forward."""
+    At the start (s = 0, G = 0: exp(0) = I exactly) W − T is zero and `delta` is M₀ to the bit
+    (`ReparametrisedOperator`). Applied like any operator: x ← x + x·delta, one C × C matrix exponential per
+    forward."""
 
     def __init__(self, fitted: GhostOperator) -> None:
-        if fitted.separate_first or fitted.bias is not None:
-            raise ValueError(
-                "only an operator mapping every token through W (no first shift, no bias) is a scaled rotation"
-            )
-        nn.Module.__init__(self)
-        self.separate_first, self.fused = False, fitted.fused
-        self.bias = None
-        self.register_buffer("base", fitted.delta.detach().clone())
+        super().__init__(fitted)
         anchor = getattr(fitted, "anchor", None)
         if anchor is not None:
             u = anchor.to(torch.float32) / anchor.norm()
@@ -221,10 +214,8 @@ class ScaledRotationOperator(GhostOperator):
         else:
             self.anchor = None
         self.generator = nn.Parameter(torch.zeros_like(self.base))
-        self.log_scale = nn.Parameter(torch.zeros((), device=self.base.device))
 
-    @property
-    def delta(self) -> torch.Tensor:
+    def change(self, t: torch.Tensor) -> torch.Tensor:
         a = self.generator - self.generator.T
         if self.anchor is not None:
             # P·A·P with P = I − uᵀu, without forming P: A − uᵀ(u·A) − (A·uᵀ)u + uᵀ(u·A·uᵀ)u.
@@ -232,14 +223,10 @@ class ScaledRotationOperator(GhostOperator):
             ua = u @ a
             au = a @ u
             a = a - torch.outer(u, ua) - torch.outer(au, u) + (ua @ u) * torch.outer(u, u)
-        t = self.base + torch.eye(self.base.shape[0], dtype=self.base.dtype, device=self.base.device)
-        return self.base + (self.log_scale.exp() * (t @ torch.linalg.matrix_exp(a)) - t)
-
-    def inference_parameters(self) -> int:
-        return 0  # folded at export
+        return self.log_scale.exp() * (t @ torch.linalg.matrix_exp(a)) - t
 
     def extra_repr(self) -> str:
-        return f"hidden_size={self.base.shape[0]}, anchored={self.anchor is not None}"
+        return f"{super().extra_repr()}, anchored={self.anchor is not None}"
 
 
 # Decoder block classes the derivation above covers.

@@ -119,6 +119,10 @@ class RunConfig:
         """Every view a run has: the baselines, each recovery method and each fine-tuned method."""
         return [DENSE, PRUNED, *(r.name for r in self.recovery), *self.distill.views()]
 
+    def methods(self) -> dict[str, str]:
+        """Each recovery entry's name and its registered method (what students and evaluation are told)."""
+        return {r.name: r.method for r in self.recovery}
+
     def method_of(self, view: str) -> str | None:
         """The registered method behind a view (``ghost`` for ``ghost`` and ``ghost_ft``); None for the baselines."""
         if view in (DENSE, PRUNED):

@@ -11,9 +11,10 @@ Per n (`frontier_point`), from one calibration pass of statistics:
     evaluate                           every chosen (plan, view) on the evaluation windows, with the fits
                                        from the candidate pass (no second calibration pass)
 
-`run_frontier` writes each n to `<root>/points/n_<n>.json` as it finishes (atomically), so an interrupted
-frontier resumes at the next n, and gathers them into frontier.json/.csv/.md and frontier.png
-(`reporting.frontier`).
+`run_frontier` writes each n to `<root>/points/n_<n>.json` as it finishes (atomically), with the settings it
+was computed with, so an interrupted frontier resumes at the next n (a saved depth of other settings is
+computed again, and the console says which differ), and gathers them into frontier.json/.csv/.md and
+frontier.png (`reporting.frontier`).
 """
 
 from __future__ import annotations
@@ -21,18 +22,19 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from torch import nn
 
 from ..calibration.fit import register_view
-from ..core.io import atomic_write_json, json_digest
+from ..core.io import atomic_write_json
 from ..core.model import decoder_stack, text_config
 from ..core.plan import PruningPlan
 from ..core.views import DENSE, PRUNED, PrunedModel
 from ..methods import ships_stock
 from ..planning import check_plan, score_runs
+from ..reporting.report import settings_differences
 from .config import RunConfig
 from .data import RunData
 from .evaluate import evaluate
@@ -78,7 +80,7 @@ def frontier_point(
         for view in views
     }
     windows = {src.label: data.eval_ids(src) for src in cfg.data.evaluation.sources}
-    methods = {r.name: r.method for r in cfg.recovery}
+    methods = cfg.methods()
     rows: list[dict] = []
     start = time.perf_counter()
     for first in sorted(set(choice.values())):
@@ -124,6 +126,21 @@ def frontier_point(
     }
 
 
+def student_starts(point: dict, source: str) -> dict[str, dict]:
+    """Where a depth's students start (`frontier` with `students`): ``stock``, the stock recovery view with the
+    lowest perplexity on `source` (the pruned model has no closed form to start from), and ``operators``, the
+    operator view with the lowest; each its frontier row (view, method, criterion, removed blocks). A kind the
+    depth has no view of is absent."""
+    starts: dict[str, dict] = {}
+    for row in point["rows"]:
+        if row["view"] in (DENSE, PRUNED) or source not in row["metrics"]:
+            continue
+        kind = "stock" if row["stock"] else "operators"
+        if kind not in starts or row["metrics"][source]["ppl"] < starts[kind]["metrics"][source]["ppl"]:
+            starts[kind] = row
+    return starts
+
+
 def check_depths(cfg: RunConfig, llm: nn.Module, depths: list[int]) -> None:
     """Every depth the model's blocks and the plan's protected edges allow, checked before any data is read
     (a depth at or beyond the number of blocks would otherwise fail after the first depths' passes)."""
@@ -147,22 +164,49 @@ def run_frontier(
     log: Callable[[str], None] = print,
 ) -> list[dict]:
     """Every depth of `depths`, each saved as it finishes and skipped when saved before with the same
-    settings (`key`); returns the points in order."""
+    settings (`frontier_settings`); returns the points in order."""
     check_depths(cfg, llm, depths)
     # What needs only the tokenizer (every evaluation source yields its windows), before any pass.
     data.check_before_calibration(getattr(text_config(llm), "max_position_embeddings", None), distilling=False)
-    key = json_digest({"config": repr(cfg), "criteria": list(criteria)})
+    criteria = list(criteria)
+    settings = frontier_settings(cfg, criteria)
     points = []
     for n in depths:
         path = Path(root) / "points" / f"n_{n:02d}.json"
         if path.is_file():
             saved = json.loads(path.read_text())
-            if saved.get("key") == key:
+            why = stale_point(saved, settings)
+            if why is None:
                 log(f"frontier n={n}: done before ({path})")
                 points.append(saved)
                 continue
+            log(f"frontier n={n}: {path} {why}; computing it again")
         log(f"frontier n={n}: planning and evaluating")
-        point = {"key": key, **frontier_point(cfg, llm, data, n, criteria, progress)}
+        point = {"settings": settings, **frontier_point(cfg, llm, data, n, criteria, progress)}
         atomic_write_json(path, point)
         points.append(point)
     return points
+
+
+# What a frontier point does not depend on: the students' and the evaluation's other settings (zero-shot,
+# analysis, logit chunks), which only the `fit` of a run reads.
+_NOT_FRONTIER = ("distill", "evaluation")
+
+
+def frontier_settings(cfg: RunConfig, criteria: list[str]) -> dict:
+    """The settings a frontier point depends on, as plain data: the model, plan, recovery and data sections
+    and the criteria. A field added later with a None default compares equal to its absence
+    (`reporting.report.settings_differences`), so new options do not invalidate saved depths."""
+    config = {k: v for k, v in asdict(cfg).items() if k not in _NOT_FRONTIER}
+    return json.loads(json.dumps({"config": config, "criteria": list(criteria)}, default=str))
+
+
+def stale_point(saved: dict, settings: dict) -> str | None:
+    """Why a saved point cannot be reused under `settings`, or None when it was computed with them."""
+    if "settings" not in saved:
+        return "records no settings (written by an older version)"
+    diff = settings_differences(saved["settings"], settings)
+    if not diff:
+        return None
+    more = f" and {len(diff) - 6} more" if len(diff) > 6 else ""
+    return f"was computed with other {', '.join(diff[:6])}{more}"

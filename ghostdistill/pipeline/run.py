@@ -205,7 +205,7 @@ class Run:
     def build_students(self, check: bool = True):
         """The students, each from its method's closed form (before any optimizer exists)."""
         with self.phase("distil"):
-            methods = {r.name: r.method for r in self.cfg.recovery}
+            methods = self.cfg.methods()
             self.students = build_students(self.pruned, self.cfg.distill, self._batches[0] if check else None, methods)
         specs = self.students.specs.items()
         self.log(

@@ -1,15 +1,7 @@
 """The frontier report (`python -m ghostdistill frontier`): how deep can one cut, and with which repair.
 
-A frontier file names a base fit config (model, recovery entries, calibration, selection and evaluation
-data), the run root, the depths and the criteria:
-
-    base: configs/smollm2_frontier.yaml
-    root: runs/smollm2_frontier
-    num_layers: {first: 1, last: 14}      # or a list: [7, 11]
-    criteria: [streamline, repair]
-
-`pipeline.frontier.run_frontier` computes the points; this module checks the file and writes
-frontier.json (every row), frontier.csv (one row per depth, criterion, view and source), frontier.md (a
+The frontier file: `reporting.frontier_spec`. `pipeline.frontier.run_frontier` computes the points; this module
+writes frontier.json (every row), frontier.csv (one row per depth, criterion, view and source), frontier.md (a
 table per evaluation source) and frontier.png (perplexity against blocks removed, log scale, one line per
 view and criterion).
 
@@ -18,6 +10,12 @@ architecture, `methods.ships_stock`: the pruned model and the folding methods, e
 beside the best point that needs the operator module (remote code in transformers, vLLM's Transformers
 backend, no GGUF): `shipping` in frontier.md, two envelope lines in frontier.png. The parameter column
 counts what the export holds: a folded rotation unties a tied embedding (+ vocab × hidden).
+
+With `students`, each depth also gets the fine-tuned answer: the stock student starts from the depth's best stock
+repair (lowest perplexity on the first evaluation source among the stock recovery views; the pruned model has no
+closed form to start from) on that view's plan, the operator student from the best operator view on its plan.
+Each is one `fit` of `students.config` (`cli.runs.frontier_students`), so the fine-tuned columns use that
+config's data and evaluation, which may differ from the base config's: frontier.md says which.
 """
 
 from __future__ import annotations
@@ -26,47 +24,19 @@ import csv
 import io
 from pathlib import Path
 
-from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text, read_mapping
+from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text
 from ..methods import ships_stock
+from .frontier_spec import CRITERIA, load_frontier_spec
 
-SPEC_KEYS = {"base", "root", "num_layers", "criteria"}
-CRITERIA = ("streamline", "repair")
+__all__ = ["CRITERIA", "FINE_TUNED", "best_by_depth", "flat_rows", "load_frontier_spec", "shipping", "write"]
 
-
-def load_frontier_spec(path: str) -> dict:
-    spec = read_mapping(path, "frontier file")
-    unknown = set(spec) - SPEC_KEYS
-    if unknown:
-        raise ValueError(f"frontier file {path}: unknown keys {sorted(unknown)}; valid: {', '.join(sorted(SPEC_KEYS))}")
-    for key in ("base", "num_layers"):
-        if key not in spec:
-            raise ValueError(f"frontier file {path}: missing {key!r}")
-    if not isinstance(spec["base"], str) or not Path(spec["base"]).is_file():
-        raise FileNotFoundError(f"frontier file {path}: base config {spec['base']!r} does not exist")
-    depths = spec["num_layers"]
-    if isinstance(depths, dict):
-        ends = [depths.get("first"), depths.get("last")]
-        if set(depths) != {"first", "last"} or not all(isinstance(e, int) and not isinstance(e, bool) for e in ends):
-            raise ValueError(
-                f"frontier file {path}: num_layers {depths!r} must be a list of depths or {{first: a, last: b}} "
-                "with integers a <= b"
-            )
-        depths = list(range(ends[0], ends[1] + 1))
-    if not isinstance(depths, list) or not depths or not all(isinstance(d, int) and d >= 1 for d in depths):
-        raise ValueError(f"frontier file {path}: num_layers {spec['num_layers']!r} must name depths >= 1")
-    spec["num_layers"] = sorted(set(depths))
-    spec.setdefault("criteria", list(CRITERIA))
-    if not isinstance(spec["criteria"], list):
-        raise ValueError(f"frontier file {path}: criteria {spec['criteria']!r} must be a list; choose among {CRITERIA}")
-    bad = [c for c in spec["criteria"] if c not in CRITERIA]
-    if bad or not spec["criteria"]:
-        raise ValueError(f"frontier file {path}: criteria {spec['criteria']!r}; choose among {', '.join(CRITERIA)}")
-    spec.setdefault("root", "runs/frontier")
-    return spec
+# A student row's criterion: the plan it trained on came from the training-free rows (its `from` view's).
+FINE_TUNED = "fine-tuned"
 
 
-def flat_rows(points: list[dict]) -> list[dict]:
-    """One row per depth, criterion, view and evaluation source (the dense model once, at depth 0)."""
+def flat_rows(points: list[dict], students: list[dict] = ()) -> list[dict]:
+    """One row per depth, criterion, view and evaluation source (the dense model once, at depth 0), then one
+    per student (`cli.runs.frontier_students`) and source, criterion ``fine-tuned``."""
     rows, dense_seen = [], False
     for point in points:
         for row in point["rows"]:
@@ -90,8 +60,33 @@ def flat_rows(points: list[dict]) -> list[dict]:
                         "selection_kl": row["selection_kl"],
                         # Points written before the flag existed: from the method, as the run decides it.
                         "stock": row.get("stock", _stock_method(row["method"])),
+                        "fine_tuned": False,
+                        "from": None,
+                        "start_ppl": None,
                     }
                 )
+    for student in students:
+        for source, m in student["metrics"].items():
+            rows.append(
+                {
+                    "blocks_removed": student["n"],
+                    "criterion": FINE_TUNED,
+                    "view": student["view"],
+                    "method": student["method"],
+                    "removed": "-".join(str(i) for i in student["removed"][:1] + student["removed"][-1:]),
+                    "params": student["params"],
+                    "source": source,
+                    "ppl": m["ppl"],
+                    "kl": m.get("kl"),
+                    "top1": m.get("top1"),
+                    "selection_kl": None,
+                    "stock": student["stock"],
+                    "fine_tuned": True,
+                    "from": student["from"],
+                    # The view it started from, training-free, in the student's own run (its data and windows).
+                    "start_ppl": student["start_metrics"][source]["ppl"],
+                }
+            )
     return rows
 
 
@@ -102,11 +97,12 @@ def _stock_method(method: str) -> bool:
         return False
 
 
-def best_by_depth(rows: list[dict], source: str) -> dict[int, dict[bool, dict]]:
-    """Per depth, the lowest-perplexity row among the stock views (key True) and among the others (False)."""
+def best_by_depth(rows: list[dict], source: str, fine_tuned: bool = False) -> dict[int, dict[bool, dict]]:
+    """Per depth, the lowest-perplexity row among the stock views (key True) and among the others (False):
+    training-free, or with `fine_tuned` among the students."""
     best: dict[int, dict[bool, dict]] = {}
     for r in rows:
-        if r["source"] != source or r["view"] == "dense":
+        if r["source"] != source or r["view"] == "dense" or r.get("fine_tuned", False) != fine_tuned:
             continue
         here = best.setdefault(r["blocks_removed"], {})
         if r["stock"] not in here or r["ppl"] < here[r["stock"]]["ppl"]:
@@ -116,19 +112,39 @@ def best_by_depth(rows: list[dict], source: str) -> dict[int, dict[bool, dict]]:
 
 def shipping(rows: list[dict], source: str) -> list[str]:
     """ "What can I ship at depth n, and how good is it": per depth the best stock checkpoint (view, criterion,
-    blocks removed, parameters, perplexity) beside the best one that keeps operators."""
+    blocks removed, parameters, perplexity) beside the best one that keeps operators; with students, each
+    followed by its fine-tuned answer (the student, the view it started from, its perplexity)."""
 
     def cell(r: dict | None) -> str:
         if r is None:
             return "- | - | -"
         return f"{r['view']} ({r['criterion']}, {r['removed'] or '-'}) | {r['params'] / 1e6:.1f}M | {r['ppl']:.2f}"
 
+    def tuned(r: dict | None) -> str:
+        if r is None:
+            return "- | -"
+        return f"{r['view']} (from {r['from']} at {r['start_ppl']:.2f}, {r['removed']}) | {r['ppl']:.2f}"
+
+    free, ft = best_by_depth(rows, source), best_by_depth(rows, source, fine_tuned=True)
+    if not ft:
+        lines = [
+            "| blocks removed | best stock checkpoint | params | PPL | best with operators | params | PPL |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for n, pair in sorted(free.items()):
+            lines.append(f"| {n} | {cell(pair.get(True))} | {cell(pair.get(False))} |")
+        return lines
     lines = [
-        "| blocks removed | best stock checkpoint | params | PPL | best with operators | params | PPL |",
-        "|---|---|---|---|---|---|---|",
+        "| blocks removed | best stock checkpoint | params | PPL | stock, fine-tuned | PPL | best with operators | "
+        "params | PPL | with operators, fine-tuned | PPL |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for n, pair in sorted(best_by_depth(rows, source).items()):
-        lines.append(f"| {n} | {cell(pair.get(True))} | {cell(pair.get(False))} |")
+    for n in sorted(set(free) | set(ft)):
+        pair, tuned_pair = free.get(n, {}), ft.get(n, {})
+        lines.append(
+            f"| {n} | {cell(pair.get(True))} | {tuned(tuned_pair.get(True))} | {cell(pair.get(False))} | "
+            f"{tuned(tuned_pair.get(False))} |"
+        )
     return lines
 
 
@@ -142,7 +158,7 @@ def pivot(rows: list[dict], source: str) -> list[str]:
     mine = [r for r in rows if r["source"] == source and r["view"] != "dense"]
     present = {(r["view"], r["criterion"]) for r in mine}
     views = dict.fromkeys(r["view"] for r in mine)  # pruned, then the recovery entries in the config's order
-    columns = [(v, c) for v in views for c in CRITERIA if (v, c) in present]
+    columns = [(v, c) for v in views for c in (*CRITERIA, FINE_TUNED) if (v, c) in present]
     cells = {(r["blocks_removed"], r["view"], r["criterion"]): r for r in mine}
     lines = [
         "| blocks removed | " + " | ".join(f"{v} ({c})" for v, c in columns) + " |",
@@ -162,8 +178,8 @@ def pivot(rows: list[dict], source: str) -> list[str]:
     return lines
 
 
-def markdown(points: list[dict], spec: dict) -> str:
-    rows = flat_rows(points)
+def markdown(points: list[dict], spec: dict, students: list[dict] = ()) -> str:
+    rows = flat_rows(points, students)
     sources = list(dict.fromkeys(r["source"] for r in rows))
     lines = [
         "# ghostdistill frontier",
@@ -172,8 +188,15 @@ def markdown(points: list[dict], spec: dict) -> str:
         "- per depth: `streamline` is the run of blocks with the highest cosine; `repair` is each view's own run "
         "with the lowest KL(dense ‖ repaired) on the selection windows (`pruned`: the lowest pruned KL)",
         "- KL is KL(dense ‖ view) per token in nats on the evaluation source; selection KL is the criterion's",
-        "",
     ]
+    if students:
+        config = spec["students"]["config"]
+        lines.append(
+            f"- fine-tuned: one `fit` of `{config}` per depth and student (its data, steps and evaluation), from the "
+            "depth's best stock repair and best operator view on their plans; runs in "
+            + ", ".join(f"`{s['run']}`" for s in students)
+        )
+    lines.append("")
     for source in sources:
         dense = next((r["ppl"] for r in rows if r["source"] == source and r["view"] == "dense"), None)
         lines += [
@@ -212,20 +235,20 @@ def markdown(points: list[dict], spec: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(points: list[dict], path: Path, source: str | None = None) -> None:
+def plot(points: list[dict], path: Path, source: str | None = None, students: list[dict] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in flat_rows(points) if source is None or r["source"] == source]
+    rows = [r for r in flat_rows(points, students) if source is None or r["source"] == source]
     source = source or rows[0]["source"]
     rows = [r for r in rows if r["source"] == source]
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     dense = next((r for r in rows if r["view"] == "dense"), None)
     if dense is not None:
         ax.axhline(dense["ppl"], color="black", linewidth=0.8, linestyle=":", label=f"dense ({dense['ppl']:.1f})")
-    lines = sorted({(r["view"], r["criterion"]) for r in rows if r["view"] != "dense"})
+    lines = sorted({(r["view"], r["criterion"]) for r in rows if r["view"] != "dense" and not r["fine_tuned"]})
     for view, criterion in lines:
         mine = sorted(
             (r for r in rows if (r["view"], r["criterion"]) == (view, criterion)), key=lambda r: r["blocks_removed"]
@@ -238,16 +261,23 @@ def plot(points: list[dict], path: Path, source: str | None = None) -> None:
             linestyle="-" if criterion == "repair" else "--",
             label=f"{view} ({criterion})",
         )
-    best = best_by_depth(rows, source)
-    for stock, label, style in ((True, "best stock", "-"), (False, "best with operators", ":")):
+    envelopes = (
+        (False, True, "best stock", "-", "black"),
+        (False, False, "best with operators", ":", "black"),
+        (True, True, "stock, fine-tuned", "-", "tab:red"),
+        (True, False, "with operators, fine-tuned", ":", "tab:red"),
+    )
+    for fine_tuned, stock, label, style, color in envelopes:
+        best = best_by_depth(rows, source, fine_tuned)
         depths = [n for n in sorted(best) if stock in best[n]]
         if depths:
             ax.plot(
                 depths,
                 [best[n][stock]["ppl"] for n in depths],
-                color="black",
+                color=color,
+                marker="s" if fine_tuned else None,
                 linewidth=2.2,
-                alpha=0.35,
+                alpha=0.35 if not fine_tuned else 0.6,
                 linestyle=style,
                 label=label,
             )
@@ -259,16 +289,16 @@ def plot(points: list[dict], path: Path, source: str | None = None) -> None:
     plt.close(fig)
 
 
-def write(root: Path, points: list[dict], spec: dict) -> list[Path]:
+def write(root: Path, points: list[dict], spec: dict, students: list[dict] = ()) -> list[Path]:
     root.mkdir(parents=True, exist_ok=True)
-    rows = flat_rows(points)
+    rows = flat_rows(points, students)
     paths = [root / "frontier.json", root / "frontier.csv", root / "frontier.md", root / "frontier.png"]
-    atomic_write_json(paths[0], {"spec": spec, "points": points, "rows": rows})
+    atomic_write_json(paths[0], {"spec": spec, "points": points, "students": list(students), "rows": rows})
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_text(paths[1], buf.getvalue())
-    atomic_write_text(paths[2], markdown(points, spec))
-    plot(points, paths[3])
+    atomic_write_text(paths[2], markdown(points, spec, students))
+    plot(points, paths[3], students=students)
     return paths

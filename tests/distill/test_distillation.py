@@ -257,7 +257,13 @@ FSDP2 = json.dumps(
 FSDP2_STUDENTS = [
     {"name": "ghost_lora_ft", "method": "ghost", "train": ["lora"]},
     {"name": "linearpatch_blocks_ft", "method": "linearpatch", "train": ["blocks"]},
+    # A stock student: its operator trains within the scaled rotations (a generator and a 0-dim log-scale).
+    {"name": "ra_rot_ft", "method": "ra", "train": ["operators"]},
 ]
+# The recovery entries of the FSDP2 run: _args' two and the rotation the stock student starts from.
+FSDP2_RECOVERY = json.dumps(
+    [{"name": "ghost"}, {"name": "linearpatch", "method": "linearpatch"}, {"name": "ra", "method": "rotation_anchored"}]
+)
 
 
 @pytest.mark.slow
@@ -277,6 +283,8 @@ def test_fsdp2_trains_like_one_process_and_resumes(tiny_dir, text_files, tmp_pat
         "cpu",
         "--model.distill.lora.lr",
         "1e-2",
+        "--model.recovery",
+        FSDP2_RECOVERY,
     )
     one = tmp_path / "one"
     main(_args(tiny_dir, text_files, one, *common, "--data.batch_size", "4", steps=4))
@@ -304,14 +312,14 @@ def test_fsdp2_trains_like_one_process_and_resumes(tiny_dir, text_files, tmp_pat
     assert all(h["ranks_in_sync"] for h in h2)
     assert [h["step"] for h in h2] == [h["step"] for h in h1] == [0, 1, 2, 3, 4]
     for a, b in zip(h1, h2):
-        for view in ("ghost_ft", "linearpatch_ft", "ghost_lora_ft", "linearpatch_blocks_ft"):
+        for view in ("ghost_ft", "linearpatch_ft", "ghost_lora_ft", "linearpatch_blocks_ft", "ra_rot_ft"):
             # The same start exactly; then Adam turns the last-bit differences of a gradient averaged over two
             # ranks into steps of ±lr on entries whose gradient is near zero (its update is g/√v, about ±1
             # for any tiny g): close, not equal.
             tol = 1e-6 if a["step"] == 0 else 5e-2
             assert b[view]["kl"] == pytest.approx(a[view]["kl"], rel=tol), (a["step"], view)
     assert h2[-1]["linearpatch_ft"]["kl"] < h2[0]["linearpatch_ft"]["kl"], (h1, h2)
-    for view in ("ghost_lora_ft", "linearpatch_blocks_ft"):  # trained (LoRA at 1e-2 overshoots in 4 steps here)
+    for view in ("ghost_lora_ft", "linearpatch_blocks_ft", "ra_rot_ft"):  # trained (LoRA at 1e-2 overshoots here)
         assert h2[-1][view]["kl"] != pytest.approx(h2[0][view]["kl"], rel=1e-3), (view, h1, h2)
     # Resume from the sharded run's last checkpoint for two more steps.
     more = [*args[: args.index("--trainer.max_steps") + 1], "6", *args[args.index("--trainer.max_steps") + 2 :]]

@@ -189,9 +189,15 @@ def test_a_magnitude_student_trains_its_scale_and_folds(tmp_path):
         tiny_model("llama"), PruningPlan.from_layers([2, 3], 6), [RecoveryConfig(name="magnitude", method="magnitude")]
     )
     students = build_students(pm, DistillConfig(methods=["magnitude"]))
-    assert [p.shape for p in students.params["magnitude_ft"].operators] == [torch.Size([])]
+    assert [p.shape for p in students.params["magnitude_ft"].operators] == [torch.Size([1])]  # the scale alone
     with torch.no_grad():
         students.params["magnitude_ft"].operators[0].fill_(0.3)
+    # A state saved when the scale was a 0-dim tensor (runs before FSDP2 needed it 1-D) loads to the same scale.
+    state = students.trainable_state("magnitude_ft")
+    (name,) = state
+    students.params["magnitude_ft"].operators[0].detach().zero_()
+    students.load_trainable_state("magnitude_ft", {name: state[name].reshape(())})
+    assert float(students.params["magnitude_ft"].operators[0]) == pytest.approx(0.3)
     _exports_the_student_stock(pm, "magnitude_ft", "magnitude", "magnitude", tmp_path)
     with torch.no_grad():
         pm.operators["magnitude"][pm.plan.gaps[0].key].delta[0, 1] = 0.1

@@ -241,6 +241,12 @@ def test_a_student_trains_within_the_scaled_rotations(method):
     anchored = method == "rotation_anchored"
     u_fit = first_direction(stats)
     assert torch.allclose(u_fit @ q, u_fit, atol=1e-5) == anchored
+    # A checkpoint written when log_scale was 0-dim (before FSDP2 needed it 1-D) loads to the same W.
+    old = {k: (v.reshape(()) if k == "log_scale" else v) for k, v in student.state_dict().items()}
+    assert old["log_scale"].dim() == 0
+    again = get_method(method).student_operator(copy.deepcopy(op))
+    again.load_state_dict(old)
+    assert again.log_scale.shape == (1,) and torch.equal(again.delta, student.delta)
 
 
 def test_a_rotation_operator_without_a_fixed_direction_or_with_a_first_shift_is_refused():

@@ -4,6 +4,7 @@ own repair-aware plan; resumable per depth; several methods scored from one pass
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -72,6 +73,18 @@ def test_the_frontier_reports_every_view_and_criterion_per_depth_and_resumes(
 
     monkeypatch.setattr(frontier, "frontier_point", fail)
     main(["frontier", str(path), *overrides])
+    # A saved depth without a setting whose value is None (a field added after it was written) is still reused;
+    # one computed with another value of a setting is computed again.
+    saved_path = root / "points" / "n_01.json"
+    saved = json.loads(saved_path.read_text())
+    assert saved["settings"]["config"]["plan"]["greedy_start"] is None
+    del saved["settings"]["config"]["plan"]["greedy_start"]
+    saved_path.write_text(json.dumps(saved))
+    main(["frontier", str(path), *overrides])
+    saved["settings"]["config"]["data"]["calibration"]["num_samples"] += 1
+    saved_path.write_text(json.dumps(saved))
+    with pytest.raises(AssertionError, match="computed again"):
+        main(["frontier", str(path), *overrides])
 
 
 def test_the_shipping_table_sets_the_best_stock_point_beside_the_best_with_operators():
@@ -121,3 +134,90 @@ def test_several_methods_from_one_pass_score_as_each_alone():
         for i, row in alone.rows.items():
             assert both.rows[i][f"{cfg.name}_kl"] == pytest.approx(row[f"{cfg.name}_kl"], rel=1e-5, abs=1e-9)
     assert both.costs["dense_passes"] == 1
+
+
+def _students_file(tmp_path, tiny_dir, text_files, **students):
+    path, overrides = frontier_file(tmp_path, tiny_dir, text_files, [2])
+    spec = yaml.safe_load(path.read_text())
+    spec["students"] = {
+        "config": "configs/smollm2_demo.yaml",
+        "stock": {"name": "stock_ft", "train": ["operators", "lora"]},
+        "operators": {"name": "ops_ft", "train": ["operators"]},
+        "overrides": ["--trainer.max_steps", "2", "--model.distill.lr", "1e-2", "--model.distill.keep", "last"],
+        **students,
+    }
+    path.write_text(yaml.safe_dump(spec))
+    # A stock repair beside the operator one: rotation_anchored folds, ghost keeps its operators.
+    recovery = [{"name": "ghost"}, {"name": "ra", "method": "rotation_anchored"}]
+    return path, [*overrides, "--model.recovery", json.dumps(recovery)]
+
+
+def test_the_frontier_fine_tunes_the_best_stock_and_operator_views_per_depth_and_resumes(
+    tmp_path, tiny_dir, text_files, monkeypatch
+):
+    """With `students`, each depth's best stock repair and best operator view (lowest held-out perplexity) start
+    a student each on their own plan; frontier.md's shipping table gains the fine-tuned columns; a second call
+    reads every student back (none trained again)."""
+    path, overrides = _students_file(tmp_path, tiny_dir, text_files)
+    root = main(["frontier", str(path), *overrides])
+    report = json.loads((root / "frontier.json").read_text())
+    (point,) = report["points"]
+    rows = [r for r in point["rows"] if r["view"] not in ("dense", "pruned")]
+    ppl = lambda r: r["metrics"]["held_out"]["ppl"]  # noqa: E731
+    best = {
+        "stock": min((r for r in rows if r["stock"]), key=ppl),
+        "operators": min((r for r in rows if not r["stock"]), key=ppl),
+    }
+    assert best["stock"]["view"] == "ra" and best["operators"]["view"] == "ghost"
+    students = {s["kind"]: s for s in report["students"]}
+    assert set(students) == {"stock", "operators"}
+    for kind, name in (("stock", "stock_ft"), ("operators", "ops_ft")):
+        s = students[kind]
+        assert (s["view"], s["from"], s["stock"], s["steps"]) == (name, best[kind]["view"], kind == "stock", 2)
+        assert s["removed"] == best[kind]["removed"], "the student trains on its start view's own plan"
+        run = json.loads((Path(s["run"]) / "results.json").read_text())
+        assert run["distill"]["students"][0]["method"] == best[kind]["view"]
+        assert s["metrics"]["held_out"]["ppl"] != s["start_metrics"]["held_out"]["ppl"], "it trained"
+        assert Path(s["run"]).parent == root / "students" and Path(s["run"]).name.startswith(f"n_02_{kind}-")
+    # The shipping table: each training-free best beside its fine-tuned answer.
+    md = (root / "frontier.md").read_text()
+    line = next(x for x in md.splitlines() if x.startswith("| 2 | ") and "stock_ft" in x)
+    for s in students.values():
+        start = s["start_metrics"]["held_out"]["ppl"]
+        assert f"{s['view']} (from {s['from']} at {start:.2f}, " in line, line
+        assert f") | {s['metrics']['held_out']['ppl']:.2f} |" in line, line
+    csv_rows = (root / "frontier.csv").read_text().splitlines()
+    assert sum(",fine-tuned," in x for x in csv_rows) == 2
+
+    import ghostdistill.cli.runs as runs
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a finished student was trained again")
+
+    monkeypatch.setattr(runs, "run_fit", fail)
+    main(["frontier", str(path), *overrides])
+    assert json.loads((root / "frontier.json").read_text())["students"] == report["students"]
+
+
+def test_bad_frontier_students_are_refused_before_the_first_pass(tmp_path, tiny_dir, text_files, monkeypatch):
+    import ghostdistill.pipeline.frontier as frontier
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the frontier ran before its students were checked")
+
+    monkeypatch.setattr(frontier, "frontier_point", fail)
+    cases = [
+        ({"stock": {"name": "stock_ft", "method": "ra"}}, ValueError, "leave it out"),
+        ({"stock": {"name": "stock"}}, ValueError, "name ends in _ft"),
+        ({"config": "configs/nope.yaml"}, FileNotFoundError, "does not exist"),
+        ({"stock": {"name": "stock_ft", "train": ["wings"]}}, ValueError, "frontier students.stock"),
+        ({"overrides": ["--model.model.source", "other-model"]}, ValueError, "not the frontier's"),
+    ]
+    for students, error, match in cases:
+        path, overrides = _students_file(tmp_path, tiny_dir, text_files, **students)
+        with pytest.raises(error, match=match):
+            main(["frontier", str(path), *overrides])
+    # No stock recovery entry to start the stock student from: named, with the entries there are.
+    path, overrides = _students_file(tmp_path, tiny_dir, text_files)
+    with pytest.raises(ValueError, match="needs a stock recovery entry"):
+        main(["frontier", str(path), *overrides, "--model.recovery", '[{"name": "ghost"}]'])

@@ -1,0 +1,92 @@
+"""The frontier file (`python -m ghostdistill frontier <file>`), checked before anything loads.
+
+A frontier file names a base fit config (model, recovery entries, calibration, selection and evaluation
+data), the run root, the depths and the criteria:
+
+    base: configs/smollm2_frontier.yaml
+    root: runs/smollm2_frontier
+    num_layers: {first: 1, last: 14}      # or a list: [7, 11]
+    criteria: [streamline, repair]
+    students:                             # optional: fine-tune per depth (one `fit` each, see below)
+      config: configs/smollm2_stock_students.yaml      # the fit config they train with (data, steps, rates)
+      stock: {name: stock_ft, train: [operators, lora, norms]}   # from the depth's best stock repair
+      operators: {name: operators_ft, train: [operators, lora]}  # from the depth's best operator view
+      overrides: []                       # fit arguments for the student runs only
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..core.io import read_mapping
+
+SPEC_KEYS = {"base", "root", "num_layers", "criteria", "students"}
+CRITERIA = ("streamline", "repair")
+STUDENT_KEYS = {"config", "stock", "operators", "overrides"}
+
+
+def load_frontier_spec(path: str) -> dict:
+    spec = read_mapping(path, "frontier file")
+    unknown = set(spec) - SPEC_KEYS
+    if unknown:
+        raise ValueError(f"frontier file {path}: unknown keys {sorted(unknown)}; valid: {', '.join(sorted(SPEC_KEYS))}")
+    for key in ("base", "num_layers"):
+        if key not in spec:
+            raise ValueError(f"frontier file {path}: missing {key!r}")
+    if not isinstance(spec["base"], str) or not Path(spec["base"]).is_file():
+        raise FileNotFoundError(f"frontier file {path}: base config {spec['base']!r} does not exist")
+    depths = spec["num_layers"]
+    if isinstance(depths, dict):
+        ends = [depths.get("first"), depths.get("last")]
+        if set(depths) != {"first", "last"} or not all(isinstance(e, int) and not isinstance(e, bool) for e in ends):
+            raise ValueError(
+                f"frontier file {path}: num_layers {depths!r} must be a list of depths or {{first: a, last: b}} "
+                "with integers a <= b"
+            )
+        depths = list(range(ends[0], ends[1] + 1))
+    if not isinstance(depths, list) or not depths or not all(isinstance(d, int) and d >= 1 for d in depths):
+        raise ValueError(f"frontier file {path}: num_layers {spec['num_layers']!r} must name depths >= 1")
+    spec["num_layers"] = sorted(set(depths))
+    spec.setdefault("criteria", list(CRITERIA))
+    if not isinstance(spec["criteria"], list):
+        raise ValueError(f"frontier file {path}: criteria {spec['criteria']!r} must be a list; choose among {CRITERIA}")
+    bad = [c for c in spec["criteria"] if c not in CRITERIA]
+    if bad or not spec["criteria"]:
+        raise ValueError(f"frontier file {path}: criteria {spec['criteria']!r}; choose among {', '.join(CRITERIA)}")
+    spec.setdefault("root", "runs/frontier")
+    if "students" in spec:
+        spec["students"] = _check_students(path, spec["students"])
+    return spec
+
+
+def _check_students(path: str, students) -> dict:
+    """The `students` block: a fit config that exists, and a `stock` and/or `operators` student (a name ending
+    in ``_ft`` and what a `distill.students` entry may hold, but no `method`: the depth's best view is it)."""
+    if not isinstance(students, dict) or set(students) - STUDENT_KEYS or "config" not in students:
+        raise ValueError(
+            f"frontier file {path}: students {students!r} must be a mapping with config and stock and/or operators "
+            f"(valid keys: {', '.join(sorted(STUDENT_KEYS))})"
+        )
+    if not isinstance(students["config"], str) or not Path(students["config"]).is_file():
+        raise FileNotFoundError(f"frontier file {path}: students.config {students['config']!r} does not exist")
+    kinds = [k for k in ("stock", "operators") if k in students]
+    if not kinds:
+        raise ValueError(f"frontier file {path}: students names neither a stock nor an operators student")
+    for kind in kinds:
+        entry = students[kind]
+        if not isinstance(entry, dict) or not str(entry.get("name", "")).endswith("_ft"):
+            raise ValueError(
+                f"frontier file {path}: students.{kind} {entry!r} must be a mapping whose name ends in _ft, e.g. "
+                "{name: stock_ft, train: [operators, lora, norms]}"
+            )
+        if "method" in entry:
+            raise ValueError(
+                f"frontier file {path}: students.{kind} sets method {entry['method']!r}; leave it out: each depth's "
+                f"student starts from that depth's best {kind} view"
+            )
+    if len({students[k]["name"] for k in kinds}) < len(kinds):
+        raise ValueError(f"frontier file {path}: students.stock and students.operators need different names")
+    overrides = students.setdefault("overrides", [])
+    if not isinstance(overrides, list) or not all(isinstance(a, str) for a in overrides):
+        raise ValueError(f"frontier file {path}: students.overrides {overrides!r} must be a list of fit arguments")
+    return students
