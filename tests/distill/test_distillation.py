@@ -181,6 +181,12 @@ def test_max_steps_zero_is_the_training_free_run(tiny_dir, text_files, tmp_path)
     assert not (run / "checkpoints").exists()
 
 
+# The recovery entries of the runs with a stock student: _args' two and the rotation that student starts from.
+STOCK_RECOVERY = json.dumps(
+    [{"name": "ghost"}, {"name": "linearpatch", "method": "linearpatch"}, {"name": "ra", "method": "rotation_anchored"}]
+)
+
+
 @pytest.mark.slow
 def test_two_processes_agree_with_one(tiny_dir, text_files, tmp_path):
     """DDP on the CPU (gloo), 2 processes: the summed statistics and the training-free views equal the
@@ -212,8 +218,12 @@ def test_two_processes_agree_with_one(tiny_dir, text_files, tmp_path):
                     {"name": "ghost_tail_ft", "method": "ghost", "train": ["tail"], "tail_blocks": 1},
                     {"name": "ghost_norms_ft", "method": "ghost", "train": ["norms"], "loss": {"hidden_weight": 0.5}},
                     {"name": "ghost_lora_ft", "method": "ghost", "train": ["operators", "lora"]},
+                    # The recommended stock student: the rotation trained as one, LoRA and norm gains.
+                    {"name": "ra_rot_ft", "method": "ra", "train": ["operators", "lora", "norms"]},
                 ]
             ),
+            "--model.recovery",
+            STOCK_RECOVERY,
             steps=4,
         )
         out = subprocess.run(
@@ -231,7 +241,7 @@ def test_two_processes_agree_with_one(tiny_dir, text_files, tmp_path):
     for group, value in one["stats"]["2-3"]["ghost"]["xtx"].items():
         torch.testing.assert_close(two["stats"]["2-3"]["ghost"]["xtx"][group], value, rtol=1e-12, atol=1e-9)
     r1, r2 = (json.loads((runs[d] / "results.json").read_text()) for d in (1, 2))
-    for view in ("pruned", "ghost", "linearpatch"):
+    for view in ("pruned", "ghost", "linearpatch", "ra"):
         assert r2["views"][view]["metrics"]["held_out"]["ppl"] == pytest.approx(
             r1["views"][view]["metrics"]["held_out"]["ppl"], rel=1e-5
         )
@@ -240,7 +250,7 @@ def test_two_processes_agree_with_one(tiny_dir, text_files, tmp_path):
     assert all(h["ranks_in_sync"] for h in history)
     assert set(history[-1]) >= {"ghost_ft", "linearpatch_ft", "ghost_tail_ft", "ghost_norms_ft", "ghost_lora_ft"}
     assert history[-1]["linearpatch_ft"]["kl"] < history[0]["linearpatch_ft"]["kl"]
-    for view in ("ghost_tail_ft", "ghost_norms_ft", "ghost_lora_ft"):  # they trained
+    for view in ("ghost_tail_ft", "ghost_norms_ft", "ghost_lora_ft", "ra_rot_ft"):  # they trained
         assert history[-1][view]["kl"] != history[0][view]["kl"], view
 
 
@@ -260,10 +270,6 @@ FSDP2_STUDENTS = [
     # A stock student: its operator trains within the scaled rotations (a generator and a 0-dim log-scale).
     {"name": "ra_rot_ft", "method": "ra", "train": ["operators"]},
 ]
-# The recovery entries of the FSDP2 run: _args' two and the rotation the stock student starts from.
-FSDP2_RECOVERY = json.dumps(
-    [{"name": "ghost"}, {"name": "linearpatch", "method": "linearpatch"}, {"name": "ra", "method": "rotation_anchored"}]
-)
 
 
 @pytest.mark.slow
@@ -284,7 +290,7 @@ def test_fsdp2_trains_like_one_process_and_resumes(tiny_dir, text_files, tmp_pat
         "--model.distill.lora.lr",
         "1e-2",
         "--model.recovery",
-        FSDP2_RECOVERY,
+        STOCK_RECOVERY,
     )
     one = tmp_path / "one"
     main(_args(tiny_dir, text_files, one, *common, "--data.batch_size", "4", steps=4))
