@@ -96,11 +96,9 @@ def _student_fit_args(spec: dict, cfg, overrides: list[str], start: dict, kind: 
     """The `fit` of one depth's `kind` student: `students.config`, the command line's and `students.overrides`,
     then the start view's plan (its removed blocks), its recovery entry (the frontier's, with its settings) and
     the student itself, starting from that view."""
-    from dataclasses import asdict
-
     students = spec["students"]
-    entry = next(r for r in cfg.recovery if r.name == start["view"])
-    recovery = {k: v for k, v in asdict(entry).items() if v is not None}
+    # The entry's resolved settings (`RecoveryConfig.settings`): what its fit sees, and nothing it would refuse.
+    recovery = next(r for r in cfg.recovery if r.name == start["view"]).settings()
     student = {**students[kind], "method": start["view"]}
     return [
         "--config", students["config"], *overrides, *students["overrides"],

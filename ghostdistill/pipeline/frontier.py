@@ -34,7 +34,7 @@ from ..core.plan import PruningPlan
 from ..core.views import DENSE, PRUNED, PrunedModel
 from ..methods import ships_stock
 from ..planning import check_plan, score_runs
-from ..reporting.report import settings_differences
+from ..reporting.report import other_settings
 from .config import RunConfig
 from .data import RunData
 from .evaluate import evaluate
@@ -205,8 +205,5 @@ def stale_point(saved: dict, settings: dict) -> str | None:
     """Why a saved point cannot be reused under `settings`, or None when it was computed with them."""
     if "settings" not in saved:
         return "records no settings (written by an older version)"
-    diff = settings_differences(saved["settings"], settings)
-    if not diff:
-        return None
-    more = f" and {len(diff) - 6} more" if len(diff) > 6 else ""
-    return f"was computed with other {', '.join(diff[:6])}{more}"
+    other = other_settings(saved["settings"], settings)
+    return None if other is None else f"was computed with {other}"

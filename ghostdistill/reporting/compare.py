@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 
 from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text, read_mapping
-from .report import settings_differences
+from .report import other_settings
 
 PLAN_KEYS = {
     "criterion",
@@ -168,11 +168,8 @@ def stale_reason(results: dict, wanted: dict) -> str | None:
     saved = results.get("settings")
     if saved is None:
         return "its results.json records no settings (written by an older version)"
-    diff = settings_differences(saved, wanted)
-    if not diff:
-        return None
-    more = f" and {len(diff) - 6} more" if len(diff) > 6 else ""
-    return f"its results.json was computed with other {', '.join(diff[:6])}{more}"
+    other = other_settings(saved, wanted)
+    return None if other is None else f"its results.json was computed with {other}"
 
 
 def gather(runs: list[tuple[dict, dict]], spec: dict) -> dict:

@@ -131,6 +131,16 @@ def json_copy(obj: Any) -> Any:
     return json.loads(json.dumps(obj))
 
 
+def other_settings(saved: dict | None, wanted: dict) -> str | None:
+    """`settings_differences` as a phrase for a message ("other model.plan.layers and 2 more"), or None when
+    the settings match."""
+    diff = settings_differences(saved, wanted)
+    if not diff:
+        return None
+    more = f" and {len(diff) - 6} more" if len(diff) > 6 else ""
+    return f"other {', '.join(diff[:6])}{more}"
+
+
 def settings_differences(saved: dict | None, wanted: dict, prefix: str = "") -> list[str]:
     """The dotted keys whose values differ between two `result_settings` (empty when they match)."""
     if not isinstance(saved, dict):
