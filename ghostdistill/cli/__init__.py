@@ -4,7 +4,8 @@
     compare  <compare.yaml> [fit overrides]    one `fit` per plan, gathered into one report
     export   <run> --views ... [--dir D]       write views of a finished run as Hugging Face folders / GGUF files
              [--overwrite] [--format hf gguf] [--trust-remote-code]  (a run's config runs no code without the flag)
-    frontier <frontier.yaml> [fit overrides]   per depth, streamline's and the repair-aware plans, evaluated;
+    frontier <frontier.yaml> [fit overrides]   per depth, streamline's and the repair-aware plans (with `greedy`,
+                                               plans of any shape grown from the depth before), evaluated;
                                                with `students`, a stock and an operator student trained per depth
 
 `fit` is a LightningCLI (YAML configs, `--print_config`, dotted overrides) built without its own
@@ -42,7 +43,8 @@ COMMANDS = {
     "compare": "run one fit per plan of a compare file and gather them into one report",
     "export": "write views of a finished run as Hugging Face model folders and GGUF files (llama.cpp)",
     "frontier": "for n = 1 … N blocks removed: every method on streamline's plan and on its repair-aware plan "
-    "(and, with `students`, the best stock and operator views fine-tuned)",
+    "(with `greedy`, also plans grown block by block from the depth before; with `students`, the best stock and "
+    "operator views fine-tuned)",
 }
 
 

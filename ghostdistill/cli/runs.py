@@ -56,13 +56,14 @@ def run_compare(argv: list[str]) -> Path:
 
 def run_frontier_command(argv: list[str]) -> Path:
     """`frontier <frontier.yaml> [fit overrides]`: per depth, the pruned model and every recovery entry of the
-    base config on streamline's plan and on its own repair-aware plan (`pipeline.frontier`), resumable per
-    depth; with `students` in the file, then per depth the stock and operator students (`frontier_students`);
+    base config on streamline's plan and on its own repair-aware plan, and with ``greedy`` among the criteria on
+    the plan `repair_greedy` grows from the depth before (`pipeline.frontier`), resumable per depth; with
+    `students` in the file, then per depth the stock and operator students (`frontier_students`);
     frontier.json/csv/md/png in the root. The training-free part runs no Trainer: the phases are called
     directly. The fit overrides apply to the student runs too (the same model)."""
     import gc
 
-    from ..pipeline.frontier import run_frontier
+    from ..pipeline.frontier import check_greedy, run_frontier
     from ..reporting import frontier
 
     parser = argparse.ArgumentParser(prog="ghostdistill frontier", description=run_frontier_command.__doc__)
@@ -76,17 +77,20 @@ def run_frontier_command(argv: list[str]) -> Path:
     )
     run = cli.model.run  # the same `pipeline.run.Run` as `fit`'s, its config complete and validated
     check_selection(run.cfg.data, "frontier")
+    if "greedy" in spec["criteria"]:
+        check_greedy(run.cfg, spec["greedy"])  # a view that is no recovery entry, before the model loads
     if "students" in spec:  # a bad student setting is refused before the first pass
         check_frontier_students(spec, run.cfg, settings_of(cli), ns.overrides)
     run.load().to(cli.trainer.strategy.root_device)
     run.setup(root, checks=False)  # `run_frontier` checks every depth instead of the base plan
-    points = run_frontier(run.cfg, run.llm, run.data, root, spec["num_layers"], spec["criteria"])
+    points = run_frontier(
+        run.cfg, run.llm, run.data, root, spec["num_layers"], spec["criteria"], greedy=spec.get("greedy")
+    )
     students = []
     if "students" in spec:
-        source = run.cfg.data.evaluation.sources[0].label
         run.llm = run.data = run.pruned = None  # each student's fit loads the model itself
         gc.collect()
-        students = frontier_students(spec, points, run.cfg, root, ns.overrides, source)
+        students = frontier_students(spec, points, run.cfg, root, ns.overrides)
     frontier.write(root, points, spec, students)
     print(f"frontier report written to {root}/frontier.md")
     return root
@@ -134,9 +138,9 @@ def check_frontier_students(spec: dict, cfg, frontier_settings: dict, overrides:
                 )
 
 
-def frontier_students(spec: dict, points: list[dict], cfg, root: Path, overrides: list[str], source: str) -> list[dict]:
+def frontier_students(spec: dict, points: list[dict], cfg, root: Path, overrides: list[str]) -> list[dict]:
     """Per depth and kind (`stock`, `operators`), one `fit` of the student from the depth's best view of that
-    kind on `source` (`pipeline.frontier.student_starts`), in `<root>/students/n_<n>_<kind>-<settings digest>`:
+    kind (lowest selection KL, `pipeline.frontier.student_starts`), in `<root>/students/n_<n>_<kind>-<settings digest>`:
     a finished one is read back, an interrupted one resumes from its last checkpoint (the digest keeps another
     setting's checkpoint out). Returns a record per student: its metrics, its start view's in the same run, the
     parameters its export holds (the start view's: LoRA and norms merge)."""
@@ -146,7 +150,7 @@ def frontier_students(spec: dict, points: list[dict], cfg, root: Path, overrides
 
     records = []
     for point in points:
-        starts = student_starts(point, source)
+        starts = student_starts(point)
         for kind in ("stock", "operators"):
             if kind not in spec["students"]:
                 continue

@@ -11,10 +11,22 @@ Per n (`frontier_point`), from one calibration pass of statistics:
     evaluate                           every chosen (plan, view) on the evaluation windows, with the fits
                                        from the candidate pass (no second calibration pass)
 
+Contiguous plans cannot keep a block inside a run of removed ones: on SmolLM2-135M every 11-block run
+either contains block 11, which writes the first position's massive activation (a stock repair cannot make
+it: `rotation_anchored` 186.98 at 8-18), or removes later blocks. The criterion ``greedy`` (`greedy_rows`)
+adds plans of any shape: per view of the frontier file's `greedy.views`, ``repair_greedy`` starts from the
+plan of that view at the previous depth with the lowest selection KL (any criterion, so greedy plans chain
+from depth to depth) and removes one block at a time, each step keeping the removal whose repaired model is
+closest to the dense one on the selection windows. Its candidates are fitted on `greedy.criterion_samples`
+calibration windows, the chosen plan on all of them, then scored on the selection windows and evaluated like
+the other rows. Nothing in the choice reads the evaluation windows.
+
 `run_frontier` writes each n to `<root>/points/n_<n>.json` as it finishes (atomically), with the settings it
 was computed with, so an interrupted frontier resumes at the next n (a saved depth of other settings is
 computed again, and the console says which differ), and gathers them into frontier.json/.csv/.md and
-frontier.png (`reporting.frontier`).
+frontier.png (`reporting.frontier`). A view's greedy row of depth n goes to `points/n_<n>_greedy_<view>.json`,
+keyed by the same settings plus `greedy.criterion_samples` and the plan it starts from: adding ``greedy`` to a
+frontier reuses its contiguous depths, and adding a view to `greedy.views` reuses the other views' searches.
 """
 
 from __future__ import annotations
@@ -34,12 +46,17 @@ from ..core.plan import PruningPlan
 from ..core.views import DENSE, PRUNED, PrunedModel
 from ..methods import ships_stock
 from ..planning import check_plan, score_runs
+from ..planning.candidates import first_windows
+from ..planning.fitting import RepairFitter
+from ..planning.greedy import repair_greedy_plan
+from ..planning.scoring import SelectionScorer
 from ..reporting.report import other_settings
 from .config import RunConfig
 from .data import RunData
 from .evaluate import evaluate
 
 FRONTIER_CRITERIA = ("streamline", "repair")
+GREEDY = "greedy"
 
 
 def frontier_point(
@@ -126,17 +143,97 @@ def frontier_point(
     }
 
 
-def student_starts(point: dict, source: str) -> dict[str, dict]:
+def greedy_starts(rows: list[dict], views: Iterable[str]) -> dict[str, list[int]]:
+    """Per view, the removed blocks of its row with the lowest selection KL among `rows` (a depth's rows, any
+    criterion); a view without rows is absent."""
+    starts: dict[str, dict] = {}
+    for row in rows:
+        if row["view"] in views and row.get("selection_kl") is not None:
+            if row["view"] not in starts or row["selection_kl"] < starts[row["view"]]["selection_kl"]:
+                starts[row["view"]] = row
+    return {view: list(row["removed"]) for view, row in starts.items()}
+
+
+def greedy_rows(
+    cfg: RunConfig,
+    llm: nn.Module,
+    data: RunData,
+    n: int,
+    starts: dict[str, list[int]],
+    criterion_samples: int | None,
+    progress: Callable[[Iterable, str], Iterable] = lambda it, desc: it,
+) -> dict:
+    """Depth n's ``greedy`` rows: per view of `starts` (its previous depth's plan), ``repair_greedy`` from that
+    plan to n blocks with the view's recovery entry, its candidates fitted on the first `criterion_samples`
+    calibration windows (None: the base config's `plan.criterion_samples`, all windows when that is unset);
+    the chosen plan fitted on every window (as `fit` would: sequential gaps from the repaired student), scored
+    on the selection windows and evaluated. Returns the rows, each search's steps and the costs."""
+    stack = decoder_stack(llm)
+    entries = {r.name: r for r in cfg.recovery}
+    batches, selection = data.calibration_batches(), data.selection_batches()
+    windows = {src.label: data.eval_ids(src) for src in cfg.data.evaluation.sources}
+    methods = cfg.methods()
+    rows, searches, costs = [], {}, {}
+    for view, start_blocks in starts.items():
+        if len(start_blocks) >= n:
+            continue
+        entry = entries[view]
+        samples = cfg.plan.criterion_samples if criterion_samples is None else criterion_samples
+        plan_cfg = replace(
+            cfg.plan, layers=None, num_layers=n, criterion="repair_greedy", repair_method=view,
+            greedy_start=sorted(start_blocks), greedy_from=None, criterion_samples=samples,
+        )  # fmt: skip
+        t0 = time.perf_counter()
+        plan = repair_greedy_plan(
+            plan_cfg, entry, llm, stack, list(first_windows(batches, samples)), selection, progress
+        )
+        t1 = time.perf_counter()
+        fitter = RepairFitter(llm, [entry], batches, progress)
+        fitter.collect_dense(fitter.needed(plan), f"greedy n={n} ({view}): the chosen plan's statistics")
+        pruned = fitter.repaired(plan)
+        try:
+            start = plan.gaps[0].start
+            kl = SelectionScorer(llm, selection, starts=[start]).score(pruned, [view], start=start)[view]["kl"]
+            result = evaluate(
+                pruned, [view], windows, cfg.data.batch_size, chunk=cfg.evaluation.logit_chunk, methods=methods
+            )[view]
+        finally:
+            pruned.remove_hooks()
+        rows.append(
+            {
+                "n": n,
+                "criterion": GREEDY,
+                "view": view,
+                "method": methods.get(view, view),
+                "stock": ships_stock(methods.get(view)),
+                "removed": list(plan.removed),
+                "greedy_start": sorted(start_blocks),
+                "selection_kl": kl,
+                "params": result.params,
+                "metrics": {s: vars(m) for s, m in result.metrics.items()},
+            }
+        )
+        searches[view] = plan.candidates
+        costs[view] = {
+            "search_s": round(t1 - t0, 2),
+            "fit_and_evaluation_s": round(time.perf_counter() - t1, 2),
+            **{k: v for k, v in plan.costs.items() if k != "total_s"},
+        }
+    return {"rows": rows, "searches": searches, "costs": costs}
+
+
+def student_starts(point: dict) -> dict[str, dict]:
     """Where a depth's students start (`frontier` with `students`): ``stock``, the stock recovery view with the
-    lowest perplexity on `source` (the pruned model has no closed form to start from), and ``operators``, the
-    operator view with the lowest; each its frontier row (view, method, criterion, removed blocks). A kind the
-    depth has no view of is absent."""
+    lowest selection KL (the held-out windows every plan was chosen on; the pruned model has no closed form to
+    start from), and ``operators``, the operator view with the lowest; each its frontier row (view, method,
+    criterion, removed blocks). The evaluation windows play no part in the choice. A kind the depth has no
+    view of is absent."""
     starts: dict[str, dict] = {}
     for row in point["rows"]:
-        if row["view"] in (DENSE, PRUNED) or source not in row["metrics"]:
+        if row["view"] in (DENSE, PRUNED) or row.get("selection_kl") is None:
             continue
         kind = "stock" if row["stock"] else "operators"
-        if kind not in starts or row["metrics"][source]["ppl"] < starts[kind]["metrics"][source]["ppl"]:
+        if kind not in starts or row["selection_kl"] < starts[kind]["selection_kl"]:
             starts[kind] = row
     return starts
 
@@ -153,6 +250,17 @@ def check_depths(cfg: RunConfig, llm: nn.Module, depths: list[int]) -> None:
             raise ValueError(f"frontier num_layers {n} (of {depths}): {err}") from None
 
 
+def check_greedy(cfg: RunConfig, greedy: dict | None) -> list[str]:
+    """The views the ``greedy`` criterion extends (every recovery entry when `greedy.views` is unset),
+    checked against the recovery entries before any pass."""
+    names = [r.name for r in cfg.recovery]
+    views = (greedy or {}).get("views") or names
+    unknown = [v for v in views if v not in names]
+    if unknown:
+        raise ValueError(f"frontier greedy.views {unknown} are not recovery entries; choose among {names}")
+    return list(views)
+
+
 def run_frontier(
     cfg: RunConfig,
     llm: nn.Module,
@@ -162,30 +270,61 @@ def run_frontier(
     criteria: Iterable[str] = FRONTIER_CRITERIA,
     progress: Callable[[Iterable, str], Iterable] = lambda it, desc: it,
     log: Callable[[str], None] = print,
+    greedy: dict | None = None,
 ) -> list[dict]:
     """Every depth of `depths`, each saved as it finishes and skipped when saved before with the same
-    settings (`frontier_settings`); returns the points in order."""
+    settings (`frontier_settings`); returns the points in order. With ``greedy`` among `criteria`, every
+    depth after the first also gets its greedy rows (`greedy_rows`, saved beside the depth's point and
+    resumed the same way), which join the point's rows."""
+    criteria = list(criteria)
+    greedy = {"views": None, "criterion_samples": None, **(greedy or {})}
+    views = check_greedy(cfg, greedy) if GREEDY in criteria else []
     check_depths(cfg, llm, depths)
     # What needs only the tokenizer (every evaluation source yields its windows), before any pass.
     data.check_before_calibration(getattr(text_config(llm), "max_position_embeddings", None), distilling=False)
-    criteria = list(criteria)
-    settings = frontier_settings(cfg, criteria)
-    points = []
+    contiguous = [c for c in criteria if c != GREEDY]
+    settings = frontier_settings(cfg, contiguous)
+    points: list[dict] = []
     for n in depths:
         path = Path(root) / "points" / f"n_{n:02d}.json"
-        if path.is_file():
-            saved = json.loads(path.read_text())
-            why = stale_point(saved, settings)
-            if why is None:
-                log(f"frontier n={n}: done before ({path})")
-                points.append(saved)
-                continue
-            log(f"frontier n={n}: {path} {why}; computing it again")
-        log(f"frontier n={n}: planning and evaluating")
-        point = {"settings": settings, **frontier_point(cfg, llm, data, n, criteria, progress)}
-        atomic_write_json(path, point)
+        point = _saved(path, settings, f"frontier n={n}", log)
+        if point is None:
+            log(f"frontier n={n}: planning and evaluating")
+            point = {"settings": settings, **frontier_point(cfg, llm, data, n, contiguous, progress)}
+            atomic_write_json(path, point)
+        if views and points:
+            starts = greedy_starts(points[-1]["rows"], views)
+            found: dict[str, dict] = {}
+            for view, start in starts.items():
+                # One file per view: adding a view to `greedy.views` reuses the others' searches.
+                extra = {**settings, "greedy_criterion_samples": greedy["criterion_samples"], "start": start}
+                gpath = Path(root) / "points" / f"n_{n:02d}_greedy_{view}.json"
+                found[view] = _saved(gpath, extra, f"frontier n={n} greedy {view}", log)
+                if found[view] is None:
+                    log(f"frontier n={n}: greedy {view} from its plan of n={points[-1]['n']}, {start}")
+                    rows = greedy_rows(cfg, llm, data, n, {view: start}, greedy["criterion_samples"], progress)
+                    found[view] = {"settings": extra, **rows}
+                    atomic_write_json(gpath, found[view])
+            point = {
+                **point,
+                "rows": [*point["rows"], *(r for f in found.values() for r in f["rows"])],
+                "greedy": {v: {"search": f["searches"].get(v), "costs": f["costs"].get(v)} for v, f in found.items()},
+            }
         points.append(point)
     return points
+
+
+def _saved(path: Path, settings: dict, what: str, log: Callable[[str], None]) -> dict | None:
+    """The point saved at `path` when it was computed with `settings`, else None (saying why)."""
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    why = stale_point(saved, settings)
+    if why is None:
+        log(f"{what}: done before ({path})")
+        return saved
+    log(f"{what}: {path} {why}; computing it again")
+    return None
 
 
 # What a frontier point does not depend on: the students' and the evaluation's other settings (zero-shot,

@@ -3,7 +3,8 @@
 The frontier file: `reporting.frontier_spec`. `pipeline.frontier.run_frontier` computes the points; this module
 writes frontier.json (every row), frontier.csv (one row per depth, criterion, view and source), frontier.md (a
 table per evaluation source) and frontier.png (perplexity against blocks removed, log scale, one line per
-view and criterion).
+view and criterion). A plan is written as its runs of removed blocks, first-last each (`spans`: ``12-18``;
+a greedy plan ``4-7+12-18``).
 
 What a user can ship: per depth, the best *stock* point (a view that exports as the model's own
 architecture, `methods.ships_stock`: the pruned model and the folding methods, e.g. ``rotation_anchored``)
@@ -12,7 +13,8 @@ backend, no GGUF): `shipping` in frontier.md, two envelope lines in frontier.png
 counts what the export holds: a folded rotation unties a tied embedding (+ vocab × hidden).
 
 With `students`, each depth also gets the fine-tuned answer: the stock student starts from the depth's best stock
-repair (lowest perplexity on the first evaluation source among the stock recovery views; the pruned model has no
+repair (lowest selection KL among the stock recovery views, the held-out windows the plans were chosen on: the
+evaluation windows play no part in the choice; the pruned model has no
 closed form to start from) on that view's plan, the operator student from the best operator view on its plan.
 Each is one `fit` of `students.config` (`cli.runs.frontier_students`), so the fine-tuned columns use that
 config's data and evaluation, which may differ from the base config's: frontier.md says which.
@@ -51,7 +53,7 @@ def flat_rows(points: list[dict], students: list[dict] = ()) -> list[dict]:
                         "criterion": row["criterion"],
                         "view": row["view"],
                         "method": row["method"],
-                        "removed": "-".join(str(i) for i in row["removed"][:1] + row["removed"][-1:]),
+                        "removed": spans(row["removed"]),
                         "params": row["params"],
                         "source": source,
                         "ppl": m["ppl"],
@@ -73,7 +75,7 @@ def flat_rows(points: list[dict], students: list[dict] = ()) -> list[dict]:
                     "criterion": FINE_TUNED,
                     "view": student["view"],
                     "method": student["method"],
-                    "removed": "-".join(str(i) for i in student["removed"][:1] + student["removed"][-1:]),
+                    "removed": spans(student["removed"]),
                     "params": student["params"],
                     "source": source,
                     "ppl": m["ppl"],
@@ -88,6 +90,17 @@ def flat_rows(points: list[dict], students: list[dict] = ()) -> list[dict]:
                 }
             )
     return rows
+
+
+def spans(removed: list[int]) -> str:
+    """The removed blocks as runs, first-last each: ``12-18``, or ``4-7+12-18`` for a greedy plan."""
+    runs: list[list[int]] = []
+    for b in sorted(removed):
+        if runs and b == runs[-1][-1] + 1:
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    return "+".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def _stock_method(method: str) -> bool:
@@ -186,7 +199,9 @@ def markdown(points: list[dict], spec: dict, students: list[dict] = ()) -> str:
         "",
         f"- base config: `{spec['base']}`; depths {spec['num_layers']}; criteria {spec['criteria']}",
         "- per depth: `streamline` is the run of blocks with the highest cosine; `repair` is each view's own run "
-        "with the lowest KL(dense ‖ repaired) on the selection windows (`pruned`: the lowest pruned KL)",
+        "with the lowest KL(dense ‖ repaired) on the selection windows (`pruned`: the lowest pruned KL); "
+        "`greedy` starts from the view's plan of the depth before with the lowest selection KL and removes one "
+        "block at a time, each the lowest selection KL (`repair_greedy`): plans of any shape",
         "- KL is KL(dense ‖ view) per token in nats on the evaluation source; selection KL is the criterion's",
     ]
     if students:
@@ -258,7 +273,7 @@ def plot(points: list[dict], path: Path, source: str | None = None, students: li
             [r["ppl"] for r in mine],
             marker="o",
             markersize=3,
-            linestyle="-" if criterion == "repair" else "--",
+            linestyle={"repair": "-", "greedy": "-."}.get(criterion, "--"),
             label=f"{view} ({criterion})",
         )
     envelopes = (

@@ -6,7 +6,8 @@ data), the run root, the depths and the criteria:
     base: configs/smollm2_frontier.yaml
     root: runs/smollm2_frontier
     num_layers: {first: 1, last: 14}      # or a list: [7, 11]
-    criteria: [streamline, repair]
+    criteria: [streamline, repair]       # and `greedy`: extend the previous depth's plans (below)
+    greedy: {views: [rotation_anchored], criterion_samples: 8}   # optional, with `greedy` in criteria
     students:                             # optional: fine-tune per depth (one `fit` each, see below)
       config: configs/smollm2_stock_students.yaml      # the fit config they train with (data, steps, rates)
       stock: {name: stock_ft, train: [operators, lora, norms]}   # from the depth's best stock repair
@@ -20,8 +21,11 @@ from pathlib import Path
 
 from ..core.io import read_mapping
 
-SPEC_KEYS = {"base", "root", "num_layers", "criteria", "students"}
-CRITERIA = ("streamline", "repair")
+SPEC_KEYS = {"base", "root", "num_layers", "criteria", "greedy", "students"}
+CRITERIA = ("streamline", "repair", "greedy")
+# `greedy` runs a search per view and depth (minutes to an hour each on SmolLM2-135M): asked for, not default.
+DEFAULT_CRITERIA = ("streamline", "repair")
+GREEDY_KEYS = {"views", "criterion_samples"}
 STUDENT_KEYS = {"config", "stock", "operators", "overrides"}
 
 
@@ -47,16 +51,49 @@ def load_frontier_spec(path: str) -> dict:
     if not isinstance(depths, list) or not depths or not all(isinstance(d, int) and d >= 1 for d in depths):
         raise ValueError(f"frontier file {path}: num_layers {spec['num_layers']!r} must name depths >= 1")
     spec["num_layers"] = sorted(set(depths))
-    spec.setdefault("criteria", list(CRITERIA))
+    spec.setdefault("criteria", list(DEFAULT_CRITERIA))
     if not isinstance(spec["criteria"], list):
         raise ValueError(f"frontier file {path}: criteria {spec['criteria']!r} must be a list; choose among {CRITERIA}")
     bad = [c for c in spec["criteria"] if c not in CRITERIA]
     if bad or not spec["criteria"]:
         raise ValueError(f"frontier file {path}: criteria {spec['criteria']!r}; choose among {', '.join(CRITERIA)}")
     spec.setdefault("root", "runs/frontier")
+    spec["greedy"] = _check_greedy(path, spec)
     if "students" in spec:
         spec["students"] = _check_students(path, spec["students"])
     return spec
+
+
+def _check_greedy(path: str, spec: dict) -> dict | None:
+    """The `greedy` block: which recovery views extend their plans (`views`, default every entry; checked
+    against the base config's entries when it is read) and how many calibration windows the search's
+    candidates are fitted on (`criterion_samples`, default the base's `plan.criterion_samples`)."""
+    greedy = spec.get("greedy")
+    if "greedy" not in spec["criteria"]:
+        if greedy is not None:
+            raise ValueError(
+                f"frontier file {path}: greedy {greedy!r} is set but criteria {spec['criteria']} has no greedy; "
+                "add greedy to criteria or remove the greedy block"
+            )
+        return None
+    greedy = {} if greedy is None else greedy
+    if not isinstance(greedy, dict) or set(greedy) - GREEDY_KEYS:
+        raise ValueError(
+            f"frontier file {path}: greedy {greedy!r} must be a mapping with views and/or criterion_samples "
+            f"(valid keys: {', '.join(sorted(GREEDY_KEYS))})"
+        )
+    views = greedy.get("views")
+    if views is not None and (not isinstance(views, list) or not views or not all(isinstance(v, str) for v in views)):
+        raise ValueError(f"frontier file {path}: greedy.views {views!r} must be a list of recovery entry names")
+    samples = greedy.get("criterion_samples")
+    if samples is not None and (not isinstance(samples, int) or isinstance(samples, bool) or samples < 1):
+        raise ValueError(f"frontier file {path}: greedy.criterion_samples {samples!r} must be an integer >= 1")
+    if len(spec["num_layers"]) < 2:
+        raise ValueError(
+            f"frontier file {path}: criterion greedy extends each depth's plans from the depth before it, and "
+            f"num_layers {spec['num_layers']} has one depth; name at least two"
+        )
+    return {"views": views, "criterion_samples": samples}
 
 
 def _check_students(path: str, students) -> dict:

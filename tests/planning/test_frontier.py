@@ -89,7 +89,7 @@ def test_the_frontier_reports_every_view_and_criterion_per_depth_and_resumes(
 
 def test_the_shipping_table_sets_the_best_stock_point_beside_the_best_with_operators():
     def row(n, view, method, ppl, params=100e6, criterion="repair"):
-        return {"n": n, "criterion": criterion, "view": view, "method": method, "removed": [3, 3 + n - 1],
+        return {"n": n, "criterion": criterion, "view": view, "method": method, "removed": list(range(3, 3 + n)),
                 "selection_kl": 0.1, "params": params, "metrics": {"wiki": {"ppl": ppl}}}  # fmt: skip
 
     points = [
@@ -155,7 +155,7 @@ def _students_file(tmp_path, tiny_dir, text_files, **students):
 def test_the_frontier_fine_tunes_the_best_stock_and_operator_views_per_depth_and_resumes(
     tmp_path, tiny_dir, text_files, monkeypatch
 ):
-    """With `students`, each depth's best stock repair and best operator view (lowest held-out perplexity) start
+    """With `students`, each depth's best stock repair and best operator view (lowest selection KL) start
     a student each on their own plan; frontier.md's shipping table gains the fine-tuned columns; a second call
     reads every student back (none trained again)."""
     path, overrides = _students_file(tmp_path, tiny_dir, text_files)
@@ -163,10 +163,10 @@ def test_the_frontier_fine_tunes_the_best_stock_and_operator_views_per_depth_and
     report = json.loads((root / "frontier.json").read_text())
     (point,) = report["points"]
     rows = [r for r in point["rows"] if r["view"] not in ("dense", "pruned")]
-    ppl = lambda r: r["metrics"]["held_out"]["ppl"]  # noqa: E731
+    kl = lambda r: r["selection_kl"]  # noqa: E731
     best = {
-        "stock": min((r for r in rows if r["stock"]), key=ppl),
-        "operators": min((r for r in rows if not r["stock"]), key=ppl),
+        "stock": min((r for r in rows if r["stock"]), key=kl),
+        "operators": min((r for r in rows if not r["stock"]), key=kl),
     }
     assert best["stock"]["view"] == "ra" and best["operators"]["view"] == "ghost"
     students = {s["kind"]: s for s in report["students"]}
@@ -221,3 +221,104 @@ def test_bad_frontier_students_are_refused_before_the_first_pass(tmp_path, tiny_
     path, overrides = _students_file(tmp_path, tiny_dir, text_files)
     with pytest.raises(ValueError, match="needs a stock recovery entry"):
         main(["frontier", str(path), *overrides, "--model.recovery", '[{"name": "ghost"}]'])
+
+
+def test_greedy_extends_each_views_best_plan_of_the_depth_before_and_reuses_the_contiguous_depths(
+    tmp_path, tiny_dir, text_files, monkeypatch
+):
+    """`greedy` in criteria: from depth 2 on, each view's plan of the depth before with the lowest selection KL
+    (any criterion) grows by repair_greedy; the chosen plan, fitted on every window, scores on the selection
+    windows what the search's last step scored (here the search also reads every window). Adding it to a
+    frontier keeps the contiguous depths; a second call computes nothing."""
+    import ghostdistill.pipeline.frontier as frontier
+
+    path, overrides = frontier_file(tmp_path, tiny_dir, text_files, [1, 2])
+    root = main(["frontier", str(path), *overrides])
+    before = json.loads((root / "frontier.json").read_text())
+    spec = yaml.safe_load(path.read_text())
+    spec["criteria"] = ["streamline", "repair", "greedy"]
+    path.write_text(yaml.safe_dump(spec))
+
+    def fail(*args, **kwargs):
+        raise AssertionError("computed again")
+
+    monkeypatch.setattr(frontier, "frontier_point", fail)  # the contiguous depths are read back
+    main(["frontier", str(path), *overrides])
+    report = json.loads((root / "frontier.json").read_text())
+    first, second = report["points"]
+    assert first["rows"] == before["points"][0]["rows"], "no greedy rows at the first depth"
+    assert second["rows"][: len(before["points"][1]["rows"])] == before["points"][1]["rows"]
+    greedy = {r["view"]: r for r in second["rows"] if r["criterion"] == "greedy"}
+    assert set(greedy) == {"ghost", "linearpatch"}
+    for view, row in greedy.items():
+        mine = [r for r in first["rows"] if r["view"] == view]
+        start = min(mine, key=lambda r: r["selection_kl"])["removed"]
+        assert row["greedy_start"] == start and set(start) < set(row["removed"]) and len(row["removed"]) == 2
+        step = second["greedy"][view]["search"]["step 2"]
+        assert step["kl"] == min(step["tried"].values())
+        assert sorted([*start, int(step["kept"])]) == row["removed"]
+        assert row["selection_kl"] == pytest.approx(step["kl"], rel=1e-4)
+        assert row["metrics"]["held_out"]["ppl"] > 0 and row["stock"] is False
+    saved = sorted(p.name for p in (root / "points").glob("*greedy*"))
+    assert saved == ["n_02_greedy_ghost.json", "n_02_greedy_linearpatch.json"]
+    md = (root / "frontier.md").read_text()
+    assert "ghost (greedy)" in md and "`greedy` starts from" in md
+
+    monkeypatch.setattr(frontier, "greedy_rows", fail)
+    main(["frontier", str(path), *overrides])
+    assert json.loads((root / "frontier.json").read_text())["points"] == report["points"]
+    # Only the views whose search is not saved are searched: one view dropped and added back costs nothing.
+    (root / "points" / "n_02_greedy_ghost.json").unlink()
+    monkeypatch.undo()
+    monkeypatch.setattr(frontier, "frontier_point", fail)
+    calls = []
+    real = frontier.greedy_rows
+    monkeypatch.setattr(frontier, "greedy_rows", lambda *a, **k: calls.append(list(a[4])) or real(*a, **k))
+    main(["frontier", str(path), *overrides])
+    assert calls == [["ghost"]]
+    again = json.loads((root / "frontier.json").read_text())["points"]
+    assert [p["rows"] for p in again] == [p["rows"] for p in report["points"]], "the same search, the same rows"
+
+
+def test_spans_name_the_runs_of_a_plan():
+    from ghostdistill.reporting.frontier import spans
+
+    assert spans([12, 13, 14, 15, 16, 17, 18]) == "12-18"
+    assert spans([18, 4, 5, 6, 7, 12, 13, 14, 15, 16, 17]) == "4-7+12-18"
+    assert spans([3, 9, 10]) == "3+9-10" and spans([]) == ""
+
+
+def test_bad_greedy_settings_are_refused_before_the_first_pass(tmp_path, tiny_dir, text_files, monkeypatch):
+    import ghostdistill.pipeline.frontier as frontier
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the frontier ran before its greedy settings were checked")
+
+    monkeypatch.setattr(frontier, "frontier_point", fail)
+    path, overrides = frontier_file(tmp_path, tiny_dir, text_files, [1, 2])
+    base = yaml.safe_load(path.read_text())
+    cases = [
+        ({"greedy": {"views": ["ghost"]}}, "has no greedy"),
+        ({"criteria": ["repair", "greedy"], "num_layers": [2]}, "name at least two"),
+        ({"criteria": ["repair", "greedy"], "greedy": {"views": "ghost"}}, "must be a list"),
+        ({"criteria": ["repair", "greedy"], "greedy": {"criterion_samples": 0}}, "integer >= 1"),
+        ({"criteria": ["repair", "greedy"], "greedy": {"depth": 3}}, "valid keys"),
+        ({"criteria": ["repair", "greedy"], "greedy": {"views": ["wings"]}}, r"\['wings'\] are not recovery entries"),
+    ]
+    for change, match in cases:
+        path.write_text(yaml.safe_dump({**base, **change}))
+        with pytest.raises(ValueError, match=match):
+            main(["frontier", str(path), *overrides])
+
+
+def test_students_start_from_the_lowest_selection_kl_not_the_lowest_evaluation_perplexity():
+    from ghostdistill.pipeline.frontier import student_starts
+
+    def row(view, stock, kl, ppl):
+        return {"view": view, "stock": stock, "selection_kl": kl, "removed": [3], "metrics": {"wiki": {"ppl": ppl}}}
+
+    point = {"rows": [row("dense", True, None, 30.0), row("pruned", True, 0.1, 40.0), row("ra", True, 0.5, 60.0),
+                      row("rt", True, 0.6, 55.0), row("ghost", False, 0.3, 50.0), row("lp", False, 0.2, 52.0)]}  # fmt: skip
+    starts = student_starts(point)
+    assert (starts["stock"]["view"], starts["operators"]["view"]) == ("ra", "lp")
+    assert student_starts({"rows": [row("ghost", False, 0.3, 50.0)]}).keys() == {"operators"}
