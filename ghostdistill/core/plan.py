@@ -21,6 +21,17 @@ class Gap:
         return self.stop - self.start
 
 
+def gaps_of(removed) -> list[Gap]:
+    """The maximal runs of the removed block indices, in order."""
+    gaps: list[Gap] = []
+    for i in sorted(removed):
+        if gaps and gaps[-1].stop == i:
+            gaps[-1] = Gap(gaps[-1].start, i + 1)
+        else:
+            gaps.append(Gap(i, i + 1))
+    return gaps
+
+
 @dataclass(frozen=True)
 class PruningPlan:
     num_layers: int
@@ -60,13 +71,7 @@ class PruningPlan:
 
     @property
     def gaps(self) -> list[Gap]:
-        gaps: list[Gap] = []
-        for i in self.removed:
-            if gaps and gaps[-1].stop == i:
-                gaps[-1] = Gap(gaps[-1].start, i + 1)
-            else:
-                gaps.append(Gap(i, i + 1))
-        return gaps
+        return gaps_of(self.removed)
 
     def to_dict(self) -> dict:
         return {

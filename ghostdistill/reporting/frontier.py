@@ -27,6 +27,7 @@ import io
 from pathlib import Path
 
 from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text
+from ..core.plan import gaps_of
 from ..methods import ships_stock
 from .frontier_spec import CRITERIA, load_frontier_spec
 
@@ -93,14 +94,9 @@ def flat_rows(points: list[dict], students: list[dict] = ()) -> list[dict]:
 
 
 def spans(removed: list[int]) -> str:
-    """The removed blocks as runs, first-last each: ``12-18``, or ``4-7+12-18`` for a greedy plan."""
-    runs: list[list[int]] = []
-    for b in sorted(removed):
-        if runs and b == runs[-1][-1] + 1:
-            runs[-1].append(b)
-        else:
-            runs.append([b])
-    return "+".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+    """The removed blocks as runs (`core.plan.gaps_of`), first-last each: ``12-18``, or ``4-7+12-18`` for a greedy
+    plan; a run of one block is its index."""
+    return "+".join(g.key if len(g) > 1 else str(g.start) for g in gaps_of(removed))
 
 
 def _stock_method(method: str) -> bool:
