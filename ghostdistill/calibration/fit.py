@@ -40,8 +40,8 @@ def fit_methods(
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, dict]:
     """Fit every gap of every method and register each method's view (in config order, the order of
-    the views in every report); returns each method's settings and what its fit cost (`fit_s`: its own
-    student passes and solves plus an equal share of the shared dense passes).
+    the views in every report); returns each method's settings, what its fit cost (`fit_s`: its own
+    student passes and solves plus an equal share of the shared dense passes) and its fits' `notes`.
 
     With several processes, `batches` is this rank's share and `reduce` sums a tensor over ranks: the
     student statistics of sequential fits are summed before each solve, like the shared ones."""
@@ -49,6 +49,7 @@ def fit_methods(
     methods = {cfg.name: get_method(cfg.method) for cfg in cfgs}
     fits = {cfg.name: {g.key: methods[cfg.name].identity(cfg, hidden) for g in gaps} for cfg in cfgs}
     seconds = dict.fromkeys(fits, 0.0)
+    notes: dict[str, list[str]] = {cfg.name: [] for cfg in cfgs}
     for cfg in cfgs:
         register_view(pruned, cfg.name, fits[cfg.name])
     for k, gap in enumerate(gaps):
@@ -74,6 +75,16 @@ def fit_methods(
             start = time.perf_counter()
             fits[cfg.name][gap.key] = methods[cfg.name].fit(cfg, gap, collectors[cfg.name], hidden)
             seconds[cfg.name] += time.perf_counter() - start
+            if fits[cfg.name][gap.key].note:
+                notes[cfg.name].append(f"gap {gap.key}: {fits[cfg.name][gap.key].note}")
     for cfg in cfgs:
         register_view(pruned, cfg.name, fits[cfg.name])
-    return {cfg.name: {**cfg.settings(), "fit_s": round(seconds[cfg.name], 2)} for cfg in cfgs}
+    # `notes`: what a fit had to say (e.g. an assumption that did not hold), for the log and results.md.
+    return {
+        cfg.name: {
+            **cfg.settings(),
+            "fit_s": round(seconds[cfg.name], 2),
+            **({"notes": n} if (n := notes[cfg.name]) else {}),
+        }
+        for cfg in cfgs
+    }

@@ -16,6 +16,7 @@ from typing import Optional
 
 from lightning.pytorch.cli import LightningCLI
 
+from ..core.lock import hold_folder
 from ..lit.callbacks import Calibration, Export, Report
 from ..lit.checkpoint import LastCheckpoint, resolve_ckpt_path
 from ..lit.datamodule import GhostDataModule
@@ -208,13 +209,15 @@ def run_fit(args: list[str]) -> GhostDistillCLI:
         cli = build_fit(args)
         trainer, model, data = cli.trainer, cli.model, cli.datamodule
         model.run.report.settings = settings_of(cli)  # results.json: what compare checks before reusing it
-        if trainer.max_steps != 0:
-            ckpt = resolve_ckpt_path(
-                cli.config.get("ckpt_path"), Path(trainer.default_root_dir), trainer.is_global_zero
-            )
-            # weights_only (Lightning >= 2.6): tensors and plain data only; `resolve_ckpt_path` has already
-            # checked that `last` loads so, for older Lightning too.
-            safe = {"weights_only": True} if "weights_only" in inspect.signature(trainer.fit).parameters else {}
-            trainer.fit(model, datamodule=data, ckpt_path=ckpt, **safe)
-        trainer.test(model, datamodule=data, verbose=False)
+        # One `fit` per run folder at a time (rank 0 of several holds it); the lock goes with the process.
+        root = Path(trainer.default_root_dir)
+        advice = "wait for it to finish, or choose another trainer.default_root_dir"
+        with hold_folder(root, f"ghostdistill fit into {root}", advice, trainer.is_global_zero):
+            if trainer.max_steps != 0:
+                ckpt = resolve_ckpt_path(cli.config.get("ckpt_path"), root, trainer.is_global_zero)
+                # weights_only (Lightning >= 2.6): tensors and plain data only; `resolve_ckpt_path` has already
+                # checked that `last` loads so, for older Lightning too.
+                safe = {"weights_only": True} if "weights_only" in inspect.signature(trainer.fit).parameters else {}
+                trainer.fit(model, datamodule=data, ckpt_path=ckpt, **safe)
+            trainer.test(model, datamodule=data, verbose=False)
         return cli

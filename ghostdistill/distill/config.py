@@ -14,6 +14,7 @@ import copy
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from ..core.checks import check_unique
 from .loss import LossConfig
 
 Trainable = Literal["operators", "lora", "blocks", "tail", "norms"]
@@ -248,6 +249,7 @@ class DistillConfig:
             raise ValueError(
                 f"{where}: lora needs rank >= 1, alpha > 0, 0 <= dropout < 1 and some target_modules; got {s.lora}"
             )
+        check_unique(f"{where}: lora.target_modules", s.lora.target_modules)
         s.loss.validate()
 
 

@@ -40,11 +40,13 @@ import gguf
 import numpy as np
 import torch
 
+from ..core.checks import check_unique
 from ..core.io import atomic_path
+from ..core.lock import hold, lock_path
 from ..core.views import PrunedModel
 from ..methods import ships_stock
 from .gguf_vocab import add_vocab
-from .writer import view_state
+from .writer import check_target, view_state
 
 FORMATS = ("hf", "gguf")
 # name -> (tensor storage type of the weights, llama.cpp's file type)
@@ -63,7 +65,7 @@ def _names(what: str, given: Iterable[str], valid) -> list[str]:
     bad = [g for g in given if g not in valid]
     if bad or not given:
         raise ValueError(f"{what} {bad or given} is not one of {list(valid)}")
-    return given
+    return check_unique(f"{what}s", given)
 
 
 def check_formats(formats: Iterable[str]) -> list[str]:
@@ -209,6 +211,7 @@ def write_gguf(
     if info:
         writer.add_string("ghostdistill.provenance", json.dumps(info, default=str, sort_keys=True))
     add_vocab(writer, tokenizer, config.vocab_size)
+    needed = 0
     for tensor_name, data in tensors.items():
         storage = _storage(tensor_name, data, gguf_type)
         try:
@@ -217,7 +220,9 @@ def write_gguf(
             storage = gguf.GGMLQuantizationType.F16
             stored = gguf.quants.quantize(data, storage)
         writer.add_tensor(tensor_name, stored, raw_dtype=storage)
-    with atomic_path(path) as tmp:
+        needed += stored.nbytes
+    lock = hold(lock_path(path), f"export of {path.name}", "wait for that export to finish")
+    with lock, atomic_path(path, needed) as tmp:
         writer.write_header_to_file(path=tmp)
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -252,9 +257,8 @@ def export_gguf(
     if inserts_operators(method):
         raise ValueError(refusal(view, method))
     paths = [gguf_path(root, view, t) for t in types]
-    existing = [str(p) for p in paths if p.exists()]
-    if existing and not overwrite:
-        raise FileExistsError(f"GGUF files {existing} exist; pass overwrite (export.overwrite / --overwrite)")
+    for path in paths:
+        check_target(path, "file", overwrite, "overwrite (export.overwrite / --overwrite)")
     info = dict(info or {})
     info.setdefault("view", view)
     info.setdefault("method", method)

@@ -23,21 +23,23 @@ from __future__ import annotations
 
 import copy
 import os
-import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..core import modeling_ghostdistill
-from ..core.io import publish_permissions
+from ..core.io import disk_space, publish_permissions
+from ..core.lock import alive, hold, lock_path, marked_tmpdir, marker_of
 from ..core.modeling_ghostdistill import GhostPrunedConfig
 from ..core.views import _ADAPTER_PARTS, DENSE, PRUNED, PrunedModel, copy_block
 from ..methods import GapFit, get_method
 from . import fold as residual_fold
 from .card import model_card
+
+# Inside a temporary folder: the view being written, and the folder it replaces, moved aside.
+NEW, OLD = "new", "old"
 
 # AutoModel is what vLLM's Transformers backend builds (the base model; vLLM adds its own head).
 WRAPPER_AUTO_MAP = {
@@ -70,10 +72,7 @@ def export_view(
     target = Path(folder)
     if view not in pruned.views:
         raise ValueError(f"cannot export view {view!r}: the views are {pruned.views}")
-    if target.exists() and not overwrite:
-        raise FileExistsError(
-            f"export folder {target} exists; pass overwrite (export.overwrite: true / --overwrite) to replace it"
-        )
+    check_target(target, "folder", overwrite, "overwrite (export.overwrite: true / --overwrite)")
     info = dict(info or {})
     info.setdefault("view", view)
     info.setdefault("method", method)
@@ -86,28 +85,58 @@ def export_view(
         },
     )
     target.parent.mkdir(parents=True, exist_ok=True)
-    clean_orphans(target)
-    # The process id in the name tells a later export whether the folder is still being written.
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-{os.getpid()}-"))
-    try:
-        with pruned.use(view) as model:
-            state, config, kind = view_state(pruned, view, method, info)
-            _save_weights(model, state, tmp)
-            config.save_pretrained(tmp)
-            generation = getattr(model, "generation_config", None)
-            if generation is not None:
-                generation.save_pretrained(tmp)
-        if kind == "operators":
-            shutil.copyfile(modeling_ghostdistill.__file__, tmp / "modeling_ghostdistill.py")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        (tmp / "README.md").write_text(model_card(info, kind))
-        publish_permissions(tmp)  # what save_pretrained gives in place; a serving user must read it
-        _replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with (
+        hold(lock_path(target), f"export of view {view} to {target}", "wait for that export to finish"),
+        disk_space(f"export folder {target}", target.parent) as needed,
+    ):
+        clean_orphans(target)
+        # The marker inside names this process: what lets a later export prove the folder is its to remove.
+        work = marked_tmpdir(target.parent, f".{target.name}.tmp-{os.getpid()}-", target.name)
+        tmp = work / NEW
+        try:
+            tmp.mkdir()
+            with pruned.use(view) as model:
+                state, config, kind = view_state(pruned, view, method, info)
+                needed["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
+                _save_weights(model, state, tmp)
+                config.save_pretrained(tmp)
+                generation = getattr(model, "generation_config", None)
+                if generation is not None:
+                    generation.save_pretrained(tmp)
+            if kind == "operators":
+                shutil.copyfile(modeling_ghostdistill.__file__, tmp / "modeling_ghostdistill.py")
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            (tmp / "README.md").write_text(model_card(info, kind))
+            publish_permissions(tmp)  # what save_pretrained gives in place; a serving user must read it
+            _replace(work, target)
+        finally:
+            _discard(work, target)
     return target
+
+
+def check_target(path: str | os.PathLike, kind: str, overwrite: bool, flag: str = "--overwrite") -> None:
+    """What may stand where an export writes `path`, a ``folder`` (a view) or a ``file`` (GGUF): nothing; with
+    `overwrite`, the same kind or a link (the link is replaced itself, never followed). A folder where a file
+    goes, or a file where a folder goes, is refused whatever `overwrite` says: replacing it would delete
+    something that is not an export of this kind."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        return
+    if not overwrite:
+        raise FileExistsError(f"export target {path} exists; pass {flag} to replace it, or choose another dir")
+    if path.is_symlink():
+        return
+    if kind == "file" and path.is_dir():
+        raise IsADirectoryError(
+            f"export target {path} is a folder where a {path.suffix or 'file'} file goes; move or remove it, or "
+            "choose another dir (overwrite replaces files, never folders)"
+        )
+    if kind == "folder" and not path.is_dir():
+        raise NotADirectoryError(
+            f"export target {path} is a file where a model folder goes; move or remove it, or choose another dir "
+            "(overwrite replaces folders, never files)"
+        )
 
 
 def view_state(pruned: PrunedModel, view: str, method: str | None, info: dict):
@@ -233,42 +262,34 @@ def _save_weights(model: nn.Module, state: dict[str, torch.Tensor], folder: Path
     save_torch_state_dict(tensors, folder, max_shard_size="5GB")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
-
-
 def clean_orphans(target: Path) -> None:
-    """Remove what an export of `target` killed by SIGKILL or a crash left beside it: temporary folders of
-    processes that no longer run (`.<name>.tmp-<pid>-*`, and the pid-less ones of older versions), and an
-    old folder renamed away by `_replace` (put back when the new one never arrived)."""
-    prefix = f".{target.name}."
+    """Remove what an export of `target` killed by SIGKILL or a crash left beside it: its temporary folders
+    (`.<name>.tmp-*`) that hold this tool's marker for `target` (`core.lock.marked_tmpdir`) and whose process
+    no longer runs; an old folder it had moved aside (into the temporary folder) goes back when no new folder
+    took its place. A folder without the marker is never touched, whatever its name. The caller holds the
+    target's lock, so no live export of it is writing one."""
+    prefix = f".{target.name}.tmp-"
     for path in target.parent.iterdir():
         if not path.name.startswith(prefix) or path.is_symlink() or not path.is_dir():
             continue
-        rest = path.name[len(prefix) :]
-        tmp, old = re.fullmatch(r"tmp-(?:(\d+)-)?.+", rest), re.fullmatch(r"old-(\d+)", rest)
-        if tmp and (tmp.group(1) is None or not _alive(int(tmp.group(1)))):
-            shutil.rmtree(path, ignore_errors=True)
-        elif old and not _alive(int(old.group(1))):
-            if target.exists():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.replace(path, target)
+        record = marker_of(path, target.name)
+        if record is not None and not (alive(record) and record.get("pid") != os.getpid()):
+            _discard(path, target)
 
 
-def _replace(tmp: Path, target: Path) -> None:
-    """Move the finished folder into place; an old folder is renamed away first and removed last, so
-    an interruption leaves either the old folder or the new one under the target name."""
-    old = None
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.replace(target, old)
-    os.replace(tmp, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def _discard(work: Path, target: Path) -> None:
+    """Remove a temporary folder of `target`, first putting back the old folder moved into it (`_replace`)
+    when no new one took its place."""
+    old = work / OLD
+    if os.path.lexists(old) and not os.path.lexists(target):
+        os.replace(old, target)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _replace(work: Path, target: Path) -> None:
+    """Move the finished folder (`work/new`) into place; what held the target name (a folder, or a link, which
+    is moved itself and never followed) is moved into `work` first and goes with it, so an interruption leaves
+    either the old folder or the new one under the target name, and nothing beside it but the marked folder."""
+    if os.path.lexists(target):
+        os.replace(target, work / OLD)
+    os.replace(work / NEW, target)

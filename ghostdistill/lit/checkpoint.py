@@ -17,12 +17,23 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from ..core.io import disk_space
+from .interrupts import Terminated, hold_signals, release_signals
+
 LAST = "last.ckpt"
 
 
 class LastCheckpoint(Callback):
-    """`dirpath/last.ckpt` every `every_n_train_steps` optimizer steps and after the final step; written
-    beside the target and renamed, so an interrupted save leaves the previous file."""
+    """`dirpath/last.ckpt` every `every_n_train_steps` optimizer steps, after the final step, and when SIGTERM or
+    SIGINT stops distillation (one process): the step reached, not the last periodic one. Written beside the
+    target and renamed, so an interrupted save leaves the previous file.
+
+    Why a stopped run's step is whole: a signal raises at once (`lit.interrupts`) except between the optimizer
+    update's start (`on_before_optimizer_step`) and the end of that step's bookkeeping (`on_train_batch_end`,
+    where the periodic checkpoints are taken too), where it waits (`hold_signals`). So when the exception
+    arrives, the students, the optimizer and the scheduler are all those of `trainer.global_step`, and the
+    training windows are indexed by that step (`lit.datamodule.StepWindows`): `--ckpt_path last` continues
+    with the batches the stopped run had not finished, as an uninterrupted run takes them."""
 
     def __init__(self, dirpath: Path, every_n_train_steps: int) -> None:
         if every_n_train_steps < 1:
@@ -31,18 +42,50 @@ class LastCheckpoint(Callback):
         self.every = every_n_train_steps
         self._saved_step: int | None = None
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._saved_step = trainer.global_step  # a resumed run's step is already on disk (step 0 holds nothing)
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
+        hold_signals()
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        release_signals()  # the step's update is done: a signal that waited for it raises now
         step = trainer.global_step
         if step != self._saved_step and (step % self.every == 0 or step == trainer.max_steps):
             self.save(trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        release_signals()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """SIGTERM or Ctrl-C during distillation: save the step reached. Several processes keep the last
+        periodic checkpoint: a save takes every process, which an exception on one cannot gather."""
+        release_signals(raise_pending=False)
+        step = trainer.global_step
+        if not isinstance(exception, (Terminated, KeyboardInterrupt)) or self._saved_step in (None, step):
+            return
+        if trainer.world_size > 1:
+            rank_zero_info(
+                f"stopped at step {step}: with {trainer.world_size} processes {self.path} keeps the last periodic "
+                f"checkpoint (step {self._saved_step}); --ckpt_path last resumes from it"
+            )
+            return
+        self.save(trainer)
+        rank_zero_info(f"stopped at step {step}: saved to {self.path}; add --ckpt_path last to the command to resume")
 
     def save(self, trainer: Trainer) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp")
         if trainer.is_global_zero:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        trainer.save_checkpoint(tmp, weights_only=False)  # optimizer too; every rank takes part, rank 0 writes
-        if trainer.is_global_zero:
-            os.replace(tmp, self.path)
+        with disk_space(f"the distillation checkpoint {self.path}", self.path.parent):
+            try:
+                # optimizer too; every rank takes part, rank 0 writes
+                trainer.save_checkpoint(tmp, weights_only=False)
+                if trainer.is_global_zero:
+                    os.replace(tmp, self.path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
         trainer.strategy.barrier()
         self._saved_step = trainer.global_step
 

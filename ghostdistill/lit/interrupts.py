@@ -13,6 +13,12 @@ the exception arrives within one Python bytecode of the signal, or when the curr
 (one matmul) returns. It unwinds through Lightning's interrupt handling, which tears the trainer down.
 Every file the run writes is written atomically (`core.io`), so what is on disk is complete: the
 calibration state, saved zero-shot scores and `last.ckpt` let the same command resume.
+
+A signal must not cut a distillation step's update in half: between `hold_signals` (the gradients are ready,
+the optimizer is about to write the weights) and `release_signals` (the step's update, scheduler step and
+counters are done) SIGTERM and SIGINT are recorded, not raised, and `release_signals` raises the first one.
+Anywhere else in a step the weights, optimizer and scheduler are those of the last finished step, which is
+what `lit.checkpoint.LastCheckpoint` saves on the way out.
 """
 
 from __future__ import annotations
@@ -26,6 +32,42 @@ from collections.abc import Iterator
 
 class Terminated(SystemExit):
     """Raised by the SIGTERM handler; exits with status 128 + signal number."""
+
+
+class _Gate:
+    """Whether signals are held (`hold_signals`), the one that arrived meanwhile, and the SIGINT handler to put
+    back."""
+
+    holding = False
+    pending: BaseException | None = None
+    sigint = None
+
+
+def hold_signals() -> None:
+    """Until `release_signals`, SIGTERM (under `terminate_on_sigterm`) and SIGINT are recorded, not raised.
+    Main thread only (elsewhere signals cannot be handled anyway)."""
+    if _Gate.holding or threading.current_thread() is not threading.main_thread():
+        return
+    _Gate.holding, _Gate.pending = True, None
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+
+        def record(signum: int, frame) -> None:
+            _Gate.pending = _Gate.pending or KeyboardInterrupt()
+
+        _Gate.sigint = signal.signal(signal.SIGINT, record)
+
+
+def release_signals(raise_pending: bool = True) -> None:
+    """End `hold_signals`; raise the signal that arrived meanwhile (unless `raise_pending` is false)."""
+    if not _Gate.holding:
+        return
+    _Gate.holding = False
+    if _Gate.sigint is not None:
+        signal.signal(signal.SIGINT, _Gate.sigint)
+        _Gate.sigint = None
+    pending, _Gate.pending = _Gate.pending, None
+    if pending is not None and raise_pending:
+        raise pending
 
 
 @contextlib.contextmanager
@@ -45,6 +87,9 @@ def terminate_on_sigterm() -> Iterator[None]:
             file=sys.stderr,
             flush=True,
         )
+        if _Gate.holding:  # inside a step's update: raised when it is done (`release_signals`)
+            _Gate.pending = _Gate.pending or Terminated(128 + signum)
+            return
         raise Terminated(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)

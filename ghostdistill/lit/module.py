@@ -161,7 +161,10 @@ class GhostDistill(LightningModule):
     # resume), does not validate after a last step that `val_check_interval` does not divide, and counts
     # batches, not optimizer steps, under gradient accumulation.
     def on_train_start(self) -> None:
-        self.validate_students()
+        # At step 0, and where a resumed run stands at a step an uninterrupted one validates (`val_every`).
+        step, every = self.global_step, self.cfg.distill.val_every
+        if step == 0 or (every and step % every == 0):
+            self.validate_students()
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         self.run.start_step()

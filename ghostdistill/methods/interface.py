@@ -58,10 +58,12 @@ class GapTaps:
 
 @dataclass
 class GapFit:
-    """What one method puts at one gap."""
+    """What one method puts at one gap; `note`: what the run must be told about this fit (an assumption of the
+    method that did not hold, and what it did instead), in its log and results."""
 
     operator: GhostOperator | None = None
     mlp_map: GhostOperator | None = None
+    note: str | None = None
 
 
 @runtime_checkable

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from ..core.checks import check_unique
 from ..core.model import ModelConfig
 from ..core.views import DENSE, PRUNED
 from ..distill.config import DistillConfig
@@ -40,6 +41,7 @@ class ZeroShotConfig:
 
     def validate(self) -> None:
         """Bad limits and missing offline files fail before the model loads, not after an hour of calibration."""
+        check_unique("evaluation.zeroshot.tasks", self.tasks)
         task_limits(self.tasks, self.limit)
         if self.enabled:
             from ..evaluation.zeroshot import require_lm_eval
@@ -71,6 +73,7 @@ class EvalConfig:
     zeroshot: ZeroShotConfig = field(default_factory=ZeroShotConfig)
 
     def validate(self) -> None:
+        check_unique("evaluation.views", self.views)
         if self.logit_chunk is not None and self.logit_chunk < 1:
             raise ValueError(
                 f"evaluation.logit_chunk must be a positive number of tokens, or null (sized by the vocabulary), "

@@ -18,14 +18,19 @@ last one).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
+from ..core.checks import check_unique
+from ..core.io import check_writable
+from ..core.lock import hold, lock_path
 from ..core.views import DENSE, PRUNED, PrunedModel
 from ..distill.config import Student
 from ..export import export_view
 from ..export.gguf import DEFAULT_GGUF_TYPES, check_formats, check_gguf_types, check_gguf_views, export_gguf, gguf_path
+from ..export.writer import check_target
 from .config import RunConfig
 
 
@@ -77,6 +82,7 @@ def check_views(
     """Everything an export can check before it loads or computes anything: the view names, the formats and
     GGUF types, and that no view asked for as GGUF keeps operators."""
     formats = check_formats(formats)
+    check_unique("export views", views)
     available = cfg.views()
     bad = [v for v in views if v not in available]
     if bad:
@@ -111,18 +117,23 @@ def check_targets(
     exists unless `overwrite`, and `root` is (or can be made) a writable folder. `flag` names how the user
     asks to overwrite."""
     root = Path(root)
-    existing = [str(p) for p in export_targets(root, views, formats, gguf_types) if p.exists()]
+    targets = export_targets(root, views, formats, gguf_types)
+    existing = [str(p) for p in targets if os.path.lexists(p)]
     if existing and not overwrite:
         raise FileExistsError(f"export targets {existing} exist; pass {flag} to replace them, or choose another dir")
-    probe = root
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise NotADirectoryError(f"export dir {root} cannot be made: {probe} is a file, not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise PermissionError(
-            f"export dir {root} cannot be written: {probe} is not writable by you; choose another dir"
-        )
+    for path in targets:
+        check_target(path, "file" if path.suffix == ".gguf" else "folder", overwrite, flag)
+    check_writable(root, "export dir")
+
+
+@contextmanager
+def holding_targets(root: Path, views: list[str], formats: Sequence[str], gguf_types: Sequence[str]) -> Iterator[None]:
+    """Hold the lock of every target an export writes (`core.lock`), from before the model loads until the
+    last file is written: a second export of the same folders is refused at once, naming this one."""
+    with ExitStack() as stack:
+        for path in export_targets(Path(root), views, formats, gguf_types):
+            stack.enter_context(hold(lock_path(path), f"export to {path}", "wait for that export to finish"))
+        yield
 
 
 def export_views(
@@ -145,9 +156,8 @@ def export_views(
     missing = [v for v in views if v not in pruned.views]
     if missing:
         raise ValueError(f"cannot export {missing}: they were not built in this run (views: {pruned.views})")
-    existing = [str(p) for p in export_targets(root, views, formats, gguf_types) if p.exists()]
-    if existing and not overwrite:
-        raise FileExistsError(f"export targets {existing} exist; pass overwrite (--overwrite / export.overwrite: true)")
+    # Each writer holds its target's lock while it writes (`export.writer`, `export.gguf`).
+    check_targets(root, views, overwrite, "overwrite (--overwrite / export.overwrite: true)", formats, gguf_types)
     paths: list[Path] = []
     for view in views:
         method = cfg.method_of(view)

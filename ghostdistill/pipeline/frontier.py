@@ -50,6 +50,7 @@ from ..planning.candidates import first_windows
 from ..planning.fitting import RepairFitter
 from ..planning.greedy import repair_greedy_plan
 from ..planning.scoring import SelectionScorer
+from ..reporting.frontier_spec import read_point
 from ..reporting.report import other_settings
 from .config import RunConfig
 from .data import RunData
@@ -222,22 +223,6 @@ def greedy_rows(
     return {"rows": rows, "searches": searches, "costs": costs}
 
 
-def student_starts(point: dict) -> dict[str, dict]:
-    """Where a depth's students start (`frontier` with `students`): ``stock``, the stock recovery view with the
-    lowest selection KL (the held-out windows every plan was chosen on; the pruned model has no closed form to
-    start from), and ``operators``, the operator view with the lowest; each its frontier row (view, method,
-    criterion, removed blocks). The evaluation windows play no part in the choice. A kind the depth has no
-    view of is absent."""
-    starts: dict[str, dict] = {}
-    for row in point["rows"]:
-        if row["view"] in (DENSE, PRUNED) or row.get("selection_kl") is None:
-            continue
-        kind = "stock" if row["stock"] else "operators"
-        if kind not in starts or row["selection_kl"] < starts[kind]["selection_kl"]:
-            starts[kind] = row
-    return starts
-
-
 def check_depths(cfg: RunConfig, llm: nn.Module, depths: list[int]) -> None:
     """Every depth the model's blocks and the plan's protected edges allow, checked before any data is read
     (a depth at or beyond the number of blocks would otherwise fail after the first depths' passes)."""
@@ -287,7 +272,7 @@ def run_frontier(
     points: list[dict] = []
     for n in depths:
         path = Path(root) / "points" / f"n_{n:02d}.json"
-        point = _saved(path, settings, f"frontier n={n}", log)
+        point = _saved(path, settings, f"frontier n={n}", log, n)
         if point is None:
             log(f"frontier n={n}: planning and evaluating")
             point = {"settings": settings, **frontier_point(cfg, llm, data, n, contiguous, progress)}
@@ -299,7 +284,7 @@ def run_frontier(
                 # One file per view: adding a view to `greedy.views` reuses the others' searches.
                 extra = {**settings, "greedy_criterion_samples": greedy["criterion_samples"], "start": start}
                 gpath = Path(root) / "points" / f"n_{n:02d}_greedy_{view}.json"
-                found[view] = _saved(gpath, extra, f"frontier n={n} greedy {view}", log)
+                found[view] = _saved(gpath, extra, f"frontier n={n} greedy {view}", log, n)
                 if found[view] is None:
                     log(f"frontier n={n}: greedy {view} from its plan of n={points[-1]['n']}, {start}")
                     rows = greedy_rows(cfg, llm, data, n, {view: start}, greedy["criterion_samples"], progress)
@@ -314,12 +299,14 @@ def run_frontier(
     return points
 
 
-def _saved(path: Path, settings: dict, what: str, log: Callable[[str], None]) -> dict | None:
-    """The point saved at `path` when it was computed with `settings`, else None (saying why)."""
+def _saved(path: Path, settings: dict, what: str, log: Callable[[str], None], n: int) -> dict | None:
+    """The point of depth `n` saved at `path` when it is whole (`point_problem`) and was computed with
+    `settings`, else None, saying why: a file that is unreadable, edited into another shape or of other
+    settings is computed again (and replaced), never read as it is."""
     if not path.is_file():
         return None
-    saved = json.loads(path.read_text())
-    why = stale_point(saved, settings)
+    saved, why = read_point(path, n)
+    why = why or stale_point(saved, settings)
     if why is None:
         log(f"{what}: done before ({path})")
         return saved

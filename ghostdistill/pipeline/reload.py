@@ -17,7 +17,7 @@ from ..distill.students import Students
 from ..export.gguf import DEFAULT_GGUF_TYPES
 from .config import RunConfig
 from .data import RunData
-from .export import check_targets, check_views
+from .export import check_targets, check_views, holding_targets
 from .run import Run
 from .state import STATE_FILE
 
@@ -102,13 +102,15 @@ def export_run(
     root = out or run / "export"
     check_views(cfg, list(views), str(run), formats, gguf_types)
     check_targets(root, list(views), overwrite, "--overwrite", formats, gguf_types)
-    loaded = load_run(run, cfg, views, log, observers)
-    return loaded.run.export(
-        views,
-        root,
-        report=loaded.report,
-        overwrite=overwrite,
-        seed=seed,
-        formats=formats,
-        gguf_types=gguf_types,
-    )
+    # Held from before the model loads: a second export of these targets is refused at once, not after its load.
+    with holding_targets(root, list(views), formats, gguf_types):
+        loaded = load_run(run, cfg, views, log, observers)
+        return loaded.run.export(
+            views,
+            root,
+            report=loaded.report,
+            overwrite=overwrite,
+            seed=seed,
+            formats=formats,
+            gguf_types=gguf_types,
+        )

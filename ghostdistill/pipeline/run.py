@@ -39,7 +39,7 @@ from ..evaluation.tally import ViewTally
 from ..methods import flat_settings
 from ..planning import check_plan, greedy_steps, no_progress
 from ..reporting.report import RunReport
-from ..reporting.results import check_scored, markdown_table, rank_warning, write_report
+from ..reporting.results import check_scored, markdown_table, rank_warning, view_warnings, write_report
 from .calibrate import Dist, calibrate, calibration_summary
 from .config import RunConfig
 from .data import RunData
@@ -166,6 +166,9 @@ class Run:
             batches = data.calibration_batches()
         # The repair-aware criteria score candidates on held-out windows (read before any statistics).
         selection = data.selection_batches() if cfg.plan.repair_aware() and not saved_only else None
+        # repair_greedy's first steps from an earlier run of these settings: a hand-edited or foreign one is
+        # refused before this run's saved state is read (and said to be recomputed).
+        taken = greedy_steps(cfg.plan, lambda n: run_key(cfg.at_depth(n), llm)) if not saved_only else None
         if self.run_dir is not None:
             self.key, saved = open_state(self.run_dir, cfg, llm, self.warn, self.log)
         else:
@@ -174,8 +177,7 @@ class Run:
             raise ValueError(
                 f"{self.run_dir / STATE_FILE} does not hold this run's complete statistics: run `fit` again to finish it"
             )
-        # repair_greedy's first steps from an earlier run of these settings (checked before any pass).
-        taken = greedy_steps(cfg.plan, lambda n: run_key(cfg.at_depth(n), llm)) if saved is None else None
+        taken = taken if saved is None else None  # a resumed state has its plan already
         cal = calibrate(
             llm,
             cfg.plan,
@@ -200,6 +202,9 @@ class Run:
         report.calibration = calibration_summary(cal, describe, self.key, len(data.calibration_ids()))
         report.calibration["hidden_size"] = hidden_size(llm)  # fewer tokens: a rank-deficient fit (results.md)
         report.recovery = cal.fits
+        for name, fit in cal.fits.items():
+            for note in fit.get("notes", []):
+                (self.warn or self.log)(f"{name} ({fit.get('method', name)}) {note}")
 
     # ------------------------------------------------------------------ distil
     def build_students(self, check: bool = True):
@@ -230,11 +235,11 @@ class Run:
         windows = self.data.val_ids()
         if self.last_validated == step or windows is None:
             return None
-        self.last_validated = step
         with self.phase("validate"):
             chunk, size = self.cfg.evaluation.logit_chunk, self.cfg.data.batch_size
             entry = validate(self.students, windows, size, step, chunk=chunk, dist=dist, sync_check=sync_check)
         self.tracker.record(entry, self.students)
+        self.last_validated = step  # after the record: a validation cut short by a signal runs again on resume
         line = ", ".join(f"{v} KL {entry[v]['kl']:.4f} PPL {entry[v]['ppl']:.2f}" for v in self.students.views)
         self.log(f"validation at step {step}: {line}")
         return entry
@@ -322,8 +327,8 @@ class Run:
                 return []
             paths = write_report(self.run_dir, self.report)
             results = self.report.to_dict()
-            warning = rank_warning(results)
-            self.log("\n" + markdown_table(results) + "\n" + (f"\n{warning}\n" if warning else ""))
+            warnings = [w for w in (rank_warning(results), *view_warnings(results)) if w]
+            self.log("\n" + markdown_table(results) + "\n" + "".join(f"\n{w}\n" for w in warnings))
             self.log("results written to " + ", ".join(str(p) for p in paths))
             return paths
 

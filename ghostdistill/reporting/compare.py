@@ -23,8 +23,10 @@ import io
 import json
 from pathlib import Path
 
+from ..core.checks import check_unique
 from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text, read_mapping
 from .report import other_settings
+from .results import worse_than_pruned
 
 PLAN_KEYS = {
     "criterion",
@@ -60,6 +62,8 @@ def load_spec(path: str) -> dict:
                 f"compare file {path}: plan {plan!r} has unknown keys {sorted(bad)}; valid: {sorted(PLAN_KEYS)}"
             )
         check_plan_values(plan, path)
+    # Two plans of one folder name would run into one folder: the second would reuse or overwrite the first.
+    check_unique(f"compare file {path}: plans (by run folder)", [plan_name(p) for p in spec["plans"]])
     spec.setdefault("root", "runs/compare")
     return spec
 
@@ -230,6 +234,31 @@ def gather(runs: list[tuple[dict, dict]], spec: dict) -> dict:
     }
 
 
+def flagged(rows: list[dict]) -> list[str]:
+    """Per plan, each view worse than that plan's pruned model (no repair) on the first evaluation source, in
+    perplexity or KL, or with more parameters than the dense model: a line naming the plan and the view."""
+    sources = [r["source"] for r in rows if r["ppl"] is not None]
+    if not sources:
+        return []
+    first, lines = sources[0], []
+    for plan in dict.fromkeys(r["plan"] for r in rows):
+        here = {r["view"]: r for r in rows if r["plan"] == plan and r["source"] == first}
+        pruned, dense = here.get("pruned"), here.get("dense")
+        for view, r in here.items():
+            if view in ("dense", "pruned"):
+                continue
+            as_entry = lambda x: {"metrics": {first: {"ppl": x["ppl"], "kl": x["kl"]}}}  # noqa: E731
+            worse = worse_than_pruned(as_entry(r), as_entry(pruned) if pruned else None, first)
+            if worse:
+                lines.append(f"plan {plan}: {view} is worse than no repair ({first} {' and '.join(worse)})")
+            if dense is not None and r["params"] > dense["params"]:
+                lines.append(
+                    f"plan {plan}: {view} is larger than the dense model ({r['params'] / 1e6:.1f}M parameters against "
+                    f"{dense['params'] / 1e6:.1f}M)"
+                )
+    return lines
+
+
 def to_csv(rows: list[dict]) -> str:
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
@@ -290,6 +319,11 @@ def to_markdown(report: dict) -> str:
                 )
                 cells.append("–" if r is None else f"{r['acc']:.3f}")
             lines.append(f"| {view} | " + " | ".join(cells) + " |")
+        lines.append("")
+    flags = flagged(rows)
+    if flags:
+        lines += ["Not to ship (flagged as under each run's table, `reporting.results.view_warnings`):", ""]
+        lines += [f"- {f}" for f in flags]
         lines.append("")
     stats = {p: next(r["statistics_s"] for r in rows if r["plan"] == p) for p in plans}
     lines.append("Shared statistics pass (s): " + ", ".join(f"{p} {t}" for p, t in stats.items()))

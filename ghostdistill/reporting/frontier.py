@@ -29,9 +29,19 @@ from pathlib import Path
 from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text
 from ..core.plan import gaps_of
 from ..methods import ships_stock
+from .frontier_best import best_by_depth, flag, student_starts
 from .frontier_spec import CRITERIA, load_frontier_spec
 
-__all__ = ["CRITERIA", "FINE_TUNED", "best_by_depth", "flat_rows", "load_frontier_spec", "shipping", "write"]
+__all__ = [
+    "CRITERIA",
+    "FINE_TUNED",
+    "best_by_depth",
+    "flat_rows",
+    "load_frontier_spec",
+    "shipping",
+    "student_starts",
+    "write",
+]
 
 # A student row's criterion: the plan it trained on came from the training-free rows (its `from` view's).
 FINE_TUNED = "fine-tuned"
@@ -66,6 +76,8 @@ def flat_rows(points: list[dict], students: list[dict] = ()) -> list[dict]:
                         "fine_tuned": False,
                         "from": None,
                         "start_ppl": None,
+                        # No repair at this depth: the pruned model on its best plan (`flag`).
+                        "pruned_ppl": _pruned_ppl(point, source),
                     }
                 )
     for student in students:
@@ -88,9 +100,16 @@ def flat_rows(points: list[dict], students: list[dict] = ()) -> list[dict]:
                     "from": student["from"],
                     # The view it started from, training-free, in the student's own run (its data and windows).
                     "start_ppl": student["start_metrics"][source]["ppl"],
+                    "pruned_ppl": ((student.get("pruned_metrics") or {}).get(source) or {}).get("ppl"),
                 }
             )
     return rows
+
+
+def _pruned_ppl(point: dict, source: str) -> float | None:
+    """The lowest perplexity of the pruned model (no repair) on `source` among a depth's plans."""
+    found = [r["metrics"][source]["ppl"] for r in point["rows"] if r["view"] == "pruned" and source in r["metrics"]]
+    return min(found, default=None)
 
 
 def spans(removed: list[int]) -> str:
@@ -104,19 +123,6 @@ def _stock_method(method: str) -> bool:
         return ships_stock(method)
     except ValueError:  # a method this version no longer registers: not one that folds here
         return False
-
-
-def best_by_depth(rows: list[dict], source: str, fine_tuned: bool = False) -> dict[int, dict[bool, dict]]:
-    """Per depth, the lowest-perplexity row among the stock views (key True) and among the others (False):
-    training-free, or with `fine_tuned` among the students."""
-    best: dict[int, dict[bool, dict]] = {}
-    for r in rows:
-        if r["source"] != source or r["view"] == "dense" or r.get("fine_tuned", False) != fine_tuned:
-            continue
-        here = best.setdefault(r["blocks_removed"], {})
-        if r["stock"] not in here or r["ppl"] < here[r["stock"]]["ppl"]:
-            here[r["stock"]] = r
-    return best
 
 
 def shipping(rows: list[dict], source: str) -> list[str]:
@@ -175,14 +181,14 @@ def pivot(rows: list[dict], source: str) -> list[str]:
     ]
     for n in sorted({r["blocks_removed"] for r in mine}):
         here = [cells.get((n, v, c)) for v, c in columns]
-        best = min(r["ppl"] for r in here if r is not None)
+        best = min((r["ppl"] for r in here if r is not None and not flag(r, rows)), default=None)
         texts = []
         for r in here:
             if r is None:
                 texts.append("-")
                 continue
             text = f"{r['ppl']:.2f} ({r['removed'] or '-'})"
-            texts.append(f"**{text}**" if r["ppl"] == best else text)
+            texts.append(f"**{text}**" if r["ppl"] == best and not flag(r, rows) else text)
         lines.append(f"| {n} | " + " | ".join(texts) + " |")
     return lines
 
@@ -236,6 +242,10 @@ def markdown(points: list[dict], spec: dict, students: list[dict] = ()) -> str:
                     f"{_fmt(r['selection_kl'], 4)} |"
                 )
         lines.append("")
+        flags = [(r, flag(r, rows)) for r in rows if r["source"] == source]
+        flags = [f"- n={r['blocks_removed']}, {r['criterion']}: {r['view']} is {why}" for r, why in flags if why]
+        if flags:
+            lines += [f"Not recommended above (no bold, not the best of its depth) on {source}:", "", *flags, ""]
     costs = [p["costs"] for p in points]
     if costs:
         lines.append(

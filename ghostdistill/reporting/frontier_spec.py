@@ -1,4 +1,5 @@
-"""The frontier file (`python -m ghostdistill frontier <file>`), checked before anything loads.
+"""The frontier file (`python -m ghostdistill frontier <file>`), checked before anything loads, and the saved
+points of a frontier, checked when read back (`point_problem`).
 
 A frontier file names a base fit config (model, recovery entries, calibration, selection and evaluation
 data), the run root, the depths and the criteria:
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..core.checks import check_unique
 from ..core.io import read_mapping
 
 SPEC_KEYS = {"base", "root", "num_layers", "criteria", "greedy", "students"}
@@ -48,20 +50,29 @@ def load_frontier_spec(path: str) -> dict:
                 "with integers a <= b"
             )
         depths = list(range(ends[0], ends[1] + 1))
-    if not isinstance(depths, list) or not depths or not all(isinstance(d, int) and d >= 1 for d in depths):
-        raise ValueError(f"frontier file {path}: num_layers {spec['num_layers']!r} must name depths >= 1")
-    spec["num_layers"] = sorted(set(depths))
+    # A bool is an int to Python (`true` would run as n = 1): refused like any other non-integer.
+    if not isinstance(depths, list) or not depths or not all(_depth(d) for d in depths):
+        raise ValueError(
+            f"frontier file {path}: num_layers {spec['num_layers']!r} must name depths: integers >= 1 (or "
+            "{first: a, last: b})"
+        )
+    spec["num_layers"] = sorted(check_unique(f"frontier file {path}: num_layers", depths))
     spec.setdefault("criteria", list(DEFAULT_CRITERIA))
     if not isinstance(spec["criteria"], list):
         raise ValueError(f"frontier file {path}: criteria {spec['criteria']!r} must be a list; choose among {CRITERIA}")
     bad = [c for c in spec["criteria"] if c not in CRITERIA]
     if bad or not spec["criteria"]:
         raise ValueError(f"frontier file {path}: criteria {spec['criteria']!r}; choose among {', '.join(CRITERIA)}")
+    check_unique(f"frontier file {path}: criteria", spec["criteria"])
     spec.setdefault("root", "runs/frontier")
     spec["greedy"] = _check_greedy(path, spec)
     if "students" in spec:
         spec["students"] = _check_students(path, spec["students"])
     return spec
+
+
+def _depth(d) -> bool:
+    return isinstance(d, int) and not isinstance(d, bool) and d >= 1
 
 
 def _check_greedy(path: str, spec: dict) -> dict | None:
@@ -85,6 +96,7 @@ def _check_greedy(path: str, spec: dict) -> dict | None:
     views = greedy.get("views")
     if views is not None and (not isinstance(views, list) or not views or not all(isinstance(v, str) for v in views)):
         raise ValueError(f"frontier file {path}: greedy.views {views!r} must be a list of recovery entry names")
+    check_unique(f"frontier file {path}: greedy.views", views or [])
     samples = greedy.get("criterion_samples")
     if samples is not None and (not isinstance(samples, int) or isinstance(samples, bool) or samples < 1):
         raise ValueError(f"frontier file {path}: greedy.criterion_samples {samples!r} must be an integer >= 1")
@@ -127,3 +139,42 @@ def _check_students(path: str, students) -> dict:
     if not isinstance(overrides, list) or not all(isinstance(a, str) for a in overrides):
         raise ValueError(f"frontier file {path}: students.overrides {overrides!r} must be a list of fit arguments")
     return students
+
+
+def read_point(path: Path, n: int) -> tuple[dict | None, str | None]:
+    """(the point saved at `path`, None) when it is readable and whole for depth `n` (`point_problem`), else
+    (None, why)."""
+    try:
+        saved = read_mapping(path, "saved frontier point")
+    except (ValueError, FileNotFoundError) as err:
+        return None, f"cannot be read back ({err})"
+    why = point_problem(saved, n)
+    return (None, why) if why else (saved, None)
+
+
+def point_problem(saved: dict, n: int) -> str | None:
+    """What makes a saved point (a depth's, or a view's greedy rows) unusable for depth `n`, or None: its rows
+    must be a list of rows of this depth (the dense one at 0), each with its view, plan, parameters and
+    metrics, as `frontier_point` and `greedy_rows` write them."""
+    if "n" in saved and (not isinstance(saved["n"], int) or isinstance(saved["n"], bool) or saved["n"] != n):
+        return f"says n = {saved['n']!r}, but it is the file of depth {n} (edited or misnamed)"
+    rows = saved.get("rows")
+    if not isinstance(rows, list):
+        return f"is not a saved frontier point (its rows are {type(rows).__name__} {str(rows)[:40]!r}, not a list)"
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or not _ROW_KEYS <= set(row):
+            missing = sorted(_ROW_KEYS - set(row)) if isinstance(row, dict) else "all"
+            return f"is not a saved frontier point (row {i} lacks {missing})"
+        if row["n"] not in (n, 0) or (row["n"] == 0) != (row["view"] == "dense"):
+            return f"is not a saved frontier point (row {i}, {row['view']}, is of depth {row['n']!r}, not {n})"
+        metrics = row["metrics"]
+        if not isinstance(metrics, dict) or not all(
+            isinstance(m, dict) and isinstance(m.get("ppl"), (int, float)) for m in metrics.values()
+        ):
+            return f"is not a saved frontier point (row {i}, {row['view']}: metrics {str(metrics)[:60]!r})"
+        if not isinstance(row["params"], int) or not isinstance(row["removed"], list):
+            return f"is not a saved frontier point (row {i}, {row['view']}: params or removed blocks of the wrong type)"
+    return None
+
+
+_ROW_KEYS = {"n", "criterion", "view", "method", "removed", "selection_kl", "params", "metrics"}

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -283,8 +284,9 @@ def test_exported_folders_get_the_permissions_of_the_umask(tmp_path, tiny_tokeni
 
 def test_an_interrupted_export_leaves_nothing_and_a_rerun_cleans_orphans(tmp_path, tiny_tokenizer, monkeypatch):
     """Ctrl-C (or SIGTERM, raised as an exception) mid-write removes the temporary folder; what a SIGKILL or a
-    crash left (a dead process's temporary folder, an older version's, an old folder renamed away) is cleaned
-    by the next export of that view, and a live export's temporary folder is left alone."""
+    crash left (a dead process's marked temporary folder, with or without an old folder it had moved aside) is
+    cleaned by the next export of that view, and a live export's temporary folder is left alone."""
+    from ghostdistill.core.lock import marked_tmpdir
     from ghostdistill.export import writer
 
     torch.manual_seed(0)
@@ -301,20 +303,117 @@ def test_an_interrupted_export_leaves_nothing_and_a_rerun_cleans_orphans(tmp_pat
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)
-    orphans = [tmp_path / f".ghost.tmp-{dead_pid}-x1y2", tmp_path / ".ghost.tmp-3ab_x9z1"]
-    live = tmp_path / f".ghost.tmp-{os.getpid()}-live"
-    other = tmp_path / f".pruned.tmp-{dead_pid}-abcd"  # another view's: its own export cleans it
-    for folder in (*orphans, live, other):
-        folder.mkdir()
-        (folder / "model.safetensors").write_bytes(b"half")
+
+    def orphan(name: str, pid: int) -> Path:
+        folder = marked_tmpdir(tmp_path, f".{name}.tmp-{pid}-", name)
+        record = json.loads((folder / ".ghostdistill-tmp").read_text())
+        (folder / ".ghostdistill-tmp").write_text(json.dumps({**record, "pid": pid}))
+        (folder / "new").mkdir()
+        (folder / "new" / "model.safetensors").write_bytes(b"half")
+        return folder
+
+    orphans = [orphan("ghost", dead_pid), orphan("ghost", dead_pid)]
+    live = orphan("ghost", os.getppid())  # a running process's (pytest's parent): never touched
+    other = orphan("pruned", dead_pid)  # another view's: its own export cleans it
     export_view(pm, "ghost", tmp_path / "ghost", method="ghost")
     assert not any(p.exists() for p in orphans)
     assert live.is_dir() and other.is_dir()
     assert (tmp_path / "ghost" / "config.json").is_file()
 
-    # An old folder renamed away just before a crash: put back when no new folder took its place.
+    # An old folder moved aside just before a crash: put back when no new folder took its place.
     shutil.rmtree(tmp_path / "ghost")
-    old = tmp_path / f".ghost.old-{dead_pid}"
-    (old / "inner").mkdir(parents=True)
+    crashed = orphan("ghost", dead_pid)
+    (crashed / "old" / "inner").mkdir(parents=True)
     writer.clean_orphans(tmp_path / "ghost")
-    assert (tmp_path / "ghost" / "inner").is_dir() and not old.exists()
+    assert (tmp_path / "ghost" / "inner").is_dir() and not crashed.exists()
+
+
+def test_data_loss_export_removes_only_folders_it_can_prove_it_made(tmp_path):
+    """Issue 39: a user folder named like a temporary one (`.pruned.tmp-mybackup`, `.pruned.old-123`, a
+    temporary-looking folder of a dead pid without the marker) survives an export of `pruned`, and so does a
+    marked folder written for another target."""
+    from ghostdistill.core.lock import marked_tmpdir
+
+    torch.manual_seed(0)
+    pm, _ = fit_all(tiny_model("llama"), PruningPlan.from_layers([2, 3], 6), [METHODS[0]])
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    mine = [out / ".pruned.tmp-mybackup", out / ".pruned.old-123", out / f".pruned.tmp-{int(dead.stdout)}-abcd"]
+    for folder in mine:
+        folder.mkdir()
+        (folder / "precious.txt").write_text("mine")
+    foreign = marked_tmpdir(out, ".pruned.tmp-9-", "ghost")  # marked, but for another target
+    export_view(pm, "pruned", out / "pruned", method=None)
+    export_view(pm, "pruned", out / "pruned", method=None, overwrite=True)
+    for folder in mine:
+        assert (folder / "precious.txt").read_text() == "mine", folder
+    assert foreign.is_dir()
+    assert sorted(p.name for p in out.iterdir()) == sorted([*(p.name for p in mine), foreign.name, "pruned"])
+
+
+def test_data_loss_overwrite_replaces_a_link_itself_and_never_follows_it(tmp_path):
+    """`overwrite` onto a target that is a symlink: the link is replaced by the new folder, the folder it pointed
+    to (someone else's) is untouched, and nothing is left beside the target (no `.pruned.old-<pid>`)."""
+    torch.manual_seed(0)
+    pm, _ = fit_all(tiny_model("llama"), PruningPlan.from_layers([2, 3], 6), [METHODS[0]])
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "keep.txt").write_text("theirs")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "pruned").symlink_to(theirs)
+    with pytest.raises(FileExistsError, match="exists; pass overwrite"):
+        export_view(pm, "pruned", out / "pruned", method=None)
+    export_view(pm, "pruned", out / "pruned", method=None, overwrite=True)
+    assert not (out / "pruned").is_symlink() and (out / "pruned" / "config.json").is_file()
+    assert sorted(p.name for p in theirs.iterdir()) == ["keep.txt"]
+    assert [p.name for p in out.iterdir()] == ["pruned"]
+    (out / "dangling").symlink_to(tmp_path / "nowhere")
+    export_view(pm, "pruned", out / "dangling", method=None, overwrite=True)
+    assert (out / "dangling" / "config.json").is_file()
+
+
+def test_late_check_a_file_where_a_folder_goes_is_refused_even_with_overwrite(tmp_path):
+    from ghostdistill.export.writer import check_target
+
+    torch.manual_seed(0)
+    pm, _ = fit_all(tiny_model("llama"), PruningPlan.from_layers([2, 3], 6), [METHODS[0]])
+    (tmp_path / "pruned").write_text("a file")
+    with pytest.raises(NotADirectoryError, match="is a file where a model folder goes"):
+        export_view(pm, "pruned", tmp_path / "pruned", method=None, overwrite=True)
+    (tmp_path / "x.F32.gguf").mkdir()
+    with pytest.raises(IsADirectoryError, match=r"is a folder where a \.gguf file goes"):
+        check_target(tmp_path / "x.F32.gguf", "file", overwrite=True)
+    assert (tmp_path / "pruned").read_text() == "a file"
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        OSError(28, "No space left on device"),
+        RuntimeError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        ),
+    ],
+    ids=["oserror", "safetensors"],
+)
+def test_disk_full_export_is_one_line_naming_the_folder_and_the_space_and_leaves_nothing(
+    tmp_path, monkeypatch, failure
+):
+    from ghostdistill.core.io import NoSpaceError
+    from ghostdistill.export import writer
+
+    torch.manual_seed(0)
+    pm, _ = fit_all(tiny_model("llama"), PruningPlan.from_layers([2, 3], 6), [METHODS[0]])
+
+    def full(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(writer, "_save_weights", full)
+    with pytest.raises(NoSpaceError) as err:
+        export_view(pm, "ghost", tmp_path / "ghost", method="ghost")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"no space left on the disk of {tmp_path} (mounted at ")
+    assert f"to write export folder {tmp_path / 'ghost'}; it needs about " in message and "free space there" in message
+    assert list(tmp_path.iterdir()) == [], "the temporary folder is gone"

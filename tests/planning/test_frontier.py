@@ -312,7 +312,7 @@ def test_bad_greedy_settings_are_refused_before_the_first_pass(tmp_path, tiny_di
 
 
 def test_students_start_from_the_lowest_selection_kl_not_the_lowest_evaluation_perplexity():
-    from ghostdistill.pipeline.frontier import student_starts
+    from ghostdistill.reporting.frontier import student_starts
 
     def row(view, stock, kl, ppl):
         return {"view": view, "stock": stock, "selection_kl": kl, "removed": [3], "metrics": {"wiki": {"ppl": ppl}}}

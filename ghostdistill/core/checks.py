@@ -1,0 +1,31 @@
+"""The one policy for lists the user gives (views, formats, GGUF types, depths, criteria, students, tasks,
+adapted modules, recovery names, layers): a list that names the same thing twice is refused, before any work,
+with one line naming what is repeated. Never silently dropped: a repeated view or type is most often a typo
+for another one, and writing a file twice (the second write replacing the first without `--overwrite`) or
+running a depth twice costs time and hides the mistake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def repeated(values: Iterable) -> list:
+    """The values that occur more than once in `values`, in order of first occurrence."""
+    seen: set = set()
+    twice: list = []
+    for value in values:
+        key = (type(value), value)  # `True` is not `1`: a bool among integers is its own mistake
+        if key in seen and value not in twice:
+            twice.append(value)
+        seen.add(key)
+    return twice
+
+
+def check_unique(what: str, values: Iterable) -> list:
+    """`values` as a list, or a ValueError naming `what` and the repeated entries."""
+    values = list(values)
+    twice = repeated(values)
+    if twice:
+        raise ValueError(f"{what} {values} names {twice} more than once; name each once")
+    return values
