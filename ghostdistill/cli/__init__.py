@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
+from ..core.io import NoSpaceError
 from .export import load_run_config, run_export
 from .fit import GhostDistillCLI, build_fit, check_strategy_config, quiet_console, run_fit
 from .runs import run_compare, run_frontier_command
@@ -77,8 +78,10 @@ def main(args: list[str] | None = None):
     raise SystemExit(2)
 
 
-# What bad input raises; anything else is a bug and keeps its traceback.
+# What bad input (or a full disk, a place another process holds) raises; anything else is a bug and keeps its
+# traceback.
 USER_ERRORS = (
+    NoSpaceError,
     ValueError,
     FileNotFoundError,
     FileExistsError,

@@ -257,3 +257,42 @@ def test_a_rotation_operator_without_a_fixed_direction_or_with_a_first_shift_is_
     assert not hasattr(get_method("rotation"), "student_operator")
     with pytest.raises(ValueError, match="no first shift"):
         ScaledRotationOperator(op)
+
+
+def test_wrong_model_anchored_falls_back_to_rotation_through_without_a_massive_first_position():
+    """Issue 39: `rotation_anchored` assumes the first position carries a massive activation to anchor. Where it
+    does not (taps whose first position is ordinary; every tiny random model), the gap is fitted as
+    `rotation_through` (no fixed direction, no anchor for a student) and the fit's note says so; where it does,
+    no note."""
+    q, c = _orthogonal(4), 1.3
+    ordinary = _taps(c, q)
+    ordinary.x_pre[:, 0] /= 30  # undo `_taps`' massive first position
+    ordinary.x_post[:, 0] /= 30
+    op, stats = _fitted("rotation_anchored", ordinary)
+    through, _ = _fitted("rotation_through", ordinary)
+    assert stats.counts.massive_first == 0 and stats.counts.first == 3
+    assert torch.equal(op.delta, through.delta) and getattr(op, "anchor", None) is None
+    fit = fit_gap(RecoveryConfig(name="ra", method="rotation_anchored"), GAP, stats, C)
+    assert fit.note.startswith("the first position carries no massive activation (0 of 3 first-position tokens")
+    assert fit.note.endswith("fitted as rotation_through (no fixed direction)")
+    u = _unit(5)
+    massive = _massive_taps(1.4, _fixing(u, 6), u)
+    op, stats = _fitted("rotation_anchored", massive)
+    assert stats.counts.massive_first == 3 and op.anchor is not None
+    assert fit_gap(RecoveryConfig(name="ra", method="rotation_anchored"), GAP, stats, C).note is None
+
+
+def test_wrong_model_anchored_fallback_on_a_tiny_model_is_in_the_fit_report():
+    """On a tiny random LLaMA (no massive first position) the fitted view is rotation_through's, and the fit
+    records why (`notes`, which the run logs and results.md shows)."""
+    from conftest import random_batches, tiny_model
+
+    from ghostdistill.pipeline.calibrate import calibrate
+    from ghostdistill.planning import PlanConfig
+
+    cfgs = [RecoveryConfig(name="ra", method="rotation_anchored"), RecoveryConfig(name="rt", method="rotation_through")]
+    plan = PlanConfig(layers=[2, 3], num_layers=None)
+    cal = calibrate(tiny_model("llama"), plan, cfgs, random_batches(n=2), log=lambda message: None)
+    assert torch.equal(cal.pruned.operators["ra"]["2-3"].delta, cal.pruned.operators["rt"]["2-3"].delta)
+    assert cal.fits["ra"]["notes"][0].startswith("gap 2-3: the first position carries no massive activation (0 of")
+    assert "notes" not in cal.fits["rt"]

@@ -27,7 +27,7 @@ def frontier_file(tmp_path, tiny_dir, text_files, depths):
 
 
 def test_the_frontier_reports_every_view_and_criterion_per_depth_and_resumes(
-    tmp_path, tiny_dir, text_files, monkeypatch
+    tmp_path, tiny_dir, text_files, monkeypatch, capsys
 ):
     path, overrides = frontier_file(tmp_path, tiny_dir, text_files, {"first": 1, "last": 2})
     root = main(["frontier", str(path), *overrides])
@@ -85,6 +85,71 @@ def test_the_frontier_reports_every_view_and_criterion_per_depth_and_resumes(
     saved_path.write_text(json.dumps(saved))
     with pytest.raises(AssertionError, match="computed again"):
         main(["frontier", str(path), *overrides])
+    # Edited by hand (issue 39): rows that are not rows, or a depth that is not its file's, are not read back.
+    saved["settings"]["config"]["data"]["calibration"]["num_samples"] -= 1
+    for edit, why in ((("rows", "oops"), "its rows are str 'oops', not a list"), (("n", 5), "says n = 5")):
+        saved_path.write_text(json.dumps({**saved, edit[0]: edit[1]}))
+        capsys.readouterr()
+        with pytest.raises(AssertionError, match="computed again"):
+            main(["frontier", str(path), *overrides])
+        out = capsys.readouterr().out
+        assert f"frontier n=1: {saved_path} " in out and why in out and "computing it again" in out, out[-2000:]
+
+
+def test_late_check_a_saved_point_is_checked_when_read_back(tmp_path):
+    """A hand-edited point file (issue 39) is computed again, saying why, never read as it is: rows that are
+    not a list, a row of another depth, metrics without a perplexity, an `n` that is not its file's, or not
+    JSON at all."""
+    from ghostdistill.reporting.frontier_spec import read_point
+
+    row = {"n": 1, "criterion": "repair", "view": "ghost", "method": "ghost", "removed": [2], "selection_kl": 0.1,
+           "params": 10, "metrics": {"wiki": {"ppl": 5.0}}}  # fmt: skip
+    dense = {**row, "n": 0, "view": "dense", "removed": [], "selection_kl": None}
+    path = tmp_path / "n_01.json"
+    cases = [
+        ({"n": 1, "rows": [dense, row]}, None),
+        ({"n": 1, "rows": "oops"}, "its rows are str 'oops', not a list"),
+        ({"n": 5, "rows": [dense, row]}, "says n = 5, but it is the file of depth 1"),
+        ({"n": True, "rows": [dense, row]}, "says n = True"),
+        ({"n": 1, "rows": [{**row, "n": 3}]}, "row 0, ghost, is of depth 3, not 1"),
+        ({"n": 1, "rows": [{**row, "metrics": {"wiki": {"ppl": "x"}}}]}, "row 0, ghost: metrics"),
+        ({"n": 1, "rows": [{"view": "ghost"}]}, "row 0 lacks ['criterion'"),
+    ]
+    for saved, why in cases:
+        path.write_text(json.dumps(saved))
+        point, problem = read_point(path, 1)
+        assert (point is None) == (why is not None) and (why is None or why in problem), (saved, problem)
+    path.write_text('{"n": 1, "rows": [')
+    assert "cannot be read back" in read_point(path, 1)[1] and "is not valid JSON" in read_point(path, 1)[1]
+
+
+def test_wrong_model_frontier_never_recommends_a_view_worse_than_no_repair_or_larger_than_dense():
+    """Issue 39: the shipping table, the bold of the summary and the students' starts pass over a view worse than
+    the pruned model at its depth (on the evaluation source; for the starts, the selection KL) or with more
+    parameters than the dense model; frontier.md names each such row and why."""
+    from ghostdistill.reporting.frontier import markdown, pivot, student_starts
+
+    def row(n, view, method, ppl, params=100e6, kl=0.3):
+        return {"n": n, "criterion": "repair", "view": view, "method": method, "removed": list(range(3, 3 + n)),
+                "selection_kl": kl, "params": params, "metrics": {"wiki": {"ppl": ppl}}, "stock": view != "ghost"}  # fmt: skip
+
+    point = {"n": 2, "rows": [row(0, "dense", "dense", 30.0, 200e6, None), row(2, "pruned", "pruned", 60.0, kl=0.5),
+                              row(2, "rotation_anchored", "rotation_anchored", 70.0, kl=0.6),
+                              row(2, "rotation_through", "rotation_through", 40.0, 250e6, kl=0.2),
+                              row(2, "ghost", "ghost", 90.0, kl=0.7), row(2, "magnitude", "magnitude", 55.0, kl=0.4)],
+             "costs": {"planning_s": 1.0, "evaluation_s": 1.0}}  # fmt: skip
+    rows = flat_rows([point])
+    best = best_by_depth(rows, "wiki")
+    # rotation_through is the lowest perplexity but larger than the dense model; ghost is worse than pruned.
+    assert best[2][True]["view"] == "magnitude" and False not in best[2]
+    line = next(x for x in pivot(rows, "wiki") if x.startswith("| 2 |"))
+    assert "**55.00" in line and "**40.00" not in line
+    md = markdown([point], {"base": "b", "num_layers": [2], "criteria": ["repair"]})
+    assert "- n=2, repair: ghost is worse than no repair (PPL 90.00 against pruned's 60.00)" in md
+    assert "- n=2, repair: rotation_anchored is worse than no repair (PPL 70.00 against pruned's 60.00)" in md
+    assert "- n=2, repair: rotation_through is larger than the dense model (250.0M parameters against 200.0M)" in md
+    # Students start from the best stock and operator views by selection KL, never from those.
+    assert {k: r["view"] for k, r in student_starts(point).items()} == {"stock": "magnitude"}
 
 
 def test_the_shipping_table_sets_the_best_stock_point_beside_the_best_with_operators():
@@ -93,7 +158,7 @@ def test_the_shipping_table_sets_the_best_stock_point_beside_the_best_with_opera
                 "selection_kl": 0.1, "params": params, "metrics": {"wiki": {"ppl": ppl}}}  # fmt: skip
 
     points = [
-        {"n": 2, "rows": [row(0, "dense", "dense", 30.0), row(2, "pruned", "pruned", 60.0),
+        {"n": 2, "rows": [row(0, "dense", "dense", 30.0, 200e6), row(2, "pruned", "pruned", 60.0),
                           row(2, "rotation_anchored", "rotation_anchored", 45.0, 130e6), row(2, "ghost", "ghost", 40.0),
                           row(2, "magnitude", "magnitude", 50.0, criterion="streamline")]},
         {"n": 3, "rows": [row(3, "pruned", "pruned", 90.0), row(3, "ghost", "ghost", 70.0)]},
@@ -113,7 +178,7 @@ def test_the_shipping_table_sets_the_best_stock_point_beside_the_best_with_opera
 def test_bad_frontier_files_are_refused(tmp_path):
     path = tmp_path / "f.yaml"
     path.write_text(yaml.safe_dump({"base": "configs/smollm2_demo.yaml", "num_layers": [0, 2]}))
-    with pytest.raises(ValueError, match="must name depths >= 1"):
+    with pytest.raises(ValueError, match="must name depths: integers >= 1"):
         main(["frontier", str(path)])
     path.write_text(yaml.safe_dump({"base": "configs/smollm2_demo.yaml", "num_layers": [2], "criteria": ["cosine"]}))
     with pytest.raises(ValueError, match="choose among streamline, repair"):
@@ -315,9 +380,16 @@ def test_students_start_from_the_lowest_selection_kl_not_the_lowest_evaluation_p
     from ghostdistill.reporting.frontier import student_starts
 
     def row(view, stock, kl, ppl):
-        return {"view": view, "stock": stock, "selection_kl": kl, "removed": [3], "metrics": {"wiki": {"ppl": ppl}}}
+        return {
+            "view": view,
+            "stock": stock,
+            "selection_kl": kl,
+            "removed": [3],
+            "params": 10,
+            "metrics": {"wiki": {"ppl": ppl}},
+        }
 
-    point = {"rows": [row("dense", True, None, 30.0), row("pruned", True, 0.1, 40.0), row("ra", True, 0.5, 60.0),
+    point = {"rows": [row("dense", True, None, 30.0), row("pruned", True, 0.9, 40.0), row("ra", True, 0.5, 60.0),
                       row("rt", True, 0.6, 55.0), row("ghost", False, 0.3, 50.0), row("lp", False, 0.2, 52.0)]}  # fmt: skip
     starts = student_starts(point)
     assert (starts["stock"]["view"], starts["operators"]["view"]) == ("ra", "lp")

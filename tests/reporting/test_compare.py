@@ -164,3 +164,37 @@ def test_compare_reuses_only_results_of_the_same_settings(tiny_dir, text_files, 
     main(["compare", str(spec), *changed])
     assert "records no settings (written by an older version); running it again" in capsys.readouterr().out
     assert "settings" in json.loads(results.read_text())
+
+
+def test_wrong_model_compare_flags_views_worse_than_no_repair_or_larger_than_dense():
+    """Issue 39: compare recommends no view; it lists, per plan, the views worse than that plan's pruned model or
+    larger than the dense model, under its tables (as each run's results.md does)."""
+    from ghostdistill.reporting.compare import flagged, to_markdown
+
+    def row(plan, view, ppl, kl, params):
+        return {"plan": plan, "criterion": "streamline", "layers_removed": 2, "removed": [2, 3], "view": view,
+                "method": view, "source": "wiki", "ppl": ppl, "kl": kl, "top1": None, "acc": None, "acc_norm": None,
+                "items": None, "params": params, "fit_s": 1.0, "statistics_s": 2.0}  # fmt: skip
+
+    rows = [row("s7", "dense", 30.0, None, 100), row("s7", "pruned", 60.0, 1.0, 80),
+            row("s7", "ghost", 40.0, 0.5, 81), row("s7", "rotation_anchored", 90.0, 1.5, 120)]  # fmt: skip
+    lines = flagged(rows)
+    assert lines == [
+        "plan s7: rotation_anchored is worse than no repair (wiki perplexity 90.00 against pruned's 60.00 and KL "
+        "1.500 against pruned's 1.000)",
+        "plan s7: rotation_anchored is larger than the dense model (0.0M parameters against 0.0M)",
+    ]
+    report = {"rows": rows, "model": {"source": "m", "dtype": "float32"},
+              "calibration": {"source": {"source": "c", "first_document": 0, "max_documents": None}, "windows": 1,
+                              "seq_len": 2, "seed": 0},
+              "evaluation": {"seq_len": 2, "sources": {"wiki": {"windows": 1, "source": "w"}}}}  # fmt: skip
+    assert all(f"- {line}" in to_markdown(report) for line in lines)
+
+
+def test_duplicate_compare_plans_are_refused(tmp_path):
+    from ghostdistill.reporting.compare import load_spec
+
+    spec = tmp_path / "c.yaml"
+    spec.write_text("base: configs/smollm2_methods.yaml\nplans: [{num_layers: 3}, {num_layers: 3, keep_first: 1}]\n")
+    with pytest.raises(ValueError, match=r"plans \(by run folder\) \['streamline_3', 'streamline_3'\] names "):
+        load_spec(str(spec))
