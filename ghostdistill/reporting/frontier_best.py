@@ -3,26 +3,15 @@ row (`best_by_depth`, frontier.md's shipping table and the envelopes of frontier
 start (`student_starts`), and what is never recommended (`flag`): a view worse than no repair, the pruned model
 at that depth (a repair whose assumption failed: `rotation_anchored` on a family without a massive first
 position was 17.6 times worse than pruned, issue 39), or one with more parameters than the dense model (a
-folded rotation that unties a large vocabulary's head). frontier.md lists the rows it passes over, with why.
+folded rotation that unties a large vocabulary's head; `reporting.flags`). frontier.md lists the rows it passes
+over, with why.
 """
 
 from __future__ import annotations
 
 from math import inf
 
-
-def flag(row: dict, rows: list[dict]) -> str | None:
-    """Why a row is not to be recommended, or None: worse than no repair (its perplexity above the pruned
-    model's at its depth, on its best plan; a student's: its own run's pruned model), or more parameters than
-    the dense model. `best_by_depth` and the bold of `pivot` pass such rows over; frontier.md lists them."""
-    if row["view"] in ("dense", "pruned"):
-        return None
-    if row.get("pruned_ppl") is not None and row["ppl"] > row["pruned_ppl"]:
-        return f"worse than no repair (PPL {row['ppl']:.2f} against pruned's {row['pruned_ppl']:.2f})"
-    dense = next((r["params"] for r in rows if r["view"] == "dense"), None)
-    if dense is not None and row["params"] > dense:
-        return f"larger than the dense model ({row['params'] / 1e6:.1f}M parameters against {dense / 1e6:.1f}M)"
-    return None
+from .flags import flag
 
 
 def best_by_depth(rows: list[dict], source: str, fine_tuned: bool = False) -> dict[int, dict[bool, dict]]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text
-from ..methods import get_method
 from .analysis import analysis_section, plot_analysis
+from .flags import view_warnings
 from .planning import plan_section, plot_plan
 from .report import RunReport
 
@@ -67,67 +67,6 @@ def rank_warning(report: dict) -> str:
         f"data and their rows above are not to be trusted. Calibrate on at least {c} tokens "
         f"(data.calibration.num_samples × seq_len ≥ {c}; several times {c} for a good fit)."
     )
-
-
-def worse_than_pruned(entry: dict, pruned: dict | None, source: str) -> list[str]:
-    """What makes a view's `source` metrics worse than the pruned model's (no repair at all): its perplexity
-    and/or its KL to the dense model, each as "<what> <view's> against pruned's <pruned's>"; empty when none."""
-    if pruned is None or source not in entry.get("metrics", {}) or source not in pruned.get("metrics", {}):
-        return []
-    mine, theirs = entry["metrics"][source], pruned["metrics"][source]
-    worse = []
-    if mine["ppl"] > theirs["ppl"]:
-        worse.append(f"perplexity {mine['ppl']:.2f} against pruned's {theirs['ppl']:.2f}")
-    if mine.get("kl") is not None and theirs.get("kl") is not None and mine["kl"] > theirs["kl"]:
-        worse.append(f"KL {mine['kl']:.3f} against pruned's {theirs['kl']:.3f}")
-    return worse
-
-
-def view_warnings(report: dict) -> list[str]:
-    """Lines that flag views not to ship, each naming the view: worse than removing the blocks and doing nothing
-    (the pruned view's perplexity or KL on the first evaluation source), more parameters than the dense model
-    (a pruned model that is bigger saves nothing), and a method whose assumption did not hold (its fit's
-    `notes`). `compare` and `frontier` never recommend a view these flag."""
-    views = report.get("views") or {}
-    if not views:
-        return []
-    source = next(iter(next(iter(views.values()))["metrics"]), None)
-    pruned, dense = views.get("pruned"), views.get("dense")
-    recovery = report.get("recovery") or {}
-    lines = []
-    for view, entry in views.items():
-        if view in ("dense", "pruned"):
-            continue
-        worse = worse_than_pruned(entry, pruned, source)
-        if worse:
-            lines.append(
-                f"**Warning: {view} is worse than no repair.** On {source} its {' and '.join(worse)}: removing the "
-                f"blocks and doing nothing does better, so {view} is not to be shipped."
-            )
-        if dense is not None and entry["params"] > dense["params"]:
-            why = (
-                " (the folded rotation unties the tied embedding: the head becomes its own vocabulary × hidden matrix)"
-                if _folds_embedding(report, view)
-                else ""
-            )
-            lines.append(
-                f"**Warning: {view} is larger than the dense model.** {entry['params'] / 1e6:.1f}M parameters against "
-                f"the dense model's {dense['params'] / 1e6:.1f}M{why}: removing blocks saves nothing here."
-            )
-    for name, fit in recovery.items():
-        for note in fit.get("notes", []):
-            lines.append(f"**Note: {name} ({fit.get('method', name)}).** {note[0].upper()}{note[1:]}.")
-    return lines
-
-
-def _folds_embedding(report: dict, view: str) -> bool:
-    """Whether `view`'s method folds a rotation into the embedding (a fine-tuned view: its recovery entry's)."""
-    recovery = report.get("recovery") or {}
-    name = ((report.get("distill") or {}).get("resolved") or {}).get(view, {}).get("method", view)
-    try:
-        return bool(getattr(get_method(recovery.get(name, {}).get("method", name)), "folds_embedding", False))
-    except ValueError:  # not a registered method (dense, pruned, a method this version no longer has)
-        return False
 
 
 def zeroshot_table(report: dict) -> str:

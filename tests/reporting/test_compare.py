@@ -169,7 +169,8 @@ def test_compare_reuses_only_results_of_the_same_settings(tiny_dir, text_files, 
 def test_wrong_model_compare_flags_views_worse_than_no_repair_or_larger_than_dense():
     """Issue 39: compare recommends no view; it lists, per plan, the views worse than that plan's pruned model or
     larger than the dense model, under its tables (as each run's results.md does)."""
-    from ghostdistill.reporting.compare import flagged, to_markdown
+    from ghostdistill.reporting.compare import to_markdown
+    from ghostdistill.reporting.flags import flagged
 
     def row(plan, view, ppl, kl, params):
         return {"plan": plan, "criterion": "streamline", "layers_removed": 2, "removed": [2, 3], "view": view,

@@ -10,7 +10,8 @@ from tiny_run import tiny_run_args
 
 from ghostdistill.cli import main
 from ghostdistill.lit.module import GhostDistill
-from ghostdistill.reporting.results import check_scored, rank_warning, render_markdown, view_warnings
+from ghostdistill.reporting.flags import view_warnings
+from ghostdistill.reporting.results import check_scored, rank_warning, render_markdown
 
 
 def _report(tokens: int, hidden: int = 64, scored: int = 10) -> dict:
