@@ -12,9 +12,12 @@ LoRA adapters of a fine-tuned view are merged into the weights they adapt; the o
 are dropped. Blocks that change (merged or folded) are copies, so the in-memory views are untouched;
 every other tensor is written from the live model without a copy. `config.json` records the plan and
 what produced the view (`ghostdistill` key); the tokenizer, the generation config and a model card
-(README.md) come along. The folder is written beside the target and renamed into place; an existing
-folder is replaced only with `overwrite`; what an export killed outright (SIGKILL, a crash) left beside
-the target is removed by the next export of it (`clean_orphans`). It gets the permissions
+(README.md) come along. The folder is written beside the target, in a temporary folder marked as this
+tool's (`core.lock.marked_tmpdir`), and renamed into place under the target's lock (`core.lock.hold`: a
+second export of the same target is refused); an existing folder, or a link, is replaced only with
+`overwrite` (a link itself, never what it points to); what an export killed outright (SIGKILL, a crash)
+left beside the target is removed by the next export of it only when it holds the marker
+(`clean_orphans`). A full disk is one line naming the folder and the space needed. It gets the permissions
 `save_pretrained` would give under the user's umask (the temporary folder it is written in would leave it
 readable by its owner only).
 """

@@ -82,6 +82,7 @@ def test_resume_a_signal_saves_the_step_reached_and_the_rerun_equals_an_uninterr
     reference_history = json.loads((straight / "results.json").read_text())["distill"]["history"]
 
     run = tmp_path / "run"
+    previous = signal.getsignal(signal.SIGINT)
     if where == "sigterm_mid_step":
         real = GhostDistill.training_step
 
@@ -94,7 +95,7 @@ def test_resume_a_signal_saves_the_step_reached_and_the_rerun_equals_an_uninterr
         expected = (SystemExit,)
     else:
         # pytest-xdist's workers ignore SIGINT; a terminal's Ctrl-C raises KeyboardInterrupt.
-        monkeypatch.setattr(signal, "SIGINT_PREVIOUS", signal.signal(signal.SIGINT, signal.default_int_handler))
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         real = GhostDistill.on_before_optimizer_step
 
         def on_before_optimizer_step(self, optimizer):
@@ -108,8 +109,7 @@ def test_resume_a_signal_saves_the_step_reached_and_the_rerun_equals_an_uninterr
         with pytest.raises(expected):
             main(_args(tiny_dir, text_files, run))
     finally:
-        if where != "sigterm_mid_step":
-            signal.signal(signal.SIGINT, signal.SIGINT_PREVIOUS)
+        signal.signal(signal.SIGINT, previous)
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
     assert saved["global_step"] == 2, "the step reached is saved, whatever distill.checkpoint_every says"
     assert not (run / "results.json").exists()
