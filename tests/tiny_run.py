@@ -4,7 +4,8 @@ The defaults: configs/smollm2_demo.yaml with layers 2-3 removed, ghost recovery,
 tokens from the corpus' jsonl file, 2 evaluation windows of 32 tokens of its text file, batches of 4, no
 progress output. A keyword set to None leaves the config's value; `extra` arguments come last and override
 any of them (later arguments win). Imported as `from tiny_run import tiny_run_args`: tests/ is on sys.path
-(pytest inserts the folder of tests/conftest.py), from any test folder.
+(pytest inserts the folder of tests/conftest.py), from any test folder. `exported_perplexity` scores an exported
+folder on a run's evaluation windows (a folder with operators is not a `fit` source: issue 39).
 """
 
 from __future__ import annotations
@@ -77,3 +78,25 @@ def tiny_run_args(
         *extra,
     ]
     return args
+
+
+def exported_perplexity(folder, run) -> tuple[float, int]:
+    """(perplexity, tokens scored) of the exported `folder`, loaded as a user loads it (`load_exported`), on the
+    first evaluation source's windows of `run` (a `pipeline.run.Run`), as the run scores a view: the mean
+    next-token NLL over every window's tokens."""
+    import math
+
+    import torch
+
+    from ghostdistill.export import load_exported
+
+    model = load_exported(folder)
+    ids = run.data.eval_ids(run.cfg.data.evaluation.sources[0])
+    nll, tokens = 0.0, 0
+    with torch.no_grad():
+        for windows in ids.split(4):
+            logits = model(input_ids=windows).logits[:, :-1].double()
+            targets = windows[:, 1:]
+            nll += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum"))
+            tokens += targets.numel()
+    return math.exp(nll / tokens), tokens
