@@ -113,6 +113,19 @@ def onloaded(*modules: nn.Module) -> Iterator[None]:
             hook.post_forward(sub, None)
 
 
+def hook_memo(module: nn.Module) -> dict[int, None]:
+    """A `copy.deepcopy` memo that leaves accelerate's hooks out of a copy of `module` (a hook maps every
+    weight of the model: copying it would copy them all); `strip_hooks` then clears the copy's hook wiring."""
+    return {id(sub._hf_hook): None for sub in module.modules() if getattr(sub, "_hf_hook", None) is not None}
+
+
+def strip_hooks(clone: nn.Module) -> None:
+    for sub in clone.modules():
+        if "_old_forward" in sub.__dict__:  # accelerate's wiring: the hook, the wrapped forward, the original
+            for attr in ("_hf_hook", "_old_forward", "forward"):
+                sub.__dict__.pop(attr, None)
+
+
 def materialised(module: nn.Module) -> bool:
     """Whether any of the module's parameters holds values (is not on the meta device)."""
     return any(p.device.type != "meta" for p in module.parameters())

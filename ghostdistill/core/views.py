@@ -15,7 +15,7 @@ from torch import nn
 
 from .model import DecoderStack, decoder_stack, mlp_module, text_config
 from .modeling_ghostdistill import attach
-from .offload import model_device
+from .offload import hook_memo, model_device, strip_hooks
 from .operator import GhostOperator
 from .plan import Gap, PruningPlan
 
@@ -248,7 +248,9 @@ def copy_block(block: nn.Module) -> nn.Module:
     twice otherwise): what `substitute_blocks` expects."""
     import copy
 
-    clone = copy.deepcopy(block)
+    # An offloaded block (`core.offload`) is copied with its tensors as they are now (onloaded), its hooks left out.
+    clone = copy.deepcopy(block, hook_memo(block))
+    strip_hooks(clone)
     for module in clone.modules():
         for hooks in (
             "_forward_pre_hooks",

@@ -122,7 +122,11 @@ def inference_parameters(pruned: PrunedModel, view: str, method: str | None = No
     total = view_parameter_count(pruned, view)
     if method is not None and getattr(get_method(method), "folds_embedding", False):
         embedding, head = pruned.model.get_input_embeddings().weight, pruned.model.get_output_embeddings().weight
-        if embedding is head or embedding.data_ptr() == head.data_ptr():
+        if "meta" in (embedding.device.type, head.device.type):  # offloaded: the config says whether they are one
+            tied = bool(getattr(pruned.config, "tie_word_embeddings", False))
+        else:
+            tied = embedding is head or embedding.data_ptr() == head.data_ptr()
+        if tied:
             total += embedding.numel()
     return total
 
