@@ -34,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL = 0.25  # peak RssAnon / model bytes, every phase
-LLAMA_CPP = ROOT / ".serve" / "llama.cpp" / "build" / "bin"
+LLAMA_CPP = ROOT / ".serve" / "llama.cpp" / "bin"
 
 
 def plan_layers(blocks: int) -> list[int]:

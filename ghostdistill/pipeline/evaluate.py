@@ -71,9 +71,26 @@ def score_batches(
             score_views(pruned, b["input_ids"], m, views, chunk=chunk, counted=b.get("counted"))
             for b, m in zip(batches, masks)
         ]
+    # A pass holds every view's final hidden states of its windows: passes are cut to `PASS_BYTES` of them.
     order = [DENSE, *(v for v in views if v != DENSE)]
+    item = next(pruned.model.parameters()).element_size() * pruned.model.get_input_embeddings().weight.shape[1]
+    per_batch = max(1, (len(order) + 1) * item * max(int(b["input_ids"].numel()) for b in batches))
+    size = max(1, PASS_BYTES // per_batch)
+    out = []
+    for lo in range(0, len(batches), size):
+        part = [{**b, "attention_mask": m} for b, m in zip(batches[lo : lo + size], masks[lo : lo + size])]
+        out += _score_pass(pruned, part, order, chunk)
+    return out
+
+
+# The most bytes of final hidden states one block-by-block evaluation pass holds (each pass reads the weights once).
+PASS_BYTES = 4 * 2**30
+
+
+def _score_pass(pruned: PrunedModel, batches: list[dict], order: list[str], chunk: int | None) -> list[dict]:
+    """`score_batches` of `batches` in one block-by-block pass (`order`: the dense view first)."""
     with pruned.use(DENSE):
-        windows = capture(pruned.model, pruned.stack, [{**b, "attention_mask": m} for b, m in zip(batches, masks)])
+        windows = capture(pruned.model, pruned.stack, batches)
     hidden = dict(zip(order, final_states([view_stream(pruned, v, windows) for v in order], windows)))
     heads, modules = {}, []
     for view in order:

@@ -105,9 +105,9 @@ class SelectionScorer:
             first = self._first_block(pruned, view, start) if start is not None else None
             if first is None or first not in self.prefix[0]:
                 streams.append(view_stream(pruned, view, self.windows))
-            else:
+            else:  # every block before the candidate's first gap is kept: view positions are dense indices there
                 hidden = [prefix[first] for prefix in self.prefix]
-                streams.append(view_stream(pruned, view, self.windows, pruned.plan.kept.index(first), hidden))
+                streams.append(view_stream(pruned, view, self.windows, first, hidden))
         return {v: [h[:, :-1] for h in states] for v, states in zip(views, final_states(streams, self.windows))}
 
     @staticmethod
