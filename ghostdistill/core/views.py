@@ -15,6 +15,7 @@ from torch import nn
 
 from .model import DecoderStack, decoder_stack, mlp_module, text_config
 from .modeling_ghostdistill import attach
+from .offload import hook_memo, model_device, strip_hooks
 from .operator import GhostOperator
 from .plan import Gap, PruningPlan
 
@@ -130,7 +131,7 @@ class PrunedModel:
             )
         if operators and set(operators) != keys:
             raise ValueError(f"method {name!r} has no operator for gaps {sorted(keys - set(operators))}")
-        device = next(self.model.parameters()).device
+        device = model_device(self.model)
         self.operators[name] = nn.ModuleDict(operators).to(device)
         self.mlp_maps[name] = nn.ModuleDict(mlp_maps).to(device)
         for gap in self.plan.gaps:
@@ -187,7 +188,7 @@ class PrunedModel:
                 key = path.replace(".", "/")
                 self._originals.setdefault((id(parent), attr), (parent, attr, original))
                 slots.append((parent, attr, key))
-                table[key] = module.to(next(self.model.parameters()).device)
+                table[key] = module.to(model_device(self.model))
         self.modules_own[view] = nn.ModuleDict(table)
         self._slots[view] = slots
         self.set_view(self.view, self.skip)
@@ -247,7 +248,9 @@ def copy_block(block: nn.Module) -> nn.Module:
     twice otherwise): what `substitute_blocks` expects."""
     import copy
 
-    clone = copy.deepcopy(block)
+    # An offloaded block (`core.offload`) is copied with its tensors as they are now (onloaded), its hooks left out.
+    clone = copy.deepcopy(block, hook_memo(block))
+    strip_hooks(clone)
     for module in clone.modules():
         for hooks in (
             "_forward_pre_hooks",

@@ -6,6 +6,7 @@ import random
 
 import torch
 
+from ..core.offload import model_device
 from .sources import TextSource, load_documents
 
 
@@ -87,7 +88,7 @@ def generate_windows(
     # No sequence finishes early (EOS suppressed by min_new_tokens), so padding is never used; generate
     # still wants an id when the tokenizer defines none.
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else start
-    device = next(model.parameters()).device
+    device = model_device(model)
     out = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)

@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..core.offload import model_device
 from .tasks import TASKS_DIR
 from .tasks import loaders as _loaders
 from .zeroshot_scores import ZeroShotResults, average_scores, task_limits
@@ -193,7 +194,7 @@ def _preserve_state(model: transformers.PreTrainedModel) -> Iterator[None]:
 
     modes = [(m, m.training) for m in model.modules()]
     py_state, np_state = random.getstate(), np.random.get_state()
-    device = model.device
+    device = model_device(model)
     devices = (
         [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     )

@@ -1,6 +1,6 @@
 """GGUF files of a plain-architecture view, for llama.cpp: F32, F16 and Q8_0, written with the `gguf` package.
 
-Which views: those whose exported folder is the plain architecture (`writer.view_state` kind ``plain``): the
+Which views: those whose exported folder is the plain architecture (`parts.view_parts` kind ``plain``): the
 pruned model, the views whose maps fold into the weights (magnitude, ReplaceMe, `rotation_through`), and the
 fine-tuned students of those with their LoRA adapters merged. A view that keeps operators (ghost,
 LinearPatch and their `_ft` students) computes `h + h·Δ` at each gap, a module llama.cpp's LLaMA graph does not
@@ -26,14 +26,19 @@ What a file holds, as llama.cpp's `convert_hf_to_gguf.py` (`LlamaModel`, `TextMo
   the removed and kept blocks, and the provenance JSON that `config.json` holds;
 - the tokenizer (`gguf_vocab`).
 
-Each file is written to a temporary file beside it and renamed into place (`core.io.atomic_path`).
+Each file is written to a temporary file beside it and renamed into place (`core.io.atomic_path`). Tensors are
+streamed: every tensor's name, shape and storage go into the header first, then the view's parts
+(`export.parts`: the embedding, one block, ...) are made, converted and written one at a time, so a view whose
+weights live off the device (`model.model.offload`) is never whole in memory; a file is the same bytes either way.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -46,7 +51,8 @@ from ..core.lock import hold, lock_path
 from ..core.views import PrunedModel
 from ..methods import ships_stock
 from .gguf_vocab import add_vocab
-from .writer import check_target, view_state
+from .parts import Part, view_parts
+from .writer import check_target
 
 FORMATS = ("hf", "gguf")
 # name -> (tensor storage type of the weights, llama.cpp's file type)
@@ -110,8 +116,18 @@ def _permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     )
 
 
-def gguf_tensors(state: Mapping[str, torch.Tensor], config) -> dict[str, np.ndarray]:
-    """The view's tensors under their GGUF names, float32, Q and K permuted (see the module docstring)."""
+@dataclass
+class TensorStream:
+    """Tensors known by GGUF name and shape before any is made (`shapes`, in file order); `arrays()` makes them,
+    float32, in that order."""
+
+    shapes: dict[str, tuple[int, ...]]
+    arrays: Callable[[], Iterator[tuple[str, np.ndarray]]]
+
+
+def gguf_stream(parts: list[Part], config) -> TensorStream:
+    """The view's tensors under their GGUF names, float32, Q and K permuted (see the module docstring), a part
+    at a time."""
     model_type = getattr(config, "model_type", None)
     if model_type not in ARCHITECTURES:
         raise ValueError(
@@ -123,30 +139,69 @@ def gguf_tensors(state: Mapping[str, torch.Tensor], config) -> dict[str, np.ndar
     n_head = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_head
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    out: dict[str, np.ndarray] = {}
-    for name, tensor in state.items():
-        if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
-            continue
-        new = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if new is None:
-            raise ValueError(f"tensor {name!r} has no GGUF name for {model_type}: it cannot be written")
-        data = tensor.detach().to("cpu", torch.float32)
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
-            data = _permute(data, n_head)
-        elif name.endswith(("k_proj.weight", "k_proj.bias")):
-            data = _permute(data, n_kv)
-        out[new] = data.contiguous().numpy()
-    blocks = {int(n.split(".")[1]) for n in out if n.startswith("blk.")}
+    renamed: dict[str, str] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for part in parts:
+        for name, shape in part.names.items():
+            if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+                continue
+            new = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            if new is None:
+                raise ValueError(f"tensor {name!r} has no GGUF name for {model_type}: it cannot be written")
+            renamed[name], shapes[new] = new, shape
+    blocks = {int(n.split(".")[1]) for n in shapes if n.startswith("blk.")}
     if blocks != set(range(n_blocks)):
         raise ValueError(f"the state has blocks {sorted(blocks)} but the config says {n_blocks}")
-    return out
+
+    def arrays() -> Iterator[tuple[str, np.ndarray]]:
+        for part in parts:
+            if not set(part.names) & set(renamed):
+                continue
+            for name, tensor in part.load().items():
+                if name not in renamed:
+                    continue
+                data = tensor.detach().to("cpu", torch.float32)
+                if name.endswith(("q_proj.weight", "q_proj.bias")):
+                    data = _permute(data, n_head)
+                elif name.endswith(("k_proj.weight", "k_proj.bias")):
+                    data = _permute(data, n_kv)
+                yield renamed[name], data.contiguous().numpy()
+
+    return TensorStream(shapes, arrays)
 
 
-def _storage(name: str, data: np.ndarray, gguf_type: str) -> gguf.GGMLQuantizationType:
+def _storage(name: str, shape: tuple[int, ...], gguf_type: str) -> gguf.GGMLQuantizationType:
     """The converter's rule: 1-D tensors, norms and anything but a weight stay F32; the rest take the type."""
-    if data.ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
+    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
         return gguf.GGMLQuantizationType.F32
     return GGUF_TYPES[gguf_type][0]
+
+
+def _stored(name: str, shape: tuple[int, ...], gguf_type: str) -> tuple[gguf.GGMLQuantizationType, tuple, type, int]:
+    """(storage type, stored shape, stored dtype, bytes) of a tensor: what `gguf.quants.quantize` will give it; a
+    row length Q8_0 cannot block falls back to F16, as in the converter."""
+    storage = _storage(name, shape, gguf_type)
+    if storage == gguf.GGMLQuantizationType.F32:
+        return storage, shape, np.float32, 4 * math.prod(shape)
+    if storage != gguf.GGMLQuantizationType.F16:
+        try:
+            stored = tuple(gguf.quants.quant_shape_to_byte_shape(shape, storage))
+            return storage, stored, np.uint8, math.prod(stored)
+        except gguf.QuantError:
+            storage = gguf.GGMLQuantizationType.F16
+    return storage, shape, np.float16, 2 * math.prod(shape)
+
+
+# Values quantised at a time: numpy's Q8_0 holds temporaries the size of its input (gigabytes for a 128k × 4096
+# embedding); rows are independent blocks, so the bytes are the same.
+QUANT_ELEMENTS = 2**24
+
+
+def _quantize(data: np.ndarray, storage: gguf.GGMLQuantizationType) -> np.ndarray:
+    rows = max(1, QUANT_ELEMENTS // max(1, data.shape[-1]))
+    if data.ndim < 2 or data.shape[0] <= rows:
+        return gguf.quants.quantize(data, storage)
+    return np.concatenate([gguf.quants.quantize(data[lo : lo + rows], storage) for lo in range(0, len(data), rows)])
 
 
 def _rope(config) -> tuple[float | None, dict]:
@@ -163,7 +218,7 @@ def _rope(config) -> tuple[float | None, dict]:
 
 def write_gguf(
     path: str | os.PathLike,
-    tensors: Mapping[str, np.ndarray],
+    tensors: Mapping[str, np.ndarray] | TensorStream,
     config,
     tokenizer,
     gguf_type: str,
@@ -171,7 +226,8 @@ def write_gguf(
     name: str,
     info: dict | None = None,
 ) -> Path:
-    """Write one GGUF file of `gguf_type` from `gguf_tensors`' output, the view's config and tokenizer."""
+    """Write one GGUF file of `gguf_type` from `gguf_stream`'s output (or GGUF-named float32 arrays), the view's
+    config and tokenizer: the header with every tensor's name, shape and storage, then each tensor as it is made."""
     check_gguf_types([gguf_type])
     if tokenizer is None:
         raise ValueError("GGUF export needs the tokenizer: llama.cpp reads the vocabulary from the file")
@@ -211,21 +267,19 @@ def write_gguf(
     if info:
         writer.add_string("ghostdistill.provenance", json.dumps(info, default=str, sort_keys=True))
     add_vocab(writer, tokenizer, config.vocab_size)
-    needed = 0
-    for tensor_name, data in tensors.items():
-        storage = _storage(tensor_name, data, gguf_type)
-        try:
-            stored = gguf.quants.quantize(data, storage)
-        except gguf.QuantError:  # a row length Q8_0 cannot block: F16, as the converter does
-            storage = gguf.GGMLQuantizationType.F16
-            stored = gguf.quants.quantize(data, storage)
-        writer.add_tensor(tensor_name, stored, raw_dtype=storage)
-        needed += stored.nbytes
+    if not isinstance(tensors, TensorStream):
+        tensors = TensorStream({n: tuple(a.shape) for n, a in tensors.items()}, lambda held=tensors: iter(held.items()))
+    plan = {n: _stored(n, shape, gguf_type) for n, shape in tensors.shapes.items()}
+    for tensor_name, (storage, shape, dtype, nbytes) in plan.items():
+        writer.add_tensor_info(tensor_name, shape, np.dtype(dtype), nbytes, raw_dtype=storage)
+    needed = sum(nbytes for _, _, _, nbytes in plan.values())
     lock = hold(lock_path(path), f"export of {path.name}", "wait for that export to finish")
     with lock, atomic_path(path, needed) as tmp:
         writer.write_header_to_file(path=tmp)
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        writer.write_ti_data_to_file()
+        for tensor_name, data in tensors.arrays():
+            writer.write_tensor_data(_quantize(data, plan[tensor_name][0]))
         writer.close()
         os.chmod(tmp, 0o666 & ~_umask())
     return path
@@ -267,10 +321,10 @@ def export_gguf(
         {"num_layers": pruned.plan.num_layers, "removed": list(pruned.plan.removed)},
     )
     with pruned.use(view):
-        state, config, kind = view_state(pruned, view, method, info)
+        parts, config, kind = view_parts(pruned, view, method, info)
         if kind != "plain":
             raise ValueError(refusal(view, method))
-        tensors = gguf_tensors(state, config)
+        tensors = gguf_stream(parts, config)
         for gguf_type, path in zip(types, paths):
             write_gguf(path, tensors, config, tokenizer, gguf_type, name=view, info=info)
     return paths

@@ -24,7 +24,6 @@ readable by its owner only).
 
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 from pathlib import Path
@@ -35,21 +34,15 @@ from torch import nn
 from ..core import modeling_ghostdistill
 from ..core.io import disk_space, publish_permissions
 from ..core.lock import alive, hold, lock_path, marked_tmpdir, marker_of
-from ..core.modeling_ghostdistill import GhostPrunedConfig
-from ..core.views import _ADAPTER_PARTS, DENSE, PRUNED, PrunedModel, copy_block
-from ..methods import GapFit, get_method
-from . import fold as residual_fold
+from ..core.offload import is_offloaded
+from ..core.views import PrunedModel
 from .card import model_card
+from .parts import WRAPPER_AUTO_MAP, save_parts, view_parts, view_state
 
 # Inside a temporary folder: the view being written, and the folder it replaces, moved aside.
 NEW, OLD = "new", "old"
 
-# AutoModel is what vLLM's Transformers backend builds (the base model; vLLM adds its own head).
-WRAPPER_AUTO_MAP = {
-    "AutoConfig": "modeling_ghostdistill.GhostPrunedConfig",
-    "AutoModel": "modeling_ghostdistill.GhostPrunedModel",
-    "AutoModelForCausalLM": "modeling_ghostdistill.GhostPrunedForCausalLM",
-}
+__all__ = ["WRAPPER_AUTO_MAP", "check_target", "clean_orphans", "export_view", "view_state"]
 
 
 def export_view(
@@ -99,9 +92,15 @@ def export_view(
         try:
             tmp.mkdir()
             with pruned.use(view) as model:
-                state, config, kind = view_state(pruned, view, method, info)
-                needed["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
-                _save_weights(model, state, tmp)
+                if is_offloaded(model):
+                    # Weights off the device: one shard per block, each written as it is made (`export.parts`).
+                    needed["bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+                    parts, config, kind = view_parts(pruned, view, method, info)
+                    save_parts(parts, tmp, _tied_names(model, config, kind))
+                else:
+                    state, config, kind = view_state(pruned, view, method, info)
+                    needed["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
+                    _save_weights(model, state, tmp)
                 config.save_pretrained(tmp)
                 generation = getattr(model, "generation_config", None)
                 if generation is not None:
@@ -142,113 +141,12 @@ def check_target(path: str | os.PathLike, kind: str, overwrite: bool, flag: str 
         )
 
 
-def view_state(pruned: PrunedModel, view: str, method: str | None, info: dict):
-    """(state dict, config, kind) of the current view; kind is ``operators`` or ``plain``."""
-    model, plan = pruned.model, pruned.plan
-    operators = dict(pruned.operators[view]) if view not in (DENSE, PRUNED) else {}
-    mlp_maps = dict(pruned.mlp_maps[view]) if view not in (DENSE, PRUNED) else {}
-    folds = bool(operators or mlp_maps) and method is not None and get_method(method).folds
-    if (operators or mlp_maps) and method is None:
-        raise ValueError(f"view {view!r} has operators: name its method to export it")
-    if mlp_maps and not folds:
-        raise ValueError(f"view {view!r} has MLP maps but method {method!r} cannot fold them into weights")
-    layers = list(pruned.stack.layers)
-    adapted = any(view in getattr(m, "lora_A", {}) for b in layers for m in b.modules())
-    changed = adapted or folds
-    if changed:
-        # Changed blocks are copies: the shared blocks serve every other view (and the teacher).
-        layers = [copy_block(b) for b in layers]
-    if changed:
-        for block in layers:
-            _merge_and_unwrap(block, view)
-    kept = list(plan.kept) if view != DENSE else list(range(plan.num_layers))
-    if folds:
-        by_dense: list[nn.Module | None] = [None] * plan.num_layers
-        for new, dense in enumerate(kept):
-            by_dense[dense] = layers[new]
-        for gap in plan.gaps:
-            fit = GapFit(operator=operators.get(gap.key), mlp_map=mlp_maps.get(gap.key))
-            get_method(method).fold(by_dense, gap, fit)
-    if changed:
-        pruned.stack.set_layers(layers)  # undone when the caller's `use` restores the view
-    state = _clean(model.state_dict())
-    text = copy.deepcopy(pruned.config)
-    for attr in ("quantization_config",):
-        if hasattr(text, attr):
-            delattr(text, attr)
-    text.architectures = [type(model).__name__]
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    if head is not None and getattr(text, "tie_word_embeddings", False) and head.weight is not embed.weight:
-        text.tie_word_embeddings = False  # the view has its own head (a student that trains the tail)
-    if folds and getattr(get_method(method), "folds_embedding", False):
-        residual_fold.fold_embedding(model, plan, operators, state, text)  # E·Q₁⋯Qₙ; a tied head is untied
-    if operators and not folds:
-        prefix = "pruned."
-        state = {prefix + k: v for k, v in state.items()}
-        gaps = []
-        for i, gap in enumerate(plan.gaps):
-            op = operators[gap.key]
-            if getattr(op, "bias", None) is not None:
-                # The exported modelling file has no bias; dropping it would export another model.
-                raise ValueError(
-                    f"gap {gap.key}: an affine operator (recovery `bias: true`) cannot be exported yet; "
-                    "export a view fitted without `bias`"
-                )
-            at_input = gap.stop < plan.num_layers
-            layer = kept.index(gap.stop if at_input else gap.start - 1)
-            gaps.append(
-                {
-                    "key": gap.key,
-                    "layer": layer,
-                    "where": "input" if at_input else "output",
-                    "separate_first": bool(op.separate_first),
-                }
-            )
-            state[f"gap_operators.{i}.delta"] = op.delta.detach().float()
-            state[f"gap_operators.{i}.first_shift"] = op.first_shift.detach().float()
-        config = GhostPrunedConfig(
-            text_config=text,
-            gaps=gaps,
-            layers_path=_path_of(model, pruned.stack.layers),
-            ghostdistill=info,
-            architectures=["GhostPrunedForCausalLM"],
-            auto_map=dict(WRAPPER_AUTO_MAP),
-        )
-        return state, config, "operators"
-    text.ghostdistill = info
-    return state, text, "plain"
-
-
-def _merge_and_unwrap(block: nn.Module, view: str) -> None:
-    """In a copied block, merge `view`'s LoRA adapter into the weight it adapts and put every adapted linear's
-    plain base layer back in its place (the other views' adapters go): a fold then sees the block's own
-    `nn.Linear`s, as in a run without students."""
-    for name, module in list(block.named_modules()):
-        base = getattr(module, "base_layer", None)
-        if base is None or not hasattr(module, "lora_A"):
-            continue
-        if view in module.lora_A:
-            module.merge(adapter_names=[view])
-        parent, _, attr = name.rpartition(".")
-        setattr(block.get_submodule(parent) if parent else block, attr, base)
-
-
-def _clean(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Plain parameter names: peft's wrapped `base_layer` renamed back, adapter tensors dropped (merged
-    into their base where the view uses them)."""
-    out = {}
-    for name, tensor in state.items():
-        if any(f".{part}." in f".{name}." for part in _ADAPTER_PARTS):
-            continue
-        out[name.replace(".base_layer.", ".")] = tensor
-    return out
-
-
-def _path_of(model: nn.Module, target: nn.Module) -> str:
-    for name, module in model.named_modules():
-        if module is target:
-            return name
-    raise ValueError(f"the decoder blocks are not a submodule of {type(model).__name__}")
+def _tied_names(model: nn.Module, config, kind: str) -> set[str]:
+    """The output head's names when the exported config ties it to the embedding (the loader ties it again)."""
+    if not getattr(config, "tie_word_embeddings", False):
+        return set()
+    prefix = "pruned." if kind == "operators" else ""
+    return {prefix + target for target in (getattr(model, "all_tied_weights_keys", None) or {})}
 
 
 def _save_weights(model: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:

@@ -12,9 +12,11 @@ from tqdm.auto import tqdm
 
 from ..distill.config import DistillConfig
 from ..export.gguf import DEFAULT_GGUF_TYPES
+from ..pipeline.calibrate import OFFLOAD_ONE_DEVICE
 from ..pipeline.config import RunConfig
 from ..pipeline.export import check_targets, check_views
 from ..pipeline.state import STATE_FILE
+from ..pipeline.train import students_offloaded
 from .module import NO_DISTILL_METHODS, GhostDistill
 
 
@@ -49,6 +51,7 @@ class Calibration(Callback):
         check_before_run(trainer, pl_module)
         check_strategy(trainer, run.cfg.distill)
         run.progress, run.write = self._bar, trainer.is_global_zero
+        run.device = trainer.strategy.root_device  # where an offloaded model's blocks are brought
         run.setup(trainer.default_root_dir, distilling=pl_module.distilling)
         pl_module.configure_model()  # registers the run's model
         # The strategy moves the module only after setup; calibrating an 8B model on the CPU would crawl.
@@ -73,6 +76,11 @@ def check_before_run(trainer: Trainer, pl_module: GhostDistill) -> None:
     unbuilt = [v for v in cfg.evaluation.views if v in cfg.distill.views() and trainer.max_steps == 0]
     if unbuilt:
         raise ValueError(f"evaluation.views {unbuilt} are fine-tuned views, which trainer.max_steps 0 does not build")
+    offload = cfg.model.offload
+    if offload != "none" and trainer.world_size > 1:
+        raise ValueError(OFFLOAD_ONE_DEVICE)
+    if offload != "none" and trainer.max_steps > 0:
+        raise ValueError(students_offloaded(offload))
     for callback in trainer.callbacks:
         if isinstance(callback, Export):
             callback.check(trainer, pl_module.run.cfg)

@@ -19,6 +19,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from ..core.model import ModelConfig
+from ..core.offload import is_offloaded
 from ..core.views import PrunedModel
 from ..distill.config import DistillConfig
 from ..distill.optim import clip_per_student, make_optimizer
@@ -84,7 +85,12 @@ class GhostDistill(LightningModule):
         """Load the model once (registered here, so it moves with the module); under FSDP2
         (`ModelParallelStrategy`) shard the students once they exist."""
         if self.llm is None:
-            self.llm = self.run.load()
+            llm = self.run.load()
+            if is_offloaded(llm):
+                # Not a child: its weights stay off the device (`core.offload`); moving the module moves its views.
+                self.__dict__["llm"] = llm
+            else:
+                self.llm = llm
             return
         from lightning.pytorch.strategies import ModelParallelStrategy
 

@@ -23,6 +23,7 @@ from ..calibration.distributed import shard, sum_collectors
 from ..calibration.fit import fit_methods
 from ..calibration.stream import accumulate
 from ..core.model import hidden_size
+from ..core.offload import is_offloaded, model_device
 from ..core.plan import PruningPlan
 from ..core.views import PrunedModel
 from ..methods import RecoveryConfig, make_collectors
@@ -30,6 +31,10 @@ from ..planning import PlanConfig, Progress, choose, no_progress
 from .state import SavedState, Statistics, save_state, to_device
 
 Batch = dict[str, torch.Tensor]
+OFFLOAD_ONE_DEVICE = (
+    "model.model.offload keeps the weights off one device and runs it block by block; with several devices "
+    "shard the model instead: set model.model.offload none and trainer.strategy FSDP2 (docs/distillation.md)"
+)
 
 
 @dataclass
@@ -73,7 +78,7 @@ def collect_statistics(
     returns them and the number of tokens seen. `checkpoint(stats, batches_done, tokens)` is called every
     `checkpoint_every` batches and at the end (one process only: partial sums of several cannot be split)."""
     llm, plan = pruned.model, pruned.plan
-    device = next(llm.parameters()).device
+    device = model_device(llm)
     stats = {g.key: make_collectors(methods, hidden_size(llm), device, recovery) for g in plan.gaps}
     done, tokens = 0, 0
     if saved is not None:
@@ -89,6 +94,10 @@ def collect_statistics(
         for collectors in stats.values():
             sum_collectors(collectors, dist.reduce)
         tokens = int(dist.reduce(torch.tensor(tokens, dtype=torch.float64, device=device)).item())
+    elif is_offloaded(llm) and done < len(batches):
+        # Block by block: every batch through one block before the next, so the sums are complete only at
+        # the end (checkpointed then, not every `checkpoint_every` batches).
+        tokens += accumulate(llm, pruned.stack, plan.gaps, batches[done:], stats, first_batch=done, progress=progress)
     else:
         for i in progress(range(done, len(batches)), "calibration statistics"):
             tokens += accumulate(llm, pruned.stack, plan.gaps, [batches[i]], stats, first_batch=i)
@@ -109,7 +118,7 @@ def fit(
     progress: Progress = no_progress,
 ) -> dict[str, dict]:
     """Solve every gap of every method and register its view; returns each method's settings and cost."""
-    device = next(pruned.model.parameters()).device
+    device = model_device(pruned.model)
     mine = shard(batches, dist.rank, dist.world) if dist.world > 1 else batches
     return fit_methods(
         recovery,
@@ -148,6 +157,8 @@ def calibrate(
     import time
 
     llm.eval()
+    if is_offloaded(llm) and dist.world > 1:
+        raise ValueError(OFFLOAD_ONE_DEVICE)
     methods = {r.method for r in recovery}
     if saved is not None and dist.world > 1 and saved.batches_done < saved.batches_total:
         # Partial sums of one process cannot be split among several: only complete states are reused.

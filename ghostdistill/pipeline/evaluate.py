@@ -1,6 +1,7 @@
 """Evaluate: perplexity and teacher fidelity of every view, the analyses, zero-shot.
 
 scores = score_views(pruned, ids, mask, views)     one batch: NLL, KL(dense ‖ view), top-1 per token
+score_batches(pruned, batches, views)             many at once: block by block when the weights are offloaded
 tally.update(view, source, scores[view])           float64 sums over batches (`evaluation.tally.ViewTally`)
 results = view_results(tally, pruned)              the report's `views` section, summed over ranks
 evaluate(pruned, views, windows)                   the three above over whole sources, in one call
@@ -18,6 +19,8 @@ import torch
 from ..analysis import analyse
 from ..core.head import final_hidden, output_head, tokens_per_chunk
 from ..core.io import json_digest, tensor_digest
+from ..core.offload import is_offloaded, model_device, onloaded
+from ..core.sequential import capture, final_states, view_stream
 from ..core.views import DENSE, PRUNED, PrunedModel, view_parameter_count
 from ..data.windows import shared_ngrams
 from ..evaluation.metrics import TokenScores, next_token_targets, score_hidden
@@ -55,6 +58,60 @@ def score_views(
     return score_hidden(hidden, heads, targets, valid, reference=DENSE, chunk=tokens_per_chunk(vocab, chunk))
 
 
+@torch.no_grad()
+def score_batches(
+    pruned: PrunedModel, batches: list[dict[str, torch.Tensor]], views: list[str], *, chunk: int | None = None
+) -> list[dict[str, TokenScores]]:
+    """`score_views` of each batch ({"input_ids", "attention_mask", "counted"?}). With the weights offloaded
+    (`model.model.offload`) every view runs block by block over all the batches at once (`core.sequential`),
+    each block and the head brought onto the device once; the scores are `score_views`' to the bit."""
+    masks = [b.get("attention_mask", torch.ones_like(b["input_ids"])) for b in batches]
+    if not is_offloaded(pruned.model):
+        return [
+            score_views(pruned, b["input_ids"], m, views, chunk=chunk, counted=b.get("counted"))
+            for b, m in zip(batches, masks)
+        ]
+    # A pass holds every view's final hidden states of its windows: passes are cut to `PASS_BYTES` of them.
+    order = [DENSE, *(v for v in views if v != DENSE)]
+    item = next(pruned.model.parameters()).element_size() * pruned.model.get_input_embeddings().weight.shape[1]
+    per_batch = max(1, (len(order) + 1) * item * max(int(b["input_ids"].numel()) for b in batches))
+    size = max(1, PASS_BYTES // per_batch)
+    out = []
+    for lo in range(0, len(batches), size):
+        part = [{**b, "attention_mask": m} for b, m in zip(batches[lo : lo + size], masks[lo : lo + size])]
+        out += _score_pass(pruned, part, order, chunk)
+    return out
+
+
+# The most bytes of final hidden states one block-by-block evaluation pass holds (each pass reads the weights once).
+PASS_BYTES = 4 * 2**30
+
+
+def _score_pass(pruned: PrunedModel, batches: list[dict], order: list[str], chunk: int | None) -> list[dict]:
+    """`score_batches` of `batches` in one block-by-block pass (`order`: the dense view first)."""
+    with pruned.use(DENSE):
+        windows = capture(pruned.model, pruned.stack, batches)
+    hidden = dict(zip(order, final_states([view_stream(pruned, v, windows) for v in order], windows)))
+    heads, modules = {}, []
+    for view in order:
+        with pruned.use(view) as model:
+            heads[view] = output_head(model)
+            modules.append(model.get_output_embeddings())
+    vocab = pruned.model.get_output_embeddings().weight.shape[0]
+    out = []
+    with onloaded(*{id(m): m for m in modules}.values()):
+        for b, (ids, mask) in enumerate(zip(windows.ids, windows.masks)):
+            targets, valid = next_token_targets(ids, mask)
+            counted = batches[b].get("counted")
+            if counted is not None:
+                valid = valid & counted.to(valid.device).bool()[:, None]
+            states = {view: hidden[view][b][:, :-1] for view in order}
+            out.append(
+                score_hidden(states, heads, targets, valid, reference=DENSE, chunk=tokens_per_chunk(vocab, chunk))
+            )
+    return out
+
+
 def views_to_evaluate(available: list[str], wanted: list[str]) -> list[str]:
     """The views of `available` that `evaluation.views` (`wanted`; empty: all) names, in their order."""
     unknown = [v for v in wanted if v not in available]
@@ -82,7 +139,11 @@ def inference_parameters(pruned: PrunedModel, view: str, method: str | None = No
     total = view_parameter_count(pruned, view)
     if method is not None and getattr(get_method(method), "folds_embedding", False):
         embedding, head = pruned.model.get_input_embeddings().weight, pruned.model.get_output_embeddings().weight
-        if embedding is head or embedding.data_ptr() == head.data_ptr():
+        if "meta" in (embedding.device.type, head.device.type):  # offloaded: the config says whether they are one
+            tied = bool(getattr(pruned.config, "tie_word_embeddings", False))
+        else:
+            tied = embedding is head or embedding.data_ptr() == head.data_ptr()
+        if tied:
             total += embedding.numel()
     return total
 
@@ -98,12 +159,11 @@ def evaluate(
 ) -> dict[str, ViewResult]:
     """Every view on every source's windows, in one process (the Lightning test loop does the same per batch);
     `methods`: the method behind each view (`RunConfig.method_of`), for its parameter count."""
-    device = next(pruned.model.parameters()).device
+    device = model_device(pruned.model)
     tally = ViewTally(views, list(windows), reference=DENSE).to(device)
     for si, ids in enumerate(windows.values()):
-        for part in ids.split(batch_size):
-            part = part.to(device)
-            scores = score_views(pruned, part, torch.ones_like(part), views, chunk=chunk)
+        batches = [{"input_ids": part.to(device)} for part in ids.split(batch_size)]
+        for scores in score_batches(pruned, batches, views, chunk=chunk):
             for view in views:
                 tally.update(view, si, scores[view])
     return view_results(tally, pruned, methods)

@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from ..core.measure import PeakMemory
-from ..core.model import decoder_stack, hidden_size, load_model, load_tokenizer
+from ..core.model import decoder_stack, hidden_size, load_model, load_tokenizer, model_key
+from ..core.offload import is_offloaded, model_device
 from ..core.views import DENSE
 from ..evaluation.scores import ScoreStore
 from ..evaluation.tally import ViewTally
@@ -44,7 +45,7 @@ from ..reporting.results import check_scored, markdown_table, rank_warning, writ
 from .calibrate import Dist, calibrate, calibration_summary
 from .config import RunConfig
 from .data import RunData
-from .evaluate import analysis, evaluate, score_views, view_digests, view_results, views_to_evaluate, zeroshot
+from .evaluate import analysis, evaluate, score_batches, view_digests, view_results, views_to_evaluate, zeroshot
 from .export import export_views
 from .state import STATE_FILE, open_state, run_key
 from .train import BestSteps, build_students, distill_step, validate
@@ -104,6 +105,9 @@ class Run:
         self.tracker, self.last_validated = BestSteps(), None
         self._batches: list = []
         self._peak, self._since = PeakMemory(), {}
+        # The compute device an offloaded model's blocks are brought to (the strategy's, under Lightning).
+        self.device: torch.device | None = None
+        self._pending: list = []  # evaluation batches held for one block-by-block pass (offloaded weights)
 
     # ------------------------------------------------------------------ phases
     def begin(self, name: str) -> None:
@@ -134,7 +138,7 @@ class Run:
         """The model, frozen (once)."""
         if self.llm is None:
             with self.phase("load"), self.report.timed("load_model"):
-                self.llm = load_model(self.cfg.model)
+                self.llm = load_model(self.cfg.model, self.device)
                 self.llm.requires_grad_(False)
         return self.llm
 
@@ -151,7 +155,7 @@ class Run:
                 self.tokenizer,
                 self.run_dir,
                 dense=lambda: self.pruned.use(DENSE) if self.pruned is not None else nullcontext(llm),
-                model_key=asdict(self.cfg.model),
+                model_key=model_key(self.cfg.model),
                 write=self.write,
             )
             if checks:
@@ -258,19 +262,28 @@ class Run:
     def start_evaluation(self, device=None) -> None:
         self.begin("evaluate")
         sources = [s.label for s in self.cfg.data.evaluation.sources]
-        self.tally = ViewTally(self.views, sources, reference=DENSE).to(device or self.llm.device)
+        self.tally = ViewTally(self.views, sources, reference=DENSE).to(device or model_device(self.llm))
 
     @torch.no_grad()
     def score_batch(self, batch: dict[str, torch.Tensor], source: int = 0) -> None:
-        ids = batch["input_ids"]
-        mask = batch.get("attention_mask", torch.ones_like(ids))
+        """Score one batch; with offloaded weights the batches wait for one block-by-block pass over all of
+        them (`score_batches`), run by `finish_evaluation`, which updates the tally in the same order."""
         # Windows added only to even out the ranks' shares are run but not counted (`EvenShares`).
-        chunk, counted = self.cfg.evaluation.logit_chunk, batch.get("counted")
-        scores = score_views(self.pruned, ids, mask, self.tally.views, chunk=chunk, counted=counted)
-        for view in self.tally.views:
-            self.tally.update(view, source, scores[view])
+        self._pending.append((batch, source))
+        if not is_offloaded(self.llm):
+            self._score_pending()
+
+    def _score_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for source in dict.fromkeys(s for _, s in pending):
+            batches = [b for b, s in pending if s == source]
+            chunk = self.cfg.evaluation.logit_chunk
+            for scores in score_batches(self.pruned, batches, self.tally.views, chunk=chunk):
+                for view in self.tally.views:
+                    self.tally.update(view, source, scores[view])
 
     def finish_evaluation(self) -> None:
+        self._score_pending()
         # `compute` adds the ranks' sums (torchmetrics' all-reduce, `dist_reduce_fx="sum"`) before the means.
         methods = {view: self.cfg.method_of(view) for view in self.tally.views}
         self.report.views = view_results(self.tally, self.pruned, methods)
@@ -300,7 +313,7 @@ class Run:
         with self.phase("zeroshot"), report.timed("zeroshot"):
             # The flat settings: saved scores of runs made before each method had its own keys stay valid.
             recovery = {r.name: flat_settings(r) for r in cfg.recovery}
-            model = asdict(cfg.model)
+            model = model_key(cfg.model)
             digests = view_digests(self.pruned, self.views, model, recovery, self.key, step, self.students)
             store = ScoreStore(self.run_dir / "zeroshot" if self.run_dir else None, write=self.write)
             scores = zeroshot(self.pruned, self.tokenizer, self.views, zs, digests=digests, store=store, log=self.log)

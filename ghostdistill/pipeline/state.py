@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..core.io import atomic_torch_save, json_digest
-from ..core.model import ModelConfig, decoder_stack, hidden_size
+from ..core.model import ModelConfig, decoder_stack, hidden_size, model_key
 from ..core.plan import PruningPlan
 from ..methods import Collector, RecoveryConfig, make_collectors, statistics_layout
 from ..planning import PlanConfig, repair_config
@@ -54,7 +54,7 @@ def fingerprint(
     key (a run whose collectors hold everything keeps the key it had without `recovery`)."""
     key = {
         "format": STATE_FORMAT,
-        "model": asdict(model_cfg),
+        "model": model_key(model_cfg),
         # What the weights are, beyond where they came from: a folder overwritten by another model of another
         # shape must not resume from the first one's statistics.
         "shape": {

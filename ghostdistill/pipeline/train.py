@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..core.head import output_head
+from ..core.offload import is_offloaded, model_device, offload_mode
 from ..core.views import PrunedModel
 from ..distill.config import DistillConfig
 from ..distill.loss import chunked_distillation_loss, hidden_positions, hidden_state_loss
@@ -27,6 +28,15 @@ from .evaluate import score_views
 Batch = dict[str, torch.Tensor]
 
 
+def students_offloaded(offload: str) -> str:
+    """Why distillation does not run with offloaded weights, and what to do instead (one line)."""
+    return (
+        f"model.model.offload {offload} keeps the weights off the device, and the students train on a device that "
+        "holds the model: shard it over several devices with trainer.strategy FSDP2 and model.model.offload none "
+        "(docs/distillation.md), or set trainer.max_steps 0"
+    )
+
+
 def build_students(
     pruned: PrunedModel,
     cfg: DistillConfig,
@@ -36,7 +46,9 @@ def build_students(
     """The fine-tuned views (`DistillConfig.specs`), each starting from its method's fitted view; everything
     else frozen. With `check_batch`, the shared-prefix shortcut is verified against a full student forward
     on it. `methods`: the registered method of each recovery name (where a name is not one), which decides
-    how a student trains its operators (`Students`)."""
+    how a student trains its operators (`Students`). Refused for a model whose weights are offloaded."""
+    if is_offloaded(pruned.model):
+        raise ValueError(students_offloaded(offload_mode(pruned.model)))
     students = Students(pruned, cfg, methods)
     students.build()
     if check_batch is not None:
@@ -88,7 +100,7 @@ def validate(
     views = students.views
     # The same number of batches on every rank (sharded models run collectives in every forward).
     ids = windows[: len(windows) // dist.world * dist.world] if dist.world > 1 else windows
-    device = next(students.pruned.model.parameters()).device
+    device = model_device(students.pruned.model)
     sums = torch.zeros(len(views), 3, dtype=torch.float64, device=device)  # nll, kl, tokens
     mine = ids[dist.rank :: dist.world]
     for lo in range(0, len(mine), batch_size):

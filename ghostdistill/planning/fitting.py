@@ -20,6 +20,7 @@ from torch import nn
 from ..calibration.fit import register_view
 from ..calibration.stream import accumulate, accumulate_students
 from ..core.model import decoder_stack, hidden_size
+from ..core.offload import model_device
 from ..core.plan import Gap, PruningPlan
 from ..core.views import PrunedModel
 from ..methods import Collector, GapFit, RecoveryConfig, get_method, make_collectors, registered
@@ -80,7 +81,7 @@ class RepairFitter:
         self.model, self.cfgs, self.batches, self.progress = model, list(cfgs), batches, progress
         self.methods = {c.name: get_method(c.method) for c in self.cfgs}
         self.hidden = hidden_size(model)
-        self.device = next(model.parameters()).device
+        self.device = model_device(model)
         self.dense: dict[tuple[int, int], dict[str, Collector]] = {}
         self.fits: dict[tuple[str, tuple], GapFit] = {}
         self.passes = {"dense": 0, "student": 0}

@@ -6,6 +6,10 @@ there (`PrunedModel.use(view, skip=i)` with the stream as input embeddings): onl
 gap run. A view that also changes the block before the gap (ReplaceMe's map on its MLP output) starts one
 block earlier, at the stream entering block i − 1, which the dense pass keeps too. The shortcut is checked once against a full forward and turned off (with a warning) for a
 family that transforms its input embeddings, as the distillation students' shared prefix is.
+
+With the weights offloaded (`model.model.offload`) the dense pass and each candidate's views run block by
+block over all the selection windows at once (`core.sequential`; a candidate's views advance together from
+its start, each block and the head brought onto the device once), and score the same to the bit.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from torch import nn
 
 from ..core.head import decoder_of, final_hidden, output_head, tokens_per_chunk
 from ..core.model import decoder_stack, model_inputs
+from ..core.offload import is_offloaded, onloaded
+from ..core.sequential import advance, capture, dense_stream, final_states, view_stream
 from ..core.views import DENSE, PrunedModel
 from ..evaluation.metrics import next_token_targets, reference_log_probs, score_hidden
 
@@ -51,8 +57,11 @@ class SelectionScorer:
         layers = decoder_stack(model).layers
         self.dense: list[torch.Tensor] = []
         self.prefix: list[dict[int, torch.Tensor]] = []
+        self.windows = None
+        if is_offloaded(model):
+            self._dense_blockwise(batches)
         with torch.no_grad():
-            for ids, mask in self.inputs:
+            for ids, mask in self.inputs if self.windows is None else ():
                 grabbed: dict[int, torch.Tensor] = {}
                 handles = [
                     layers[i].register_forward_pre_hook(self._grab(grabbed, i), with_kwargs=True) for i in self.starts
@@ -68,13 +77,38 @@ class SelectionScorer:
         self.dense_logp: list[list[torch.Tensor]] | None = None
         if self.tokens * vocab * 4 <= DENSE_LOGP_BYTES:
             head = output_head(model)
-            self.dense_logp = [
-                reference_log_probs(dense, head, next_token_targets(ids, mask)[1], self.chunk)
-                for dense, (ids, mask) in zip(self.dense, self.inputs)
-            ]
+            with onloaded(model.get_output_embeddings()):
+                self.dense_logp = [
+                    reference_log_probs(dense, head, next_token_targets(ids, mask)[1], self.chunk)
+                    for dense, (ids, mask) in zip(self.dense, self.inputs)
+                ]
         self.forwards = 0  # candidate forwards over all the selection windows
         self.skip = bool(self.starts)  # until the first check says otherwise
         self._checked = False
+
+    @torch.no_grad()
+    def _dense_blockwise(self, batches: Sequence[Batch]) -> None:
+        """The dense final hidden states and the streams at `starts`, block by block (offloaded weights)."""
+        model = self.model
+        stack = decoder_stack(model)
+        self.windows = capture(model, stack, batches)
+        stream = dense_stream(stack, self.windows)
+        taps, _ = advance([stream], [len(stream.blocks)], self.windows, taps=[set(self.starts)])
+        with onloaded(stack.norm):
+            self.dense = [stack.norm(h)[:, :-1] for h in stream.hidden]
+        self.prefix = [{i: taps[0][i][b] for i in self.starts} for b in range(len(self.dense))]
+
+    def _views_blockwise(self, pruned: PrunedModel, views: Sequence[str], start: int | None) -> dict[str, list]:
+        """Every view's final hidden states on every window, advanced together from the candidate's start."""
+        streams = []
+        for view in views:
+            first = self._first_block(pruned, view, start) if start is not None else None
+            if first is None or first not in self.prefix[0]:
+                streams.append(view_stream(pruned, view, self.windows))
+            else:  # every block before the candidate's first gap is kept: view positions are dense indices there
+                hidden = [prefix[first] for prefix in self.prefix]
+                streams.append(view_stream(pruned, view, self.windows, first, hidden))
+        return {v: [h[:, :-1] for h in states] for v, states in zip(views, final_states(streams, self.windows))}
 
     @staticmethod
     def _grab(store: dict[int, torch.Tensor], i: int):
@@ -117,18 +151,25 @@ class SelectionScorer:
     def score(self, pruned: PrunedModel, views: Sequence[str], start: int | None = None) -> dict[str, dict[str, float]]:
         """Per view: mean KL(dense ‖ view) in nats and top-1 agreement over the selection tokens. `start`:
         the first removed block of the candidate (its forward starts there when that stream was kept)."""
-        if start is not None and self.skip and not self._checked and start in self.prefix[0]:
+        blockwise = self._views_blockwise(pruned, views, start) if self.windows is not None else None
+        if blockwise is None and start is not None and self.skip and not self._checked and start in self.prefix[0]:
             self._check(pruned, views[0], start)
         head = output_head(self.model)
         sums = {v: [0.0, 0.0] for v in views}
-        for b, dense in enumerate(self.dense):
-            targets, valid = next_token_targets(*self.inputs[b])
-            kept = self.dense_logp[b] if self.dense_logp is not None else None
-            hidden = {DENSE: dense, **{view: self._hidden(pruned, view, b, start) for view in views}}
-            scores = score_hidden(hidden, head, targets, valid, reference=DENSE, chunk=self.chunk, reference_logp=kept)
-            for view in views:
-                sums[view][0] += float(scores[view].kl.double().sum())
-                sums[view][1] += float(scores[view].top1.double().sum())
+        with onloaded(self.model.get_output_embeddings()):
+            for b, dense in enumerate(self.dense):
+                targets, valid = next_token_targets(*self.inputs[b])
+                kept = self.dense_logp[b] if self.dense_logp is not None else None
+                hidden = {
+                    DENSE: dense,
+                    **{v: blockwise[v][b] if blockwise else self._hidden(pruned, v, b, start) for v in views},
+                }
+                scores = score_hidden(
+                    hidden, head, targets, valid, reference=DENSE, chunk=self.chunk, reference_logp=kept
+                )
+                for view in views:
+                    sums[view][0] += float(scores[view].kl.double().sum())
+                    sums[view][1] += float(scores[view].top1.double().sum())
         self.forwards += len(views)
         n = max(self.tokens, 1)
         return {v: {"kl": kl / n, "top1": top1 / n} for v, (kl, top1) in sums.items()}

@@ -1,11 +1,13 @@
 """Similarity criteria from one forward pass per batch: ``streamline``, ``angular``, ``angular_last``
 (contiguous runs; Gromov et al. 2024) and ``block_influence`` (single blocks; ShortGPT, Men et al. 2024).
-Every similarity compares hidden vectors along the channel axis, per token, with padding masked."""
+Every similarity compares hidden vectors along the channel axis, per token, with padding masked. With the
+weights offloaded the pass goes block by block (`core.sequential.dense_sweep`), each pair compared, batch after
+batch, once the pass reaches its end: the same sums."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +15,9 @@ from torch import nn
 
 from ..core.capture import residual_streams
 from ..core.model import DecoderStack, model_inputs
+from ..core.offload import is_offloaded
 from ..core.plan import PruningPlan
+from ..core.sequential import dense_sweep
 from .candidates import PerBlock, candidate_starts, protected_edges
 from .interface import Batch, PlanConfig, PlanInputs, register
 
@@ -21,6 +25,36 @@ from .interface import Batch, PlanConfig, PlanInputs, register
 def _token_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Cosine similarity along the channel axis for every token, computed in float32."""
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1, eps=1e-8)
+
+
+def _select(mask: torch.Tensor, last_token_only: bool) -> torch.Tensor:
+    if not last_token_only:
+        return mask.bool()
+    select = torch.zeros_like(mask, dtype=torch.bool)
+    select[torch.arange(mask.shape[0], device=mask.device), mask.sum(1) - 1] = True
+    return select
+
+
+def _pair_streams(
+    model: nn.Module, stack: DecoderStack, batches: Iterable[Batch], pairs: list[tuple[int, int]]
+) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(i, j, stream entering block i, stream entering block j, mask) for every pair of `pairs` and batch:
+    batch by batch from full forwards, or pair by pair from one block-by-block pass (offloaded weights)."""
+    points = sorted({p for pair in pairs for p in pair})
+    if not is_offloaded(model):
+        for batch in batches:
+            ids, mask = model_inputs(model, batch)
+            streams, _ = residual_streams(model, stack, ids, mask, points)
+            for i, j in pairs:
+                yield i, j, streams[i], streams[j], mask
+        return
+    held: dict[int, list[torch.Tensor]] = {}
+    for windows, point, streams, _ in dense_sweep(model, stack, list(batches), points):
+        held[point] = streams
+        for i, j in (pair for pair in pairs if pair[1] == point):
+            for b, mask in enumerate(windows.masks):
+                yield i, j, held[i][b], streams[b], mask
+        held = {p: s for p, s in held.items() if any(i == p and j > point for i, j in pairs)}
 
 
 @torch.no_grad()
@@ -40,24 +74,15 @@ def block_similarity(
     non-padding token of each sequence)."""
     num_layers = len(stack.layers)
     starts = candidate_starts(num_layers, n, allow_edges, keep_first=keep_first, keep_last=keep_last)
-    points = sorted({p for i in starts for p in (i, i + n)})
     cos_sum = {i: 0.0 for i in starts}
     ang_sum = {i: 0.0 for i in starts}
     count = 0
-    for batch in batches:
-        ids, mask = model_inputs(model, batch)
-        streams, _ = residual_streams(model, stack, ids, mask, points)
-        if last_token_only:
-            last = mask.sum(1) - 1
-            select = torch.zeros_like(mask, dtype=torch.bool)
-            select[torch.arange(ids.shape[0], device=ids.device), last] = True
-        else:
-            select = mask.bool()
-        count += int(select.sum())
-        for i in starts:
-            cos = _token_cosine(streams[i], streams[i + n])[select].double()
-            cos_sum[i] += float(cos.sum())
-            ang_sum[i] += float((torch.arccos(cos.clamp(-1, 1)) / math.pi).sum())
+    for i, _, a, b, mask in _pair_streams(model, stack, batches, [(i, i + n) for i in starts]):
+        select = _select(mask, last_token_only)
+        count += int(select.sum()) if i == starts[0] else 0
+        cos = _token_cosine(a, b)[select].double()
+        cos_sum[i] += float(cos.sum())
+        ang_sum[i] += float((torch.arccos(cos.clamp(-1, 1)) / math.pi).sum())
     if count == 0:
         raise ValueError("the criterion saw no tokens: the calibration data is empty")
     return {i: {"cosine": cos_sum[i] / count, "angular": ang_sum[i] / count} for i in starts}
@@ -70,16 +95,12 @@ def block_influence(
     """ShortGPT's Block Influence (Men et al. 2024): BI_i = 1 - mean over non-padding tokens of the cosine
     between the residual stream entering block i and the one leaving it. Low BI: the block barely
     rotates the stream. One forward pass per batch for all blocks."""
-    points = sorted({p for i in blocks for p in (i, i + 1)})
     cos_sum = {i: 0.0 for i in blocks}
     count = 0
-    for batch in batches:
-        ids, mask = model_inputs(model, batch)
-        streams, _ = residual_streams(model, stack, ids, mask, points)
+    for i, _, a, b, mask in _pair_streams(model, stack, batches, [(i, i + 1) for i in blocks]):
         select = mask.bool()
-        count += int(select.sum())
-        for i in blocks:
-            cos_sum[i] += float(_token_cosine(streams[i], streams[i + 1])[select].double().sum())
+        count += int(select.sum()) if i == blocks[0] else 0
+        cos_sum[i] += float(_token_cosine(a, b)[select].double().sum())
     if count == 0:
         raise ValueError("the criterion saw no tokens: the calibration data is empty")
     return {i: 1.0 - cos_sum[i] / count for i in blocks}

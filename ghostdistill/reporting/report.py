@@ -90,6 +90,8 @@ class RunReport:
 # Settings that change what a run costs, not what it computes: left out of `result_settings`.
 COST_ONLY = (
     "model.model.cache_gguf",
+    "model.model.offload",
+    "model.model.offload_folder",
     "model.evaluation.logit_chunk",
     "model.plan.repair_chunk",
     "model.plan.greedy_from",

@@ -1,0 +1,276 @@
+"""Every window through one block before the next: the passes of a model whose weights are off the device.
+
+llm-compressor's sequential pipeline. `capture` records what the decoder hands each block for every batch
+(the residual stream entering the first block; per block the keyword arguments: attention mask, rotary
+position embeddings, position ids), by running the decoder with placeholder blocks that record and return
+their input, so no block computes and a family whose blocks take different masks (sliding-window layers)
+gets each its own. Then `advance` runs each block over every batch, keeping the activations, and a block is
+brought onto the device once per pass (`core.offload.onloaded`), not once per batch:
+
+    windows = capture(model, stack, batches)
+    dense, ghost = dense_stream(stack, windows), view_stream(pruned, "ghost", windows)
+    taps, mlp = advance([dense, ghost], [stop_dense, stop_ghost], taps=[{4}, {3}])
+
+A block computes exactly what it computes inside the model's forward (the same inputs, the same batch
+shapes), so statistics, operators and scores are those of full forwards to the bit (tests/core/test_offload.py).
+
+Several streams (views of one `PrunedModel`) advance together: at each dense block index the streams that
+run it go through it in turn while it is on the device (a view's own copy of a block is a module of its
+own). The views' operator hooks act as in a forward: the pruned model is switched to a stream's view for its
+turn. A tap at position p is the input of block p as the block sees it, after its forward pre-hooks (the
+operator a view puts at a gap), as `core.capture.residual_streams` takes it; position len(blocks) is the
+output of the last block.
+
+This is the service a fitter calls ("these windows through these blocks; the streams at these boundaries"):
+`dense_sweep` yields the dense streams at chosen boundaries as the pass reaches them, `final_states` a set
+of views' final hidden states.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .capture import _StopForward
+from .head import decoder_of
+from .model import DecoderStack, decoder_stack, mlp_module, model_inputs
+from .offload import onloaded
+from .operator import first_position_mask
+from .views import DENSE
+
+Batch = dict[str, torch.Tensor]
+Progress = Callable[[Sequence[int], str], Sequence[int]]
+
+
+@dataclass
+class Windows:
+    """Batches at the input of the first block: per batch the token ids, the attention mask, the residual
+    stream entering block 0, the first-position mask, and per dense block what the decoder passes it."""
+
+    ids: list[torch.Tensor]
+    masks: list[torch.Tensor]
+    hidden: list[torch.Tensor]
+    first: list[torch.Tensor]
+    calls: list[list[tuple[tuple, dict]]]  # batch → dense block → (args after the stream, kwargs)
+
+
+class _Recorder(nn.Module):
+    def __init__(self, index: int, last: int, calls: list) -> None:
+        super().__init__()
+        self.index, self.last, self.calls = index, last, calls
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.calls.append((hidden_states, args, kwargs))
+        if self.index == self.last:
+            raise _StopForward
+        return hidden_states
+
+
+@torch.no_grad()
+def capture(model: nn.Module, stack: DecoderStack, batches: Sequence[Batch]) -> Windows:
+    """`batches` at the input of the first block of `stack` (the model's current blocks), each block's
+    arguments recorded; only the embedding runs (brought onto the device once for all batches)."""
+    layers = stack.layers
+    n = len(layers)
+    windows = Windows([], [], [], [], [])
+    with onloaded(model.get_input_embeddings()):
+        for batch in batches:
+            ids, mask = model_inputs(model, batch)
+            calls: list = []
+            stack.set_layers([_Recorder(i, n - 1, calls) for i in range(n)])
+            try:
+                decoder_of(model)(input_ids=ids, attention_mask=mask, use_cache=False)
+            except _StopForward:
+                pass
+            finally:
+                setattr(stack.owner, stack.attr, layers)
+            if len(calls) != n:
+                raise RuntimeError(f"the decoder called {len(calls)} of its {n} blocks; cannot run it block by block")
+            hidden = calls[0][0]
+            windows.ids.append(ids)
+            windows.masks.append(mask)
+            windows.hidden.append(hidden)
+            windows.first.append(first_position_mask(calls[0][2].get("position_ids"), hidden))
+            windows.calls.append([(args, kwargs) for _, args, kwargs in calls])
+    return windows
+
+
+@dataclass
+class Stream:
+    """One view's activations of every window: `hidden[b]` enters the view's block `at`. `blocks`: the view's
+    blocks in order, as (dense index, module). `seconds`: time spent running its blocks."""
+
+    view: str | None
+    blocks: list[tuple[int, nn.Module]]
+    hidden: list[torch.Tensor]
+    at: int = 0
+    pruned: object = None
+    seconds: float = field(default=0.0)
+
+
+def dense_stream(stack: DecoderStack, windows: Windows) -> Stream:
+    """The stream through `stack`'s current blocks (the dense model's when no view is switched in)."""
+    return Stream(None, list(enumerate(stack.layers)), list(windows.hidden))
+
+
+def view_stream(pruned, view: str, windows: Windows, at: int = 0, hidden: list[torch.Tensor] | None = None) -> Stream:
+    """The stream of `view` of `pruned` (a `core.views.PrunedModel`), entering its block `at` with `hidden`
+    (default the windows at block 0)."""
+    indices = range(pruned.plan.num_layers) if view == DENSE else pruned.plan.kept
+    with pruned.use(view):
+        blocks = list(zip(indices, pruned.stack.layers))
+    if hidden is None and at != 0:
+        raise ValueError(f"a stream entering block {at} needs its activations there")
+    return Stream(view, blocks, list(windows.hidden if hidden is None else hidden), at, pruned)
+
+
+def _output(out) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _recording(store: list, stop: bool = False):
+    def hook(module, args, kwargs):
+        store.append(args[0] if args else kwargs["hidden_states"])
+        if stop:
+            raise _StopForward
+
+    return hook
+
+
+def _mlp_recording(store: list):
+    def hook(module, args, output):
+        store.append(_output(output))
+
+    return hook
+
+
+@torch.no_grad()
+def _run(stream: Stream, windows: Windows, tap: list | None, mlp: list | None) -> None:
+    """Stream's block `at` over every batch (the caller has it on the device)."""
+    index, block = stream.blocks[stream.at]
+    if stream.pruned is not None and stream.pruned.view != stream.view:
+        stream.pruned.set_view(stream.view)
+    handles = []
+    if tap is not None:
+        handles.append(block.register_forward_pre_hook(_recording(tap), with_kwargs=True))
+    if mlp is not None:
+        handles.append(mlp_module(block).register_forward_hook(_mlp_recording(mlp)))
+    start = time.perf_counter()
+    try:
+        for b, hidden in enumerate(stream.hidden):
+            args, kwargs = windows.calls[b][index]
+            stream.hidden[b] = _output(block(hidden, *args, **kwargs))
+    finally:
+        for h in handles:
+            h.remove()
+    stream.seconds += time.perf_counter() - start
+    stream.at += 1
+
+
+@torch.no_grad()
+def _peek(stream: Stream, windows: Windows) -> list[torch.Tensor]:
+    """The input of the stream's next block as the block sees it (after its pre-hooks), without running it."""
+    if stream.at == len(stream.blocks):
+        return list(stream.hidden)
+    index, block = stream.blocks[stream.at]
+    if stream.pruned is not None and stream.pruned.view != stream.view:
+        stream.pruned.set_view(stream.view)
+    seen: list[torch.Tensor] = []
+    handle = block.register_forward_pre_hook(_recording(seen, stop=True), with_kwargs=True)
+    try:
+        for b, hidden in enumerate(stream.hidden):
+            args, kwargs = windows.calls[b][index]
+            try:
+                block(hidden, *args, **kwargs)
+            except _StopForward:
+                pass
+    finally:
+        handle.remove()
+    return seen
+
+
+def advance(
+    streams: Sequence[Stream],
+    stops: Sequence[int],
+    windows: Windows,
+    *,
+    taps: Sequence[Collection[int]] | None = None,
+    mlp: Sequence[Collection[int]] | None = None,
+    progress: Progress | None = None,
+    desc: str = "block by block",
+) -> tuple[list[dict[int, list[torch.Tensor]]], list[dict[int, list[torch.Tensor]]]]:
+    """Run every stream up to the input of its block `stops[i]`, block by block, each dense block on the
+    device once. Returns per stream the taps (position → per-batch tensors: the input of that block after its
+    pre-hooks; len(blocks): the last block's output) and the MLP outputs of the blocks at `mlp` positions."""
+    taps = taps or [()] * len(streams)
+    mlp = mlp or [()] * len(streams)
+    tapped: list[dict[int, list[torch.Tensor]]] = [{} for _ in streams]
+    mlp_out: list[dict[int, list[torch.Tensor]]] = [{} for _ in streams]
+    views = {id(s.pruned): (s.pruned, s.pruned.view, s.pruned.skip) for s in streams if s.pruned is not None}
+    order = sorted({s.blocks[p][0] for s, stop in zip(streams, stops) for p in range(s.at, stop)})
+    try:
+        for dense_index in progress(order, desc) if progress is not None else order:
+            group = [i for i, s in enumerate(streams) if s.at < stops[i] and s.blocks[s.at][0] == dense_index]
+            modules = list({id(m): m for m in (streams[i].blocks[streams[i].at][1] for i in group)}.values())
+            with onloaded(*modules):
+                for i in group:
+                    s = streams[i]
+                    tap = tapped[i].setdefault(s.at, []) if s.at in taps[i] else None
+                    out = mlp_out[i].setdefault(s.at, []) if s.at in mlp[i] else None
+                    _run(s, windows, tap, out)
+        for i, s in enumerate(streams):
+            if s.at in taps[i]:
+                tapped[i][s.at] = _peek(s, windows)
+    finally:
+        for pruned, view, skip in views.values():
+            pruned.set_view(view, skip)
+    return tapped, mlp_out
+
+
+def dense_sweep(
+    model: nn.Module,
+    stack: DecoderStack,
+    batches: Sequence[Batch],
+    points: Collection[int],
+    mlp_blocks: Collection[int] = (),
+    progress: Progress | None = None,
+    desc: str = "block by block",
+) -> Iterator[tuple[Windows, int, list[torch.Tensor], dict[int, list[torch.Tensor]]]]:
+    """The dense streams entering each block of `points` (len(blocks): the last block's output) for every
+    batch, yielded in ascending order as one pass reaches them: (windows, point, per-batch streams, MLP outputs
+    of the `mlp_blocks` the pass has gone through so far). Nothing is held beyond what the caller keeps."""
+    windows = capture(model, stack, batches)
+    stream = dense_stream(stack, windows)
+    mlp: dict[int, list[torch.Tensor]] = {}
+    for point in sorted(set(points)):
+        taps, outs = advance(
+            [stream], [point], windows, taps=[{point}], mlp=[set(mlp_blocks)], progress=progress, desc=desc
+        )
+        mlp.update(outs[0])
+        yield windows, point, taps[0][point], mlp
+
+
+def final_norm(pruned, view: str) -> nn.Module:
+    """The final norm `view` ends with (a student that trains the tail has its own)."""
+    with pruned.use(view) as model:
+        norm = decoder_stack(model).norm
+    if norm is None:
+        raise TypeError(f"cannot find the final norm of {type(pruned.model).__name__}: it cannot run block by block")
+    return norm
+
+
+@torch.no_grad()
+def final_states(streams: Sequence[Stream], windows: Windows, progress: Progress | None = None) -> list[list]:
+    """Each stream (of a view: `view_stream`) run to the end of its view and through its final norm: per stream
+    the final hidden states of every batch (what the decoder's forward returns)."""
+    advance(streams, [len(s.blocks) for s in streams], windows, progress=progress, desc="evaluation, block by block")
+    out = []
+    for s in streams:
+        norm = final_norm(s.pruned, s.view)
+        with onloaded(norm):
+            out.append([norm(h) for h in s.hidden])
+    return out
