@@ -17,6 +17,7 @@ from .model import DecoderStack, decoder_stack, mlp_module, text_config
 from .modeling_ghostdistill import attach
 from .operator import GhostOperator
 from .plan import Gap, PruningPlan
+from .sharded import plain_copy
 
 DENSE = "dense"
 PRUNED = "pruned"
@@ -244,20 +245,9 @@ def count_parameters(module: nn.Module) -> int:
 
 def copy_block(block: nn.Module) -> nn.Module:
     """A deep copy of a block without the hooks of the original (the views' operator hooks would act
-    twice otherwise): what `substitute_blocks` expects."""
-    import copy
-
-    clone = copy.deepcopy(block)
-    for module in clone.modules():
-        for hooks in (
-            "_forward_pre_hooks",
-            "_forward_hooks",
-            "_forward_pre_hooks_with_kwargs",
-            "_forward_hooks_with_kwargs",
-            "_forward_hooks_always_called",
-        ):
-            getattr(module, hooks).clear()
-    return clone
+    twice otherwise): what `substitute_blocks` expects. A sharded block (FSDP2) is gathered for the copy,
+    which is whole and plain (`core.sharded.plain_copy`; every rank must call it)."""
+    return plain_copy(block)
 
 
 @torch.no_grad()

@@ -108,8 +108,23 @@ def _permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     )
 
 
-def gguf_tensors(state: Mapping[str, torch.Tensor], config) -> dict[str, np.ndarray]:
-    """The view's tensors under their GGUF names, float32, Q and K permuted (see the module docstring)."""
+class Deferred:
+    """A tensor made when the GGUF writer writes it (`GGUFWriter.write_tensors_to_file` calls `tofile` tensor by
+    tensor, in order): a file of a view whose blocks are made one at a time (`export.blocks.ViewState`) is
+    written holding one block. `shape` and `dtype` are what `make()` returns."""
+
+    def __init__(self, shape, dtype, make) -> None:
+        self.shape, self.dtype, self.make = tuple(int(n) for n in shape), np.dtype(dtype), make
+        self.ndim = len(self.shape)
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def tofile(self, f) -> None:
+        self.make().tofile(f)
+
+
+def gguf_tensors(state: Mapping[str, torch.Tensor], config) -> dict[str, Deferred]:
+    """The view's tensors under their GGUF names, float32, Q and K permuted (see the module docstring); each
+    is read from `state` when it is written."""
     model_type = getattr(config, "model_type", None)
     if model_type not in ARCHITECTURES:
         raise ValueError(
@@ -121,30 +136,48 @@ def gguf_tensors(state: Mapping[str, torch.Tensor], config) -> dict[str, np.ndar
     n_head = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_head
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    out: dict[str, np.ndarray] = {}
-    for name, tensor in state.items():
+    out: dict[str, Deferred] = {}
+
+    def converted(name: str) -> np.ndarray:
+        data = state[name].detach().to("cpu", torch.float32)
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            data = _permute(data, n_head)
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+            data = _permute(data, n_kv)
+        return data.contiguous().numpy()
+
+    for name in state:
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue
         new = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if new is None:
             raise ValueError(f"tensor {name!r} has no GGUF name for {model_type}: it cannot be written")
-        data = tensor.detach().to("cpu", torch.float32)
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
-            data = _permute(data, n_head)
-        elif name.endswith(("k_proj.weight", "k_proj.bias")):
-            data = _permute(data, n_kv)
-        out[new] = data.contiguous().numpy()
+        shape = state.meta(name).shape if hasattr(state, "meta") else state[name].shape
+        out[new] = Deferred(shape, np.float32, lambda name=name: converted(name))
     blocks = {int(n.split(".")[1]) for n in out if n.startswith("blk.")}
     if blocks != set(range(n_blocks)):
         raise ValueError(f"the state has blocks {sorted(blocks)} but the config says {n_blocks}")
     return out
 
 
-def _storage(name: str, data: np.ndarray, gguf_type: str) -> gguf.GGMLQuantizationType:
-    """The converter's rule: 1-D tensors, norms and anything but a weight stay F32; the rest take the type."""
+def _storage(name: str, data: Deferred, gguf_type: str) -> gguf.GGMLQuantizationType:
+    """The converter's rule: 1-D tensors, norms and anything but a weight stay F32; the rest take the type,
+    except that a row length a quantised type cannot block falls back to F16, as in the converter."""
     if data.ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
         return gguf.GGMLQuantizationType.F32
-    return GGUF_TYPES[gguf_type][0]
+    storage = GGUF_TYPES[gguf_type][0]
+    if data.shape[-1] % gguf.GGML_QUANT_SIZES[storage][0]:
+        return gguf.GGMLQuantizationType.F16
+    return storage
+
+
+def _stored(data: Deferred, storage: gguf.GGMLQuantizationType) -> Deferred:
+    """`data` in its storage type, quantised when written."""
+    dtype = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16}.get(
+        storage, np.uint8
+    )
+    shape = gguf.quants.quant_shape_to_byte_shape(data.shape, storage) if dtype is np.uint8 else data.shape
+    return Deferred(shape, dtype, lambda: gguf.quants.quantize(data.make(), storage))
 
 
 def _rope(config) -> tuple[float | None, dict]:
@@ -161,15 +194,18 @@ def _rope(config) -> tuple[float | None, dict]:
 
 def write_gguf(
     path: str | os.PathLike,
-    tensors: Mapping[str, np.ndarray],
+    tensors: Mapping[str, Deferred],
     config,
     tokenizer,
     gguf_type: str,
     *,
     name: str,
     info: dict | None = None,
+    write: bool = True,
 ) -> Path:
-    """Write one GGUF file of `gguf_type` from `gguf_tensors`' output, the view's config and tokenizer."""
+    """Write one GGUF file of `gguf_type` from `gguf_tensors`' output, the view's config and tokenizer, one
+    tensor at a time. `write` false: every tensor is made (a sharded model's gathers, in rank 0's order) and
+    the file goes to the null device."""
     check_gguf_types([gguf_type])
     if tokenizer is None:
         raise ValueError("GGUF export needs the tokenizer: llama.cpp reads the vocabulary from the file")
@@ -211,12 +247,13 @@ def write_gguf(
     add_vocab(writer, tokenizer, config.vocab_size)
     for tensor_name, data in tensors.items():
         storage = _storage(tensor_name, data, gguf_type)
-        try:
-            stored = gguf.quants.quantize(data, storage)
-        except gguf.QuantError:  # a row length Q8_0 cannot block: F16, as the converter does
-            storage = gguf.GGMLQuantizationType.F16
-            stored = gguf.quants.quantize(data, storage)
-        writer.add_tensor(tensor_name, stored, raw_dtype=storage)
+        writer.add_tensor(tensor_name, _stored(data, storage), raw_dtype=storage)
+    if not write:
+        writer.write_header_to_file(path=Path(os.devnull))
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
     with atomic_path(path) as tmp:
         writer.write_header_to_file(path=tmp)
         writer.write_kv_data_to_file()
@@ -242,10 +279,12 @@ def export_gguf(
     info: dict | None = None,
     types: Iterable[str] = DEFAULT_GGUF_TYPES,
     overwrite: bool = False,
+    write: bool = True,
 ) -> list[Path]:
     """Write `view` of `pruned` as one GGUF file per type (`gguf_path(root, view, type)`); returns the paths.
 
-    Refuses operator views (`refusal`) and existing files without `overwrite`, before writing anything."""
+    Refuses operator views (`refusal`) and existing files without `overwrite`, before writing anything.
+    `write` false: the same work, nothing written (`write_gguf`)."""
     types = check_gguf_types(types)
     if view not in pruned.views:
         raise ValueError(f"cannot export view {view!r}: the views are {pruned.views}")
@@ -253,7 +292,7 @@ def export_gguf(
         raise ValueError(refusal(view, method))
     paths = [gguf_path(root, view, t) for t in types]
     existing = [str(p) for p in paths if p.exists()]
-    if existing and not overwrite:
+    if existing and not overwrite and write:
         raise FileExistsError(f"GGUF files {existing} exist; pass overwrite (export.overwrite / --overwrite)")
     info = dict(info or {})
     info.setdefault("view", view)
@@ -268,7 +307,7 @@ def export_gguf(
             raise ValueError(refusal(view, method))
         tensors = gguf_tensors(state, config)
         for gguf_type, path in zip(types, paths):
-            write_gguf(path, tensors, config, tokenizer, gguf_type, name=view, info=info)
+            write_gguf(path, tensors, config, tokenizer, gguf_type, name=view, info=info, write=write)
     return paths
 
 

@@ -34,9 +34,11 @@ from torch import nn
 from ..core import modeling_ghostdistill
 from ..core.io import publish_permissions
 from ..core.modeling_ghostdistill import GhostPrunedConfig
+from ..core.sharded import is_sharded
 from ..core.views import _ADAPTER_PARTS, DENSE, PRUNED, PrunedModel, copy_block
 from ..methods import GapFit, get_method
 from . import fold as residual_fold
+from .blocks import ViewState, save_shards
 from .card import model_card
 
 # AutoModel is what vLLM's Transformers backend builds (the base model; vLLM adds its own head).
@@ -56,6 +58,7 @@ def export_view(
     tokenizer=None,
     info: dict | None = None,
     overwrite: bool = False,
+    write: bool = True,
 ) -> Path:
     """Write `view` of `pruned` to `folder` and return its path.
 
@@ -66,10 +69,16 @@ def export_view(
         info: what produced the view (plan, calibration, seed, metrics), kept in `config.json` under
             ``ghostdistill`` and summarised in the model card.
         overwrite: replace an existing folder (otherwise an existing folder is an error).
+        write: false on the ranks of a sharded model other than rank 0: the same work (every block gathered,
+            in rank 0's order), nothing written.
     """
     target = Path(folder)
     if view not in pruned.views:
         raise ValueError(f"cannot export view {view!r}: the views are {pruned.views}")
+    if not write:
+        with pruned.use(view) as model:
+            _save_weights(model, view_state(pruned, view, method, dict(info or {}))[0], target, write=False)
+        return target
     if target.exists() and not overwrite:
         raise FileExistsError(
             f"export folder {target} exists; pass overwrite (export.overwrite: true / --overwrite) to replace it"
@@ -123,23 +132,35 @@ def view_state(pruned: PrunedModel, view: str, method: str | None, info: dict):
     layers = list(pruned.stack.layers)
     adapted = any(view in getattr(m, "lora_A", {}) for b in layers for m in b.modules())
     changed = adapted or folds
-    if changed:
-        # Changed blocks are copies: the shared blocks serve every other view (and the teacher).
-        layers = [copy_block(b) for b in layers]
-    if changed:
-        for block in layers:
-            _merge_and_unwrap(block, view)
     kept = list(plan.kept) if view != DENSE else list(range(plan.num_layers))
-    if folds:
-        by_dense: list[nn.Module | None] = [None] * plan.num_layers
-        for new, dense in enumerate(kept):
-            by_dense[dense] = layers[new]
-        for gap in plan.gaps:
-            fit = GapFit(operator=operators.get(gap.key), mlp_map=mlp_maps.get(gap.key))
-            get_method(method).fold(by_dense, gap, fit)
-    if changed:
-        pruned.stack.set_layers(layers)  # undone when the caller's `use` restores the view
-    state = _clean(model.state_dict())
+    fits = [(gap, GapFit(operator=operators.get(gap.key), mlp_map=mlp_maps.get(gap.key))) for gap in plan.gaps]
+
+    def make(new: int) -> dict[str, torch.Tensor]:
+        """Block `new` of the view, whole: the live block, or (changed, or sharded) a copy, LoRA merged and
+        folded. Changed blocks are copies: the shared blocks serve every other view (and the teacher)."""
+        block = layers[new]
+        if changed or is_sharded(block):
+            block = copy_block(block)
+        if changed:
+            _merge_and_unwrap(block, view)
+        if folds:
+            by_dense: list[nn.Module | None] = [None] * plan.num_layers
+            by_dense[kept[new]] = block
+            for gap, fit in fits:
+                get_method(method).fold(by_dense, gap, fit)
+        return _clean(block.state_dict())
+
+    path = _path_of(model, pruned.stack.layers)
+    live = model.state_dict()  # names, shapes and dtypes (a sharded block's are its whole tensor's)
+    blocks: list[dict[str, tuple[str, torch.Tensor]]] = [{} for _ in layers]
+    eager = {}
+    for name, tensor in _clean(live).items():
+        index, _, local = name[len(path) + 1 :].partition(".") if name.startswith(path + ".") else ("", "", "")
+        if index.isdigit():
+            blocks[int(index)][name] = (local, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"))
+        else:
+            eager[name] = tensor
+    state = ViewState(eager, blocks, make, order=list(_clean(live)))
     text = copy.deepcopy(pruned.config)
     for attr in ("quantization_config",):
         if hasattr(text, attr):
@@ -152,7 +173,7 @@ def view_state(pruned: PrunedModel, view: str, method: str | None, info: dict):
         residual_fold.fold_embedding(model, plan, operators, state, text)  # E·Q₁⋯Qₙ; a tied head is untied
     if operators and not folds:
         prefix = "pruned."
-        state = {prefix + k: v for k, v in state.items()}
+        state = state.renamed(prefix)
         gaps = []
         for i, gap in enumerate(plan.gaps):
             op = operators[gap.key]
@@ -177,7 +198,7 @@ def view_state(pruned: PrunedModel, view: str, method: str | None, info: dict):
         config = GhostPrunedConfig(
             text_config=text,
             gaps=gaps,
-            layers_path=_path_of(model, pruned.stack.layers),
+            layers_path=path,
             ghostdistill=info,
             architectures=["GhostPrunedForCausalLM"],
             auto_map=dict(WRAPPER_AUTO_MAP),
@@ -219,18 +240,16 @@ def _path_of(model: nn.Module, target: nn.Module) -> str:
     raise ValueError(f"the decoder blocks are not a submodule of {type(model).__name__}")
 
 
-def _save_weights(model: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
-    """safetensors shards; a tied output head is left to the loader, which ties it again."""
-    from huggingface_hub import save_torch_state_dict
-
+def _save_weights(model: nn.Module, state, folder: Path, write: bool = True) -> None:
+    """safetensors shards, written block by block as they fill (`blocks.save_shards`); a tied output head is
+    left to the loader, which ties it again."""
     prefix = "pruned." if any(k.startswith("pruned.") for k in state) else ""
     tied = getattr(model, "all_tied_weights_keys", None) or {}
     for target, source in tied.items():
         t, s = prefix + target, prefix + source
         if t in state and s in state and state[t].data_ptr() == state[s].data_ptr():
             del state[t]
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    save_torch_state_dict(tensors, folder, max_shard_size="5GB")
+    save_shards(state, folder, max_shard_size="5GB", write=write)
 
 
 def _alive(pid: int) -> bool:

@@ -137,16 +137,18 @@ def export_views(
     seed: int | None = None,
     formats: Sequence[str] = ("hf",),
     gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
+    write: bool = True,
 ) -> list[Path]:
     """Write each of `views` of an in-memory run in `formats` under `root`; `report` is the run's results.
-    Returns `export_targets`' paths."""
+    Returns `export_targets`' paths. `write` false: a rank of a sharded model other than rank 0, which joins
+    every gather and writes nothing (`export.blocks`)."""
     check_views(cfg, views, formats=formats, gguf_types=gguf_types)
     specs = {s.name: s for s in cfg.distill.specs()}
     missing = [v for v in views if v not in pruned.views]
     if missing:
         raise ValueError(f"cannot export {missing}: they were not built in this run (views: {pruned.views})")
     existing = [str(p) for p in export_targets(root, views, formats, gguf_types) if p.exists()]
-    if existing and not overwrite:
+    if existing and not overwrite and write:
         raise FileExistsError(f"export targets {existing} exist; pass overwrite (--overwrite / export.overwrite: true)")
     paths: list[Path] = []
     for view in views:
@@ -155,7 +157,14 @@ def export_views(
         if "hf" in formats:
             paths.append(
                 export_view(
-                    pruned, view, root / view, method=method, tokenizer=tokenizer, info=info, overwrite=overwrite
+                    pruned,
+                    view,
+                    root / view,
+                    method=method,
+                    tokenizer=tokenizer,
+                    info=info,
+                    overwrite=overwrite,
+                    write=write,
                 )
             )
         if "gguf" in formats:
@@ -168,5 +177,6 @@ def export_views(
                 info=info,
                 types=gguf_types,
                 overwrite=overwrite,
+                write=write,
             )
     return paths

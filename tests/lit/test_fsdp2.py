@@ -1,0 +1,130 @@
+"""FSDP2 in every phase: two CPU processes (gloo) whose model is sharded as it loads (`core.sharded`) choose the
+plan one process chooses (a repair-aware criterion), collect its statistics, solve its operators (a sequential
+fit included), score its perplexities and analyses and export its weights, within float64 round-off."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_run import tiny_run_args
+
+from ghostdistill.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+FSDP2 = json.dumps(
+    {
+        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+        "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1, "save_distributed_checkpoint": False},
+    }
+)
+RECOVERY = [
+    {"name": "ghost", "method": "ghost", "order": "sequential"},
+    {"name": "ra", "method": "rotation_anchored"},
+]
+
+
+def _args(tiny_dir, text_files, run, *extra):
+    selection = {"source": str(text_files["jsonl_gz"]), "first_document": 150}
+    return tiny_run_args(
+        tiny_dir,
+        text_files,
+        run,
+        "--model.plan.criterion",
+        "repair_greedy",
+        "--data.calibration.source.max_documents",
+        "150",
+        "--data.selection.source",
+        json.dumps(selection),
+        "--data.selection.num_windows",
+        "3",
+        "--data.selection.seq_len",
+        "32",
+        "--export.views",
+        "[ghost, ra]",
+        "--export.format",
+        "[hf, gguf]",
+        "--export.gguf_types",
+        "[F32]",
+        "--trainer.accelerator",
+        "cpu",
+        *extra,
+        layers=None,
+        num_layers=2,
+        recovery=RECOVERY,
+        samples=10,  # 3 batches of 4, 4 and 2 windows: one rank runs a padding batch that is not counted
+        eval_windows=5,
+    )
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(path))
+    return out
+
+
+@pytest.mark.slow  # one process in this one, two started (gloo)
+def test_two_sharded_processes_give_the_results_of_one(tiny_dir, text_files, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    main(_args(tiny_dir, text_files, one))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    extra = ("--trainer.devices", "2", "--trainer.strategy", FSDP2)
+    out = subprocess.run(
+        [sys.executable, "-m", "ghostdistill", *_args(tiny_dir, text_files, two, *extra)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=900,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "blocks sharded over 2 ranks as it loads" in out.stderr + out.stdout
+    r1, r2 = (json.loads((run / "results.json").read_text()) for run in (one, two))
+    # The plan: the same blocks, every candidate's KL.
+    assert r2["plan"]["removed"] == r1["plan"]["removed"]
+    assert len(r1["plan"]["gaps"]) == 2, "two gaps: the sequential fit of the second reads the student"
+    for step, row in r1["plan"]["candidates"].items():
+        for block, kl in row["tried"].items():
+            assert r2["plan"]["candidates"][step]["tried"][block] == pytest.approx(kl, rel=1e-6), (step, block)
+    # The statistics: float64 sums over both ranks' windows (one padding batch not counted).
+    s1, s2 = (torch.load(run / "calibration_state.pt", weights_only=False) for run in (one, two))
+    assert s1["tokens"] == s2["tokens"] == 10 * 32
+    for gap, collectors in s1["stats"].items():
+        for group, value in collectors["ghost"]["xtx"].items():
+            torch.testing.assert_close(s2["stats"][gap]["ghost"]["xtx"][group], value, rtol=1e-12, atol=1e-9)
+    # Every view's perplexity, KL and top-1 on 5 windows (one rank runs a padding window).
+    for view in ("dense", "pruned", "ghost", "ra"):
+        m1, m2 = (r["views"][view]["metrics"]["held_out"] for r in (r1, r2))
+        assert m2["tokens"] == m1["tokens"] == 5 * 31, view
+        assert m2["ppl"] == pytest.approx(m1["ppl"], rel=1e-6), view
+        if view != "dense":
+            assert m2["kl"] == pytest.approx(m1["kl"], rel=1e-5, abs=1e-9), view
+        assert r2["views"][view]["params"] == r1["views"][view]["params"], view
+    # The analyses (every rank runs them alike; rank 0 reports).
+    a1, a2 = r1["analysis"]["gaps"], r2["analysis"]["gaps"]
+    assert a1.keys() == a2.keys()
+    for gap in a1:
+        for method, row in a1[gap].items():
+            for key, value in row.items():
+                if isinstance(value, float):
+                    assert a2[gap][method][key] == pytest.approx(value, rel=1e-5, abs=1e-9), (gap, method, key)
+    # The exports: the operator view and the folded view (its blocks rotated), gathered block by block.
+    for view in ("ghost", "ra"):
+        t1, t2 = _tensors(one / "export" / view), _tensors(two / "export" / view)
+        assert t1.keys() == t2.keys(), view
+        for name, tensor in t1.items():
+            torch.testing.assert_close(t2[name], tensor, rtol=1e-5, atol=1e-6, msg=f"{view} {name}")
+    from ghostdistill.export.gguf import read_gguf
+
+    g1, g2 = (read_gguf(run / "export" / "ra.F32.gguf") for run in (one, two))
+    assert g1["tensors"] == g2["tensors"] and g1["block_count"] == g2["block_count"]
