@@ -44,7 +44,7 @@ from ..core.io import atomic_path
 from ..core.views import PrunedModel
 from ..methods import ships_stock
 from .gguf_vocab import add_vocab
-from .writer import view_state
+from .writer import exporting, view_state
 
 FORMATS = ("hf", "gguf")
 # name -> (tensor storage type of the weights, llama.cpp's file type)
@@ -301,7 +301,7 @@ def export_gguf(
         "plan",
         {"num_layers": pruned.plan.num_layers, "removed": list(pruned.plan.removed)},
     )
-    with pruned.use(view):
+    with exporting(pruned, view):
         state, config, kind = view_state(pruned, view, method, info)
         if kind != "plain":
             raise ValueError(refusal(view, method))

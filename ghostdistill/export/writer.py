@@ -21,6 +21,7 @@ readable by its owner only).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
@@ -34,7 +35,7 @@ from torch import nn
 from ..core import modeling_ghostdistill
 from ..core.io import publish_permissions
 from ..core.modeling_ghostdistill import GhostPrunedConfig
-from ..core.sharded import is_sharded
+from ..core.sharded import gathered, is_sharded
 from ..core.views import _ADAPTER_PARTS, DENSE, PRUNED, PrunedModel, copy_block
 from ..methods import GapFit, get_method
 from . import fold as residual_fold
@@ -76,7 +77,7 @@ def export_view(
     if view not in pruned.views:
         raise ValueError(f"cannot export view {view!r}: the views are {pruned.views}")
     if not write:
-        with pruned.use(view) as model:
+        with exporting(pruned, view) as model:
             _save_weights(model, view_state(pruned, view, method, dict(info or {}))[0], target, write=False)
         return target
     if target.exists() and not overwrite:
@@ -99,7 +100,7 @@ def export_view(
     # The process id in the name tells a later export whether the folder is still being written.
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-{os.getpid()}-"))
     try:
-        with pruned.use(view) as model:
+        with exporting(pruned, view) as model:
             state, config, kind = view_state(pruned, view, method, info)
             _save_weights(model, state, tmp)
             config.save_pretrained(tmp)
@@ -117,6 +118,17 @@ def export_view(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+@contextlib.contextmanager
+def exporting(pruned: PrunedModel, view: str):
+    """`view` switched in, its operators and maps whole for the span (a student's trainable operators are
+    sharded under FSDP2: gathered on every rank, collectively)."""
+    with pruned.use(view) as model, contextlib.ExitStack() as stack:
+        if view in pruned.operators:
+            stack.enter_context(gathered(pruned.operators[view]))
+            stack.enter_context(gathered(pruned.mlp_maps[view]))
+        yield model
 
 
 def view_state(pruned: PrunedModel, view: str, method: str | None, info: dict):

@@ -354,11 +354,18 @@ def test_fsdp1_and_sharded_checkpoints_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="FSDP1.*ModelParallelStrategy"):
         check_strategy(SimpleNamespace(strategy=FSDPStrategy()))
     fsdp2 = "lightning.pytorch.strategies.ModelParallelStrategy"
-    for init_args in ({}, {"save_distributed_checkpoint": True}):
+    sizes = {"data_parallel_size": 2, "tensor_parallel_size": 1}
+    for init_args in (sizes, {**sizes, "save_distributed_checkpoint": True}):
         with pytest.raises(ValueError, match="save_distributed_checkpoint: false"):
             check_strategy_config({"class_path": fsdp2, "init_args": init_args})
-    check_strategy_config({"class_path": fsdp2, "init_args": {"save_distributed_checkpoint": False}})
+    check_strategy_config({"class_path": fsdp2, "init_args": {**sizes, "save_distributed_checkpoint": False}})
     check_strategy_config("ddp")
+    # Lightning's default splits the processes into tensor-parallel ranks; FSDP2 shards over all of them.
+    for init_args in ({"save_distributed_checkpoint": False}, {"tensor_parallel_size": 2, "data_parallel_size": 4}):
+        with pytest.raises(
+            ValueError, match=r"data_parallel_size: (N|4) \(the number of processes.*tensor_parallel_size: 1"
+        ):
+            check_strategy_config({"class_path": fsdp2, "init_args": init_args})
 
     # Students with their own head or norm copies are refused under FSDP2 before calibration, by name.
     from lightning.pytorch.strategies import ModelParallelStrategy
