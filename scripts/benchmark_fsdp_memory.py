@@ -4,8 +4,9 @@ from the start (`core.sharded.load_sharded`, what `fit` does under `ModelParalle
 A LLaMA of random weights (`--hidden`, `--blocks`, `--vocab`, float32) is saved once as safetensors. Then, each
 in fresh processes on the CPU (gloo): one process loads it whole (`core.model.load_model`), and N processes load
 it sharded. Every process reports the bytes of the parameters it holds (a sharded block tensor's local rows, a
-replicated tensor whole), its anonymous resident memory after loading (RssAnon: the memory-mapped checkpoint's
-page cache is not the process's) and the logits of one batch, which must agree with one process's.
+replicated tensor whole), its resident memory after one batch (VmRSS) and the anonymous part of it (RssAnon:
+one process's `from_pretrained` leaves the weights in the memory-mapped checkpoint, resident as file pages,
+where the shards are copies of their rows), and the logits of that batch, which must agree with one process's.
 
     .venv/bin/python scripts/benchmark_fsdp_memory.py --processes 2 --hidden 1024 --blocks 16 --vocab 8192
 
@@ -73,16 +74,17 @@ def child(args) -> None:
     for p in model.parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
         held += local.numel() * local.element_size()
-    rss_anon = status_bytes("RssAnon")
     ids = torch.arange(8, 8 + 4 * 32).view(4, 32) % model.config.vocab_size
     with torch.no_grad():
         logits = model(input_ids=ids).logits
+    rss, rss_anon = status_bytes("VmRSS"), status_bytes("RssAnon")
     print(
         json.dumps(
             {
                 "rank": args.rank,
                 "world": args.world,
                 "param_bytes": held,
+                "rss": rss,
                 "rss_anon": rss_anon,
                 "logits_sum": float(logits.double().sum()),
                 "logits_abs_sum": float(logits.double().abs().sum()),
@@ -135,12 +137,15 @@ def main() -> None:
     e, b, n = counts["other_params"], counts["block_params"], args.processes
     expected = (e + b / n) / (e + b)
     print(f"LLaMA, hidden {args.hidden}, {args.blocks} blocks, vocabulary {args.vocab}, float32: {e + b:,} parameters")
-    print(f"{'processes':>9} | {'rank':>4} | {'parameter MiB':>13} | {'ratio':>6} | {'RssAnon MiB':>11} | {'ratio':>6}")
+    print(
+        f"{'processes':>9} | {'rank':>4} | {'parameter MiB':>13} | {'ratio':>6} | {'VmRSS MiB':>9} | {'ratio':>6} | "
+        f"{'RssAnon MiB':>11}"
+    )
     for row in [one, *many]:
         print(
             f"{row['world']:>9} | {row['rank']:>4} | {row['param_bytes'] / 2**20:>13.1f} | "
-            f"{row['param_bytes'] / one['param_bytes']:>6.3f} | {row['rss_anon'] / 2**20:>11.1f} | "
-            f"{row['rss_anon'] / one['rss_anon']:>6.3f}"
+            f"{row['param_bytes'] / one['param_bytes']:>6.3f} | {row['rss'] / 2**20:>9.1f} | "
+            f"{row['rss'] / one['rss']:>6.3f} | {row['rss_anon'] / 2**20:>11.1f}"
         )
     diff = max(abs(r["logits_sum"] - one["logits_sum"]) / max(one["logits_abs_sum"], 1e-30) for r in many)
     print(f"expected parameter ratio (E + B/{n}) / (E + B) = {expected:.3f}; logits of one batch agree to {diff:.1e}")
