@@ -1,7 +1,7 @@
 """FSDP2 in every phase: two CPU processes (gloo) whose model is sharded as it loads (`core.sharded`) choose the
 plan one process chooses (a repair-aware criterion), collect its statistics, solve its operators (a sequential
-fit included), score its perplexities and analyses and export a folded view (Hugging Face and GGUF), within
-float64 round-off."""
+fit included), score its perplexities, zero-shot accuracy and analyses and export a folded view (Hugging Face
+and GGUF), within float64 round-off."""
 
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ RECOVERY = [
 ]
 
 
-def _args(tiny_dir, text_files, run, *extra):
+def _args(tiny_dir, text_files, data, run, *extra):
     selection = {"source": str(text_files["jsonl_gz"]), "first_document": 150}
+    zeroshot = {"enabled": True, "tasks": ["piqa"], "data_dir": str(data), "limit": 3, "batch_size": 4}
     return tiny_run_args(
         tiny_dir,
         text_files,
@@ -48,6 +49,8 @@ def _args(tiny_dir, text_files, run, *extra):
         "3",
         "--data.selection.seq_len",
         "32",
+        "--model.evaluation.zeroshot",
+        json.dumps(zeroshot),
         "--export.views",
         "[ra]",  # the operator views' export under FSDP2: tests/distill/test_distillation.py (ghost_lora_ft)
         "--export.format",
@@ -74,14 +77,36 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _two_gap_model(tiny_dir: Path, folder: Path) -> Path:
+    """The tiny LLaMA with blocks 1 and 3 near-identity (their residual updates, o_proj and down_proj, scaled by
+    NEAR): whatever the random weights, the greedy criterion removes those two separate blocks (two gaps), and
+    the operator of the first is not the identity, so the second gap's sequential fit reads a student that
+    differs from the teacher."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_dir, folder)
+    weights = load_file(folder / "model.safetensors")
+    for block in (1, 3):
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            weights[f"model.layers.{block}.{name}.weight"] *= NEAR
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+NEAR = 0.1
+
+
 @pytest.mark.slow  # one process in this one, two started (gloo)
-def test_two_sharded_processes_give_the_results_of_one(tiny_dir, text_files, tmp_path):
+def test_two_sharded_processes_give_the_results_of_one(tiny_dir, text_files, shared_data, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
-    main(_args(tiny_dir, text_files, one))
+    tiny_dir = _two_gap_model(tiny_dir, tmp_path / "model")
+    main(_args(tiny_dir, text_files, shared_data, one))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     extra = ("--trainer.devices", "2", "--trainer.strategy", FSDP2)
     out = subprocess.run(
-        [sys.executable, "-m", "ghostdistill", *_args(tiny_dir, text_files, two, *extra)],
+        [sys.executable, "-m", "ghostdistill", *_args(tiny_dir, text_files, shared_data, two, *extra)],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -94,7 +119,7 @@ def test_two_sharded_processes_give_the_results_of_one(tiny_dir, text_files, tmp
     r1, r2 = (json.loads((run / "results.json").read_text()) for run in (one, two))
     # The plan: the same blocks, every candidate's KL.
     assert r2["plan"]["removed"] == r1["plan"]["removed"]
-    assert len(r1["plan"]["gaps"]) == 2, "two gaps: the sequential fit of the second reads the student"
+    assert r1["plan"]["removed"] == [1, 3], "two gaps: the sequential fit of the second reads the student"
     for step, row in r1["plan"]["candidates"].items():
         for block, kl in row["tried"].items():
             assert r2["plan"]["candidates"][step]["tried"][block] == pytest.approx(kl, rel=1e-6), (step, block)
@@ -112,6 +137,9 @@ def test_two_sharded_processes_give_the_results_of_one(tiny_dir, text_files, tmp
         if view != "dense":
             assert m2["kl"] == pytest.approx(m1["kl"], rel=1e-5, abs=1e-9), view
         assert r2["views"][view]["params"] == r1["views"][view]["params"], view
+        # Zero-shot (lm-eval on every rank alike: its forwards gather the blocks in lockstep).
+        assert r1["views"][view]["zeroshot"]["piqa"]["n"] == 3, view
+        _close(r2["views"][view]["zeroshot"], r1["views"][view]["zeroshot"], f"{view} zeroshot")
     # The analyses (every rank runs them alike; rank 0 reports).
     assert r1["analysis"]["gaps"]
     _close(r2["analysis"], r1["analysis"], "analysis")
