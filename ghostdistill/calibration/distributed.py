@@ -1,6 +1,10 @@
 """Calibration over several processes: each rank streams its share of the windows, and the statistics,
 which are sums, are added across ranks before the solve, so every rank solves the same operators as a
-single process would (to float64 round-off in the order of the additions)."""
+single process would (to float64 round-off in the order of the additions).
+
+Every rank runs the same number of batches (`even_shard`): a sharded model (FSDP2) gathers each block's
+weights in every forward, a collective all ranks must join, so a rank with one batch fewer than the others
+runs a padding batch that is not counted (`counted`), as evaluation does (`lit.datamodule.EvenShares`)."""
 
 from __future__ import annotations
 
@@ -20,6 +24,22 @@ def shard(items: Sequence[T], rank: int, world: int) -> list[T]:
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in 0..{world - 1}")
     return list(items[rank::world])
+
+
+def even_shard(batches: Sequence[dict], rank: int, world: int) -> list[dict]:
+    """Rank `rank`'s share of `batches` (`shard`), padded to ⌈len / world⌉ with copies of its first batch
+    (or the first batch) marked ``counted: False``, so that every rank runs as many forwards."""
+    mine = shard(batches, rank, world)
+    rounds = -(-len(batches) // world)
+    filler = (mine or list(batches[:1]) or [None])[0]
+    if filler is None:
+        return mine
+    return mine + [{**filler, "counted": False}] * (rounds - len(mine))
+
+
+def counted(batch: dict) -> bool:
+    """Whether a batch's tokens count (a padding batch of `even_shard` runs but adds nothing)."""
+    return batch.get("counted", True) is not False
 
 
 def sum_state(state: dict, reduce: Reduce) -> dict:

@@ -27,6 +27,7 @@ from ..core.plan import Gap
 from ..core.sequential import advance, capture, dense_sweep, view_stream
 from ..core.views import DENSE, PrunedModel
 from ..methods import Collector, GapTaps, needs_mlp
+from .distributed import counted
 
 
 @torch.no_grad()
@@ -55,6 +56,8 @@ def accumulate(
         ids, mask = model_inputs(model, batch)
         mlp: dict[int, torch.Tensor] = {}
         streams, first = residual_streams(model, stack, ids, mask, points, mlp_blocks, mlp)
+        if not counted(batch):  # a padding batch: run (sharded blocks gather in lockstep), not counted
+            continue
         for point, stream in streams.items():
             check_finite(
                 stream, mask, f"calibration batch {index}", f"the residual stream entering block {point}", model
@@ -129,6 +132,8 @@ def accumulate_students(
                 student, first = residual_streams(
                     pruned.model, pruned.stack, ids, mask, [student_point], mlp_blocks[view], mlp
                 )
+            if not counted(batch):
+                continue
             where = f"student statistics of view {view!r}, gap {gap.key}, batch {index}"
             check_finite(
                 student[student_point], mask, where, f"the residual stream entering block {gap.stop}", pruned.model

@@ -21,7 +21,7 @@ from ..lit.callbacks import Calibration, Export, Report
 from ..lit.checkpoint import LastCheckpoint, resolve_ckpt_path
 from ..lit.datamodule import GhostDataModule
 from ..lit.interrupts import terminate_on_sigterm
-from ..lit.module import GhostDistill
+from ..lit.module import GhostDistill, tensor_parallel_refusal
 from ..methods import RecoveryConfig
 from ..reporting.report import result_settings
 
@@ -120,9 +120,13 @@ def _last_value(args: list[str], key: str) -> str | None:
 
 
 def check_strategy_config(strategy) -> None:
-    """FSDP2 checkpoints must be whole: they hold only what trains, and a sharded one must hold every weight."""
+    """FSDP2 checkpoints must be whole: they hold only what trains, and a sharded one must hold every weight.
+    FSDP2 shards over every process: Lightning's default splits them into tensor-parallel ranks instead."""
     if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith("ModelParallelStrategy"):
-        if (strategy.get("init_args") or {}).get("save_distributed_checkpoint", True):
+        init_args = strategy.get("init_args") or {}
+        if init_args.get("tensor_parallel_size", "auto") != 1:
+            raise ValueError(tensor_parallel_refusal(init_args.get("data_parallel_size", "<devices>")))
+        if init_args.get("save_distributed_checkpoint", True):
             raise ValueError(
                 "ModelParallelStrategy: set init_args.save_distributed_checkpoint: false. Checkpoints hold only what "
                 "trains, and a sharded checkpoint must hold every weight of the model to load"

@@ -15,6 +15,7 @@ from torch import nn
 from .model import DecoderStack, mlp_module
 from .operator import first_position_mask
 from .plan import Gap
+from .sharded import reshard_stopped
 
 
 class _StopForward(Exception):
@@ -76,7 +77,8 @@ def residual_streams(
         try:
             model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         except _StopForward:
-            pass
+            # A sharded block (FSDP2) gathered its weights before the hook stopped its forward: free them.
+            reshard_stopped(layers)
     finally:
         for h in handles:
             h.remove()

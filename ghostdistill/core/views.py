@@ -18,6 +18,7 @@ from .modeling_ghostdistill import attach
 from .offload import hook_memo, model_device, strip_hooks
 from .operator import GhostOperator
 from .plan import Gap, PruningPlan
+from .sharded import plain_copy
 
 DENSE = "dense"
 PRUNED = "pruned"
@@ -245,11 +246,15 @@ def count_parameters(module: nn.Module) -> int:
 
 def copy_block(block: nn.Module) -> nn.Module:
     """A deep copy of a block without the hooks of the original (the views' operator hooks would act
-    twice otherwise): what `substitute_blocks` expects."""
+    twice otherwise): what `substitute_blocks` expects. A sharded block (FSDP2) is gathered for the copy,
+    which is whole and plain (`core.sharded.plain_copy`; every rank must call it); an offloaded block
+    (`core.offload`) is copied with its tensors as they are now (onloaded), accelerate's hooks left out."""
+    memo = hook_memo(block)
+    if not memo:
+        return plain_copy(block)
     import copy
 
-    # An offloaded block (`core.offload`) is copied with its tensors as they are now (onloaded), its hooks left out.
-    clone = copy.deepcopy(block, hook_memo(block))
+    clone = copy.deepcopy(block, memo)
     strip_hooks(clone)
     for module in clone.modules():
         for hooks in (

@@ -15,8 +15,11 @@ they are replicated instead and `average_replicated_grads` averages their gradie
 before each optimizer step, as DDP would.
 
 Embeddings, the final norm and the output head stay replicated: they are frozen, and a model with tied
-embeddings calls the same weight as its head outside the decoder. Calibration runs before sharding,
-on the whole model, each rank streaming its share of the windows.
+embeddings calls the same weight as its head outside the decoder. The decoder blocks are sharded as the
+model loads (`core.sharded.load_sharded`), before calibration; what is sharded here is what the students
+add: their block copies (made whole from the gathered blocks, then sharded) and trainable operators. LoRA
+adapters injected into an already sharded block are not FSDP2 parameters at all: whole on every rank, as
+`replicated` asks.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..core.sharded import is_sharded
 from ..core.views import PrunedModel
 
 
@@ -41,15 +45,18 @@ def shard_students(pruned: PrunedModel, views: list[str], mesh, replicated: list
         )
     ignored = set(replicated)
 
-    units: list[nn.Module] = list(pruned.dense_layers)
+    blocks: list[nn.Module] = list(pruned.dense_layers)
     for own in pruned.blocks.values():
-        units += list(own.values())
+        blocks += list(own.values())
+    operators = []
     for view in views:
         for group in (pruned.operators[view], pruned.mlp_maps[view]):
-            units += [op for op in group.values() if any(p.requires_grad for p in op.parameters())]
-    for unit in units:
+            operators += [op for op in group.values() if any(p.requires_grad for p in op.parameters())]
+    units = [(u, True) for u in blocks if not is_sharded(u)] + [(u, None) for u in operators if not is_sharded(u)]
+    for unit, reshard in units:
         own = {p for p in unit.parameters() if p in ignored}
-        fully_shard(unit, mesh=mesh, ignored_params=own or None)
+        # A block's weights are freed after its forward (explicit: a unit that is its own root keeps them).
+        fully_shard(unit, mesh=mesh, ignored_params=own or None, reshard_after_forward=reshard)
     return len(units)
 
 
@@ -69,13 +76,10 @@ def average_replicated_grads(params: list[nn.Parameter], group=None) -> int:
     return len(grads)
 
 
-def shard_for_fsdp2(students, device_mesh) -> tuple[list[nn.Parameter], object, int]:
-    """Shard `students` (a `distill.students.Students`) over the data-parallel dimension of `device_mesh`
-    (the whole mesh when it has none); returns the replicated LoRA parameters and their process group
-    (for `average_replicated_grads`) and the number of units sharded. The students' parameter lists are
-    refreshed: sharding replaced the parameter objects."""
-    names = device_mesh.mesh_dim_names or ()
-    mesh = device_mesh["data_parallel"] if "data_parallel" in names else device_mesh
+def shard_for_fsdp2(students, mesh) -> tuple[list[nn.Parameter], object, int]:
+    """Shard what `students` (a `distill.students.Students`) add over `mesh`; returns the replicated LoRA
+    parameters and their process group (for `average_replicated_grads`) and the number of units sharded.
+    The students' parameter lists are refreshed: sharding replaced the parameter objects."""
     lora = [p for view in students.views for p in students.params[view].lora]
     units = shard_students(students.pruned, students.views, mesh, replicated=lora)
     students.refresh_params()

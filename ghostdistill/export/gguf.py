@@ -51,7 +51,7 @@ from ..core.lock import hold, lock_path
 from ..core.views import PrunedModel
 from ..methods import ships_stock
 from .gguf_vocab import add_vocab
-from .parts import Part, view_parts
+from .parts import Part, exporting, view_parts
 from .writer import check_target
 
 FORMATS = ("hf", "gguf")
@@ -225,10 +225,17 @@ def write_gguf(
     *,
     name: str,
     info: dict | None = None,
+    write: bool = True,
 ) -> Path:
     """Write one GGUF file of `gguf_type` from `gguf_stream`'s output (or GGUF-named float32 arrays), the view's
-    config and tokenizer: the header with every tensor's name, shape and storage, then each tensor as it is made."""
+    config and tokenizer: the header with every tensor's name, shape and storage, then each tensor as it is made.
+    `write` false: every tensor is made (a sharded model's gathers, in rank 0's order), nothing written."""
     check_gguf_types([gguf_type])
+    if not write:
+        if isinstance(tensors, TensorStream):
+            for _ in tensors.arrays():
+                pass
+        return Path(path)
     if tokenizer is None:
         raise ValueError("GGUF export needs the tokenizer: llama.cpp reads the vocabulary from the file")
     path = Path(path)
@@ -301,17 +308,19 @@ def export_gguf(
     info: dict | None = None,
     types: Iterable[str] = DEFAULT_GGUF_TYPES,
     overwrite: bool = False,
+    write: bool = True,
 ) -> list[Path]:
     """Write `view` of `pruned` as one GGUF file per type (`gguf_path(root, view, type)`); returns the paths.
 
-    Refuses operator views (`refusal`) and existing files without `overwrite`, before writing anything."""
+    Refuses operator views (`refusal`) and existing files without `overwrite`, before writing anything.
+    `write` false: the same work, nothing written (`write_gguf`)."""
     types = check_gguf_types(types)
     if view not in pruned.views:
         raise ValueError(f"cannot export view {view!r}: the views are {pruned.views}")
     if inserts_operators(method):
         raise ValueError(refusal(view, method))
     paths = [gguf_path(root, view, t) for t in types]
-    for path in paths:
+    for path in paths if write else ():
         check_target(path, "file", overwrite, "overwrite (export.overwrite / --overwrite)")
     info = dict(info or {})
     info.setdefault("view", view)
@@ -320,13 +329,13 @@ def export_gguf(
         "plan",
         {"num_layers": pruned.plan.num_layers, "removed": list(pruned.plan.removed)},
     )
-    with pruned.use(view):
+    with exporting(pruned, view):
         parts, config, kind = view_parts(pruned, view, method, info)
         if kind != "plain":
             raise ValueError(refusal(view, method))
         tensors = gguf_stream(parts, config)
         for gguf_type, path in zip(types, paths):
-            write_gguf(path, tensors, config, tokenizer, gguf_type, name=view, info=info)
+            write_gguf(path, tensors, config, tokenizer, gguf_type, name=view, info=info, write=write)
     return paths
 
 

@@ -15,6 +15,7 @@ depends on that block alone (`export.fold`), so each block is folded on its own 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from torch import nn
 
 from ..core.modeling_ghostdistill import GhostPrunedConfig
 from ..core.offload import onloaded
+from ..core.sharded import gathered, is_sharded
 from ..core.views import _ADAPTER_PARTS, DENSE, PRUNED, PrunedModel, copy_block
 from ..methods import GapFit, get_method
 from . import fold as residual_fold
@@ -36,6 +38,17 @@ WRAPPER_AUTO_MAP = {
     "AutoModel": "modeling_ghostdistill.GhostPrunedModel",
     "AutoModelForCausalLM": "modeling_ghostdistill.GhostPrunedForCausalLM",
 }
+
+
+@contextlib.contextmanager
+def exporting(pruned: PrunedModel, view: str):
+    """`view` switched in, its operators and maps whole for the span (a student's trainable operators are
+    sharded under FSDP2: gathered on every rank, collectively)."""
+    with pruned.use(view) as model, contextlib.ExitStack() as stack:
+        if view in pruned.operators:
+            stack.enter_context(gathered(pruned.operators[view]))
+            stack.enter_context(gathered(pruned.mlp_maps[view]))
+        yield model
 
 
 @dataclass
@@ -70,8 +83,9 @@ def view_parts(pruned: PrunedModel, view: str, method: str | None, info: dict) -
 
     def block(new: int) -> dict[str, torch.Tensor]:
         with onloaded(layers[new]):
-            if not changed:
+            if not changed and not is_sharded(layers[new]):
                 return dict(layers[new].state_dict())
+            # A sharded block (FSDP2) is gathered into a whole copy (`copy_block`: collective, every rank).
             own = copy_block(layers[new])
         _merge_and_unwrap(own, view)
         if folds:

@@ -35,9 +35,10 @@ from ..core import modeling_ghostdistill
 from ..core.io import disk_space, publish_permissions
 from ..core.lock import alive, hold, lock_path, marked_tmpdir, marker_of
 from ..core.offload import is_offloaded
+from ..core.sharded import is_sharded
 from ..core.views import PrunedModel
 from .card import model_card
-from .parts import WRAPPER_AUTO_MAP, save_parts, view_parts, view_state
+from .parts import WRAPPER_AUTO_MAP, exporting, save_parts, view_parts, view_state
 
 # Inside a temporary folder: the view being written, and the folder it replaces, moved aside.
 NEW, OLD = "new", "old"
@@ -54,6 +55,7 @@ def export_view(
     tokenizer=None,
     info: dict | None = None,
     overwrite: bool = False,
+    write: bool = True,
 ) -> Path:
     """Write `view` of `pruned` to `folder` and return its path.
 
@@ -64,10 +66,17 @@ def export_view(
         info: what produced the view (plan, calibration, seed, metrics), kept in `config.json` under
             ``ghostdistill`` and summarised in the model card.
         overwrite: replace an existing folder (otherwise an existing folder is an error).
+        write: false on the ranks of a sharded model other than rank 0: the same work (every block gathered,
+            in rank 0's order), nothing written.
     """
     target = Path(folder)
     if view not in pruned.views:
         raise ValueError(f"cannot export view {view!r}: the views are {pruned.views}")
+    if not write:
+        with exporting(pruned, view):
+            for part in view_parts(pruned, view, method, dict(info or {}))[0]:
+                part.load()
+        return target
     check_target(target, "folder", overwrite, "overwrite (export.overwrite: true / --overwrite)")
     info = dict(info or {})
     info.setdefault("view", view)
@@ -91,9 +100,10 @@ def export_view(
         tmp = work / NEW
         try:
             tmp.mkdir()
-            with pruned.use(view) as model:
-                if is_offloaded(model):
-                    # Weights off the device: one shard per block, each written as it is made (`export.parts`).
+            with exporting(pruned, view) as model:
+                if is_offloaded(model) or is_sharded(model):
+                    # Weights off the device, or sharded over ranks (FSDP2): one shard per block, each written
+                    # as it is made (`export.parts`), so no process holds the whole view.
                     needed["bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
                     parts, config, kind = view_parts(pruned, view, method, info)
                     save_parts(parts, tmp, _tied_names(model, config, kind))

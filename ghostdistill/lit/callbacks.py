@@ -123,7 +123,7 @@ class Report(Callback):
 
 
 class Export(Callback):
-    """Write views of the run as Hugging Face folders and GGUF files after the report (rank 0 only).
+    """Write views of the run as Hugging Face folders and GGUF files after the report (rank 0 writes).
 
     Args:
         views: views to export (e.g. ``[ghost, ghost_ft]``); empty exports nothing.
@@ -174,7 +174,8 @@ class Export(Callback):
         self.check(trainer, pl_module.run.cfg)  # `check_before_run` has done so already when `Calibration` runs
 
     def on_test_end(self, trainer: Trainer, pl_module: GhostDistill) -> None:
-        if not self.views or not trainer.is_global_zero:
+        # A sharded model's blocks are gathered from every rank: all of them export, rank 0 writes.
+        if not self.views or not (trainer.is_global_zero or pl_module.run.sharded):
             return
         for path in pl_module.run.export(
             self.views,

@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from ..core.model import ModelConfig
+from ..core.model import ModelConfig, decoder_stack
 from ..core.offload import is_offloaded
 from ..core.views import PrunedModel
 from ..distill.config import DistillConfig
@@ -39,6 +39,26 @@ NO_DISTILL_METHODS = (
 
 # The model stays in eval mode while the students train (see `GhostDistill.train`): intended.
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
+
+
+def tensor_parallel_refusal(devices) -> str:
+    """The one-line fix for a `ModelParallelStrategy` that would split the processes into tensor-parallel ranks."""
+    n = devices if isinstance(devices, int) else "N"
+    return (
+        "ModelParallelStrategy: ghostdistill shards every phase with FSDP2 over all processes and runs no tensor "
+        f"parallelism: set init_args.data_parallel_size: {n} (the number of processes, trainer.devices × "
+        "num_nodes) and tensor_parallel_size: 1"
+    )
+
+
+def shard_mesh(device_mesh):
+    """The mesh FSDP2 shards over: the data-parallel dimension of `ModelParallelStrategy`'s mesh, which must
+    span every process (ghostdistill runs no tensor parallelism)."""
+    names = device_mesh.mesh_dim_names or ()
+    mesh = device_mesh["data_parallel"] if "data_parallel" in names else device_mesh
+    if mesh.size() != device_mesh.size():
+        raise ValueError(tensor_parallel_refusal(device_mesh.size()))
+    return mesh
 
 
 class GhostDistill(LightningModule):
@@ -83,26 +103,29 @@ class GhostDistill(LightningModule):
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
         """Load the model once (registered here, so it moves with the module); under FSDP2
-        (`ModelParallelStrategy`) shard the students once they exist."""
+        (`ModelParallelStrategy`) its blocks are sharded as it loads, and the students once they exist."""
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        fsdp2 = isinstance(strategy, ModelParallelStrategy)
         if self.llm is None:
-            llm = self.run.load()
+            llm = self.run.load(shard_mesh(self.device_mesh), strategy.root_device) if fsdp2 else self.run.load()
             if is_offloaded(llm):
                 # Not a child: its weights stay off the device (`core.offload`); moving the module moves its views.
                 self.__dict__["llm"] = llm
             else:
                 self.llm = llm
+            if fsdp2:
+                blocks = len(decoder_stack(self.llm).layers)
+                rank_zero_info(
+                    f"FSDP2: the model's {blocks} blocks sharded over {strategy.world_size} ranks as it loads"
+                )
             return
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
         students = self.run.students
-        if (
-            students is not None
-            and self._replicated is None
-            and isinstance(self.trainer.strategy, ModelParallelStrategy)
-        ):
+        if students is not None and self._replicated is None and fsdp2:
             from ..distill.parallel import shard_for_fsdp2
 
-            lora, group, units = shard_for_fsdp2(students, self.device_mesh)
+            lora, group, units = shard_for_fsdp2(students, shard_mesh(self.device_mesh))
             self._replicated = (lora, group)
             rank_zero_info(f"FSDP2: {units} units sharded over {self.trainer.world_size} ranks")
 
@@ -196,6 +219,17 @@ class GhostDistill(LightningModule):
             self.train(was_training)
 
     # ------------------------------------------------------------ checkpoints
+    def state_dict(self, *args, **kwargs):
+        """Only what trains: checkpoints never hold the frozen base (it comes from `model.source` on resume), and
+        under FSDP2 the full-state gather of a checkpoint (`get_model_state_dict`) then never assembles the
+        frozen blocks whole on rank 0."""
+        state = super().state_dict(*args, **kwargs)
+        prefix = kwargs.get("prefix", "")
+        trainable = {prefix + name for name, p in self.named_parameters() if p.requires_grad}
+        for key in [k for k in state if k not in trainable]:
+            del state[key]
+        return state
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Only what trains goes into the state dict, never the frozen base; the students by name, the
         validation history and each student's best step come along (`pipeline.train.checkpoint_extras`)."""

@@ -81,8 +81,8 @@ class ReplaceMe:
         return GapFit(mlp_map=GhostOperator(hidden_size, fused=True))
 
     def fold(self, blocks: list[nn.Module], gap: Gap, fit: GapFit) -> None:
-        """`blocks`: the dense model's blocks (None where gone, or not being exported now); the block before the
-        gap absorbs T."""
+        """`blocks`: the dense model's blocks (None where gone, or not being written now: export folds block by
+        block); the block before the gap absorbs T."""
         if blocks[gap.start - 1] is None:
             return
         t = fit.mlp_map.delta.detach().double() + torch.eye(fit.mlp_map.delta.shape[0], dtype=torch.float64)

@@ -5,8 +5,10 @@
     fits = fit(...)                        the closed-form solves (sequential gaps: a student pass each)
 
 `calibrate` runs the three in order and returns a `Calibrated`. Several processes (DDP, FSDP2) pass a
-`Dist`: each rank streams its share of the batches and the sums are added before the solve, so every
-rank solves the same operators as one process would.
+`Dist`: each rank streams its share of the batches (as many on every rank, `even_shard`) and the sums are
+added before the solve, so every rank solves the same operators as one process would. The plan criteria
+run every batch on every rank alike (a sharded model's forwards are collective), so every rank chooses the
+plan one process would.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..calibration.distributed import shard, sum_collectors
+from ..calibration.distributed import even_shard, sum_collectors
 from ..calibration.fit import fit_methods
 from ..calibration.stream import accumulate
 from ..core.model import hidden_size
@@ -88,7 +90,7 @@ def collect_statistics(
         done, tokens = saved.batches_done, saved.tokens
     if dist.world > 1 and done < len(batches):
         for i, batch in enumerate(
-            progress(shard(batches, dist.rank, dist.world), f"calibration statistics (rank {dist.rank})")
+            progress(even_shard(batches, dist.rank, dist.world), f"calibration statistics (rank {dist.rank})")
         ):
             tokens += accumulate(llm, pruned.stack, plan.gaps, [batch], stats, first_batch=dist.rank + i * dist.world)
         for collectors in stats.values():
@@ -119,7 +121,7 @@ def fit(
 ) -> dict[str, dict]:
     """Solve every gap of every method and register its view; returns each method's settings and cost."""
     device = model_device(pruned.model)
-    mine = shard(batches, dist.rank, dist.world) if dist.world > 1 else batches
+    mine = even_shard(batches, dist.rank, dist.world) if dist.world > 1 else batches
     return fit_methods(
         recovery,
         pruned,

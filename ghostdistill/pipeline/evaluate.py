@@ -23,6 +23,7 @@ from ..core.offload import is_offloaded, model_device, onloaded
 from ..core.sequential import capture, final_states, view_stream
 from ..core.views import DENSE, PRUNED, PrunedModel, view_parameter_count
 from ..data.windows import shared_ngrams
+from ..distill.parallel import full_tensor
 from ..evaluation.metrics import TokenScores, next_token_targets, score_hidden
 from ..evaluation.scores import ScoreStore, score_key
 from ..evaluation.tally import ViewTally
@@ -221,6 +222,8 @@ def view_digests(
         base = [model, [] if view == DENSE else list(pruned.plan.removed), step]
         settings = [fingerprint, recovery[view]] if view in recovery and fingerprint is not None else None
         trained = students.trainable_state(view) if students is not None and view in students.views else None
+        if trained is not None:  # a sharded student's whole values (every rank the same key; collective)
+            trained = {name: full_tensor(t) for name, t in trained.items()}
         out[view] = view_digest(pruned, view, base, settings, trained)
     return out
 

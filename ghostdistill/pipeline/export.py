@@ -148,16 +148,19 @@ def export_views(
     seed: int | None = None,
     formats: Sequence[str] = ("hf",),
     gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
+    write: bool = True,
 ) -> list[Path]:
     """Write each of `views` of an in-memory run in `formats` under `root`; `report` is the run's results.
-    Returns `export_targets`' paths."""
+    Returns `export_targets`' paths. `write` false: a rank of a sharded model other than rank 0, which joins
+    every gather and writes nothing (`export.parts`)."""
     check_views(cfg, views, formats=formats, gguf_types=gguf_types)
     specs = {s.name: s for s in cfg.distill.specs()}
     missing = [v for v in views if v not in pruned.views]
     if missing:
         raise ValueError(f"cannot export {missing}: they were not built in this run (views: {pruned.views})")
     # Each writer holds its target's lock while it writes (`export.writer`, `export.gguf`).
-    check_targets(root, views, overwrite, "overwrite (--overwrite / export.overwrite: true)", formats, gguf_types)
+    if write:
+        check_targets(root, views, overwrite, "overwrite (--overwrite / export.overwrite: true)", formats, gguf_types)
     paths: list[Path] = []
     for view in views:
         method = cfg.method_of(view)
@@ -165,7 +168,14 @@ def export_views(
         if "hf" in formats:
             paths.append(
                 export_view(
-                    pruned, view, root / view, method=method, tokenizer=tokenizer, info=info, overwrite=overwrite
+                    pruned,
+                    view,
+                    root / view,
+                    method=method,
+                    tokenizer=tokenizer,
+                    info=info,
+                    overwrite=overwrite,
+                    write=write,
                 )
             )
         if "gguf" in formats:
@@ -178,5 +188,6 @@ def export_views(
                 info=info,
                 types=gguf_types,
                 overwrite=overwrite,
+                write=write,
             )
     return paths

@@ -34,6 +34,7 @@ import torch
 from ..core.measure import PeakMemory
 from ..core.model import decoder_stack, hidden_size, load_model, load_tokenizer, model_key
 from ..core.offload import is_offloaded, model_device
+from ..core.sharded import is_sharded, load_sharded
 from ..core.views import DENSE
 from ..evaluation.scores import ScoreStore
 from ..evaluation.tally import ViewTally
@@ -134,13 +135,28 @@ class Run:
             self.end(name)
 
     # ------------------------------------------------------------------ setup
-    def load(self) -> torch.nn.Module:
-        """The model, frozen (once)."""
+    def load(self, mesh=None, device=None) -> torch.nn.Module:
+        """The model, frozen (once); with a device `mesh` (FSDP2), every decoder block sharded over it from
+        the start, on `device` (`core.sharded.load_sharded`: no process holds the whole model)."""
         if self.llm is None:
             with self.phase("load"), self.report.timed("load_model"):
-                self.llm = load_model(self.cfg.model, self.device)
+                if mesh is None:
+                    self.llm = load_model(self.cfg.model, self.device)
+                elif self.cfg.model.offload != "none":
+                    raise ValueError(
+                        f"model.model.offload {self.cfg.model.offload!r} with FSDP2: the blocks are sharded over the "
+                        "ranks instead; set model.model.offload: none, or run on one device without FSDP2"
+                    )
+                else:
+                    self.llm = load_sharded(self.cfg.model, mesh, device)
                 self.llm.requires_grad_(False)
         return self.llm
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model's blocks are sharded (FSDP2): every rank then joins every forward and every
+        export, where one process would do the work alone."""
+        return self.llm is not None and is_sharded(self.llm)
 
     def setup(self, run_dir: Path | None = None, *, distilling: bool = False, checks: bool = True) -> RunData:
         """Load the model, bind the data to its tokenizer and dense model (windows are made on first use)
@@ -322,8 +338,9 @@ class Run:
             report.zeroshot = {"tasks": list(zs.tasks), "data_dir": zs.data_dir, "limit": zs.limit}
 
     def analyse(self) -> None:
-        """Operator anatomy and held-out alignment (when `evaluation.analysis`; rank 0 only)."""
-        if not (self.write and self.cfg.evaluation.analysis):
+        """Operator anatomy and held-out alignment (when `evaluation.analysis`; rank 0 only, or every rank
+        alike when the model is sharded)."""
+        if not (self.cfg.evaluation.analysis and (self.write or self.sharded)):
             return
         with self.phase("analyse"), self.report.timed("analysis"):
             first = self.cfg.data.evaluation.sources[0]
@@ -348,7 +365,8 @@ class Run:
 
     def export(self, views: list[str], root: Path, report: dict | None = None, **kwargs) -> list[Path]:
         """`views` as Hugging Face folders and GGUF files under `root` (`pipeline.export.export_views`);
-        `report`: the results the exports record (default this run's)."""
+        `report`: the results the exports record (default this run's). A sharded model exports on every rank
+        (each block is gathered from all of them); rank 0 writes."""
         report = report if report is not None else self.report.to_dict()
         with self.phase("export"):
-            return export_views(self.pruned, self.tokenizer, report, self.cfg, views, root, **kwargs)
+            return export_views(self.pruned, self.tokenizer, report, self.cfg, views, root, write=self.write, **kwargs)

@@ -291,6 +291,12 @@ def test_fsdp2_trains_like_one_process_and_resumes(tiny_dir, text_files, tmp_pat
         "1e-2",
         "--model.recovery",
         STOCK_RECOVERY,
+        # The students' exports: LoRA merged, the blocks' own copies and a trained rotation folded, gathered
+        # from the shards block by block.
+        "--export.views",
+        "[ghost_lora_ft, linearpatch_blocks_ft, ra_rot_ft]",
+        "--export.overwrite",
+        "true",
     )
     one = tmp_path / "one"
     main(_args(tiny_dir, text_files, one, *common, "--data.batch_size", "4", steps=4))
@@ -325,6 +331,13 @@ def test_fsdp2_trains_like_one_process_and_resumes(tiny_dir, text_files, tmp_pat
             tol = 1e-6 if a["step"] == 0 else 5e-2
             assert b[view]["kl"] == pytest.approx(a[view]["kl"], rel=tol), (a["step"], view)
     assert h2[-1]["linearpatch_ft"]["kl"] < h2[0]["linearpatch_ft"]["kl"], (h1, h2)
+    from safetensors.torch import load_file
+
+    for view in ("ghost_lora_ft", "linearpatch_blocks_ft", "ra_rot_ft"):
+        t1, t2 = (load_file(run / "export" / view / "model.safetensors") for run in (one, sharded))
+        assert t1.keys() == t2.keys(), view
+        for name, tensor in t1.items():  # the students differ by Adam's round-off (above)
+            torch.testing.assert_close(t2[name], tensor, rtol=0, atol=5e-2, msg=f"{view} {name}")
     for view in ("ghost_lora_ft", "linearpatch_blocks_ft", "ra_rot_ft"):  # trained (LoRA at 1e-2 overshoots here)
         assert h2[-1][view]["kl"] != pytest.approx(h2[0][view]["kl"], rel=1e-3), (view, h1, h2)
     # Resume from the sharded run's last checkpoint for two more steps.
@@ -354,11 +367,18 @@ def test_fsdp1_and_sharded_checkpoints_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="FSDP1.*ModelParallelStrategy"):
         check_strategy(SimpleNamespace(strategy=FSDPStrategy()))
     fsdp2 = "lightning.pytorch.strategies.ModelParallelStrategy"
-    for init_args in ({}, {"save_distributed_checkpoint": True}):
+    sizes = {"data_parallel_size": 2, "tensor_parallel_size": 1}
+    for init_args in (sizes, {**sizes, "save_distributed_checkpoint": True}):
         with pytest.raises(ValueError, match="save_distributed_checkpoint: false"):
             check_strategy_config({"class_path": fsdp2, "init_args": init_args})
-    check_strategy_config({"class_path": fsdp2, "init_args": {"save_distributed_checkpoint": False}})
+    check_strategy_config({"class_path": fsdp2, "init_args": {**sizes, "save_distributed_checkpoint": False}})
     check_strategy_config("ddp")
+    # Lightning's default splits the processes into tensor-parallel ranks; FSDP2 shards over all of them.
+    for init_args in ({"save_distributed_checkpoint": False}, {"tensor_parallel_size": 2, "data_parallel_size": 4}):
+        with pytest.raises(
+            ValueError, match=r"data_parallel_size: (N|4) \(the number of processes.*tensor_parallel_size: 1"
+        ):
+            check_strategy_config({"class_path": fsdp2, "init_args": init_args})
 
     # Students with their own head or norm copies are refused under FSDP2 before calibration, by name.
     from lightning.pytorch.strategies import ModelParallelStrategy
