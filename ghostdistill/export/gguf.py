@@ -1,29 +1,28 @@
-"""GGUF files of a plain-architecture view, for llama.cpp: F32, F16 and Q8_0, written with the `gguf` package.
+"""GGUF files of a plain-architecture view, for llama.cpp: F32, F16 and Q8_0 written with the `gguf` package, the
+k-quants (Q6_K, Q5_K_M, Q4_K_M, …) by llama.cpp's own `llama-quantize` from the F32 file (`quantize`).
 
 Which views: those whose exported folder is the plain architecture (`writer.view_state` kind ``plain``): the
 pruned model, the views whose maps fold into the weights (magnitude, ReplaceMe, `rotation_through`), and the
 fine-tuned students of those with their LoRA adapters merged. A view that keeps operators (ghost,
-LinearPatch and their `_ft` students) computes `h + h·Δ` at each gap, a module llama.cpp's LLaMA graph does not
+LinearPatch and their `_ft` students) computes `h + h·Δ` at each gap, a module llama.cpp's graphs do not
 have, so it is refused before anything is written: fold the repair (`rotation_through` is ghost's foldable
 form), or serve the Hugging Face folder with vLLM (its Transformers backend runs the operators).
 
-What a file holds, as llama.cpp's `convert_hf_to_gguf.py` (`LlamaModel`, `TextModel`) writes a LLaMA folder:
+Which families: LLaMA, Mistral, Qwen2, Qwen3 and Gemma 3 (`gguf_arch`: what llama.cpp's `convert_hf_to_gguf.py`
+writes for each). What a file holds, as the converter writes it:
 
-- tensors renamed by `gguf.get_tensor_name_map` (``model.layers.3.self_attn.q_proj.weight`` ->
-  ``blk.3.attn_q.weight``) over the *surviving* blocks, renumbered 0 … n-1; the head is left out when it is
-  tied to the embedding (llama.cpp reuses ``token_embd``);
-- Q and K rows permuted from Hugging Face's rotary layout (the two halves of each head: x₀…x_{d/2-1} |
-  x_{d/2}…) to GGML's interleaved pairs (x₀, x_{d/2}, x₁, …): for W of shape [h·d, C] viewed as
-  [h, 2, d/2, C], swap the two middle axes (`LlamaModel.permute`; K uses the key-value head count). The
-  attention logits q·k are unchanged, because both sides get the same permutation of each head's rotary
-  pairs;
+- tensors renamed by `gguf.get_tensor_name_map` of the family's architecture (``model.layers.3.self_attn.q_proj
+  .weight`` -> ``blk.3.attn_q.weight``) over the *surviving* blocks, renumbered 0 … n-1; the head is left out
+  when it is tied to the embedding (llama.cpp reuses ``token_embd``); LLaMA's Q and K rows permuted to GGML's
+  rotary layout, Gemma's norms as 1 + γ (`gguf_arch`);
 - the storage type per tensor: 1-D tensors, norms and biases F32; every other weight F32, F16 or Q8_0
   (`gguf.quants.quantize`: blocks of 32 values, one F16 scale max|x|/127 each); a row whose length is not
   a multiple of 32 falls back to F16, as in the converter;
-- hyper-parameters: ``llama.block_count`` is the pruned count, and no per-layer array is written, so no
-  array keeps the dense model's length (llama.cpp issue #27976: pruning with `llama-quantize
-  --prune-layers` left such arrays behind); ``ghostdistill.*`` keys record the view, the dense block count,
-  the removed and kept blocks, and the provenance JSON that `config.json` holds;
+- hyper-parameters: ``<arch>.block_count`` is the pruned count, and the only per-layer array is one of the
+  surviving blocks (Gemma 3's sliding-window pattern), so no array keeps the dense model's length (llama.cpp
+  issue #27976: pruning with `llama-quantize --prune-layers` left such arrays behind); ``ghostdistill.*`` keys
+  record the view, the dense block count, the removed blocks, and the provenance JSON that `config.json` holds
+  (llama-quantize copies them into its files, beside its own ``quantize.imatrix.*`` keys);
 - the tokenizer (`gguf_vocab`).
 
 Each file is written to a temporary file beside it and renamed into place (`core.io.atomic_path`).
@@ -31,19 +30,23 @@ Each file is written to a temporary file beside it and renamed into place (`core
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterable, Mapping
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
 
-from ..core.io import atomic_path
+from ..core.io import atomic_path, current_umask
 from ..core.views import PrunedModel
 from ..methods import ships_stock
-from .gguf_vocab import add_vocab
+from .gguf_arch import FAMILIES, add_hparams, arch_name, gguf_tensors
+from .gguf_vocab import add_vocab, adds
+from .quantize import QUANTIZE_TYPES, check_quantize, quantize_view, quantized
 from .writer import view_state
 
 FORMATS = ("hf", "gguf")
@@ -54,7 +57,8 @@ GGUF_TYPES = {
     "Q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
 }
 DEFAULT_GGUF_TYPES = ("F32", "F16", "Q8_0")
-ARCHITECTURES = {"llama": gguf.MODEL_ARCH.LLAMA}
+ALL_GGUF_TYPES = tuple(GGUF_TYPES) + QUANTIZE_TYPES  # the rest: llama.cpp's llama-quantize (`export.quantize`)
+ARCHITECTURES = {t: f.arch for t, f in FAMILIES.items()}
 
 
 def _names(what: str, given: Iterable[str], valid) -> list[str]:
@@ -71,7 +75,7 @@ def check_formats(formats: Iterable[str]) -> list[str]:
 
 
 def check_gguf_types(types: Iterable[str]) -> list[str]:
-    return _names("GGUF type", types, GGUF_TYPES)
+    return _names("GGUF type", types, ALL_GGUF_TYPES)
 
 
 def gguf_path(root: str | os.PathLike, view: str, gguf_type: str) -> Path:
@@ -99,64 +103,11 @@ def check_gguf_views(views: Iterable[str], method_of) -> None:
             raise ValueError(refusal(view, method_of(view)))
 
 
-def _permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Hugging Face's rotary layout to GGML's, per head (`LlamaModel.permute` of the converter)."""
-    return (
-        weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
-
-
-def gguf_tensors(state: Mapping[str, torch.Tensor], config) -> dict[str, np.ndarray]:
-    """The view's tensors under their GGUF names, float32, Q and K permuted (see the module docstring)."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in ARCHITECTURES:
-        raise ValueError(
-            f"GGUF export writes {sorted(ARCHITECTURES)} models; this view is {model_type!r}: convert its Hugging "
-            "Face folder with llama.cpp's convert_hf_to_gguf.py"
-        )
-    n_blocks = config.num_hidden_layers
-    names = gguf.get_tensor_name_map(ARCHITECTURES[model_type], n_blocks)
-    n_head = config.num_attention_heads
-    n_kv = getattr(config, "num_key_value_heads", None) or n_head
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    out: dict[str, np.ndarray] = {}
-    for name, tensor in state.items():
-        if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
-            continue
-        new = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if new is None:
-            raise ValueError(f"tensor {name!r} has no GGUF name for {model_type}: it cannot be written")
-        data = tensor.detach().to("cpu", torch.float32)
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
-            data = _permute(data, n_head)
-        elif name.endswith(("k_proj.weight", "k_proj.bias")):
-            data = _permute(data, n_kv)
-        out[new] = data.contiguous().numpy()
-    blocks = {int(n.split(".")[1]) for n in out if n.startswith("blk.")}
-    if blocks != set(range(n_blocks)):
-        raise ValueError(f"the state has blocks {sorted(blocks)} but the config says {n_blocks}")
-    return out
-
-
 def _storage(name: str, data: np.ndarray, gguf_type: str) -> gguf.GGMLQuantizationType:
     """The converter's rule: 1-D tensors, norms and anything but a weight stay F32; the rest take the type."""
     if data.ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
         return gguf.GGMLQuantizationType.F32
     return GGUF_TYPES[gguf_type][0]
-
-
-def _rope(config) -> tuple[float | None, dict]:
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    kind = params.get("rope_type", params.get("type")) or "default"
-    if kind not in ("default", "linear"):
-        raise ValueError(
-            f"rope_type {kind!r} is not written by ghostdistill's GGUF writer (valid: default, linear): convert "
-            "the Hugging Face folder with llama.cpp's convert_hf_to_gguf.py"
-        )
-    return theta, params if kind == "linear" else {}
 
 
 def write_gguf(
@@ -169,35 +120,16 @@ def write_gguf(
     name: str,
     info: dict | None = None,
 ) -> Path:
-    """Write one GGUF file of `gguf_type` from `gguf_tensors`' output, the view's config and tokenizer."""
-    check_gguf_types([gguf_type])
+    """Write one GGUF file of `gguf_type` (F32, F16 or Q8_0) from `gguf_tensors`' output, the view's config and
+    tokenizer."""
+    _names("GGUF type written by ghostdistill", [gguf_type], GGUF_TYPES)
     if tokenizer is None:
         raise ValueError("GGUF export needs the tokenizer: llama.cpp reads the vocabulary from the file")
     path = Path(path)
-    arch = gguf.MODEL_ARCH_NAMES[ARCHITECTURES[config.model_type]]
-    writer = gguf.GGUFWriter(path=None, arch=arch)
+    writer = gguf.GGUFWriter(path=None, arch=arch_name(config))
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name)
-    hidden, n_head = config.hidden_size, config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // n_head
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or n_head)
-    theta, scaling = _rope(config)
-    if theta is not None:
-        writer.add_rope_freq_base(float(theta))
-    if scaling:
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(scaling["factor"]))
-    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_file_type(GGUF_TYPES[gguf_type][1])
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_rope_dimension_count(head_dim)
+    add_hparams(writer, config, GGUF_TYPES[gguf_type][1])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     info = dict(info or {})
     plan = info.get("plan") or {}
@@ -222,14 +154,8 @@ def write_gguf(
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~current_umask())
     return path
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def export_gguf(
@@ -242,15 +168,24 @@ def export_gguf(
     info: dict | None = None,
     types: Iterable[str] = DEFAULT_GGUF_TYPES,
     overwrite: bool = False,
+    imatrix: bool = True,
+    calibration: Callable[[], torch.Tensor] | None = None,
+    log: Callable[[str], None] = print,
 ) -> list[Path]:
     """Write `view` of `pruned` as one GGUF file per type (`gguf_path(root, view, type)`); returns the paths.
 
-    Refuses operator views (`refusal`) and existing files without `overwrite`, before writing anything."""
+    F32, F16 and Q8_0 are written here; the llama-quantize types (`quantize.QUANTIZE_TYPES`) from the view's F32
+    file (written for them when F32 is not asked for, then removed) with an importance matrix over
+    `calibration()`, the run's calibration windows, unless `imatrix` is false. Refuses operator views
+    (`refusal`), missing tools and existing files without `overwrite`, before writing anything."""
     types = check_gguf_types(types)
+    check_quantize(types, imatrix)
     if view not in pruned.views:
         raise ValueError(f"cannot export view {view!r}: the views are {pruned.views}")
     if inserts_operators(method):
         raise ValueError(refusal(view, method))
+    if quantized(types) and imatrix and calibration is None:
+        raise ValueError("an importance matrix needs the run's calibration windows: pass calibration, or imatrix=False")
     paths = [gguf_path(root, view, t) for t in types]
     existing = [str(p) for p in paths if p.exists()]
     if existing and not overwrite:
@@ -262,13 +197,30 @@ def export_gguf(
         "plan",
         {"num_layers": pruned.plan.num_layers, "removed": list(pruned.plan.removed)},
     )
-    with pruned.use(view):
-        state, config, kind = view_state(pruned, view, method, info)
-        if kind != "plain":
-            raise ValueError(refusal(view, method))
-        tensors = gguf_tensors(state, config)
-        for gguf_type, path in zip(types, paths):
-            write_gguf(path, tensors, config, tokenizer, gguf_type, name=view, info=info)
+    written = dict(zip(types, paths))
+    quants = {t: written[t] for t in quantized(types)}
+    with contextlib.ExitStack() as stack:
+        source = written.get("F32")
+        if quants and source is None:  # llama-quantize reads an F32 file: one for it alone, removed after
+            Path(root).mkdir(parents=True, exist_ok=True)
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(dir=root, prefix=f".{view}.F32-"))
+            source = Path(tmp) / f"{view}.F32.gguf"
+        with pruned.use(view):
+            state, config, kind = view_state(pruned, view, method, info)
+            if kind != "plain":
+                raise ValueError(refusal(view, method))
+            tensors = gguf_tensors(state, config)
+            ours = [(t, written[t]) for t in types if t in GGUF_TYPES]
+            if quants and "F32" not in written:
+                ours.insert(0, ("F32", source))
+            for gguf_type, path in ours:
+                write_gguf(path, tensors, config, tokenizer, gguf_type, name=view, info=info)
+        del state, tensors
+        if quants:
+            add_bos = adds(tokenizer, tokenizer.bos_token_id)[0]
+            quantize_view(
+                source, quants, tokenizer=tokenizer, calibration=calibration, imatrix=imatrix, add_bos=add_bos, log=log
+            )
     return paths
 
 

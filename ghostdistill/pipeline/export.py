@@ -5,7 +5,9 @@
 
 `formats` picks what is written per view: ``hf`` (the folder `<root>/<view>`, `export.writer`) and ``gguf``
 (`<root>/<view>.<type>.gguf` per type of `gguf_types`, `export.gguf`; plain views only, operator views are
-refused before anything is loaded or written).
+refused before anything is loaded or written). A llama-quantize type (`export.quantize`) takes an importance
+matrix over the run's calibration windows (`imatrix`, on by default); the tools it needs are checked before
+anything loads.
 
 From a run folder (`pipeline.reload`, which rebuilds it as a `pipeline.run.Run`) nothing the run cached is recomputed: the calibration statistics come from
 `calibration_state.pt` (only the closed-form solves run again, and the student passes of a sequential
@@ -18,14 +20,17 @@ last one).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
+
+import torch
 
 from ..core.views import DENSE, PRUNED, PrunedModel
 from ..distill.config import Student
 from ..export import export_view
 from ..export.gguf import DEFAULT_GGUF_TYPES, check_formats, check_gguf_types, check_gguf_views, export_gguf, gguf_path
+from ..export.quantize import check_quantize
 from .config import RunConfig
 
 
@@ -73,9 +78,11 @@ def check_views(
     where: str = "this run",
     formats: Sequence[str] = ("hf",),
     gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
+    imatrix: bool = True,
 ) -> None:
     """Everything an export can check before it loads or computes anything: the view names, the formats and
-    GGUF types, and that no view asked for as GGUF keeps operators."""
+    GGUF types, that no view asked for as GGUF keeps operators, and that llama.cpp's tools are there for a
+    k-quant."""
     formats = check_formats(formats)
     available = cfg.views()
     bad = [v for v in views if v not in available]
@@ -84,6 +91,7 @@ def check_views(
     if "gguf" in formats:
         check_gguf_types(gguf_types)
         check_gguf_views(views, cfg.method_of)
+        check_quantize(gguf_types, imatrix)
 
 
 def export_targets(
@@ -137,10 +145,13 @@ def export_views(
     seed: int | None = None,
     formats: Sequence[str] = ("hf",),
     gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
+    imatrix: bool = True,
+    calibration: Callable[[], torch.Tensor] | None = None,
 ) -> list[Path]:
-    """Write each of `views` of an in-memory run in `formats` under `root`; `report` is the run's results.
-    Returns `export_targets`' paths."""
-    check_views(cfg, views, formats=formats, gguf_types=gguf_types)
+    """Write each of `views` of an in-memory run in `formats` under `root`; `report` is the run's results;
+    `calibration` gives the run's calibration windows (for the importance matrix of a k-quant). Returns
+    `export_targets`' paths."""
+    check_views(cfg, views, formats=formats, gguf_types=gguf_types, imatrix=imatrix)
     specs = {s.name: s for s in cfg.distill.specs()}
     missing = [v for v in views if v not in pruned.views]
     if missing:
@@ -168,5 +179,7 @@ def export_views(
                 info=info,
                 types=gguf_types,
                 overwrite=overwrite,
+                imatrix=imatrix,
+                calibration=calibration,
             )
     return paths
