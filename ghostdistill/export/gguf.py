@@ -45,7 +45,7 @@ from ..core.io import atomic_path, current_umask
 from ..core.views import PrunedModel
 from ..methods import ships_stock
 from .gguf_arch import FAMILIES, add_hparams, arch_name, gguf_tensors
-from .gguf_vocab import add_vocab, adds
+from .gguf_vocab import add_vocab, adds, copy_vocab
 from .quantize import QUANTIZE_TYPES, check_quantize, quantize_view, quantized
 from .writer import view_state
 
@@ -119,9 +119,11 @@ def write_gguf(
     *,
     name: str,
     info: dict | None = None,
+    vocab_source: Path | None = None,
 ) -> Path:
     """Write one GGUF file of `gguf_type` (F32, F16 or Q8_0) from `gguf_tensors`' output, the view's config and
-    tokenizer."""
+    tokenizer; a tokenizer `gguf_vocab` does not read takes the vocabulary of `vocab_source`, the GGUF file the
+    model came from, if any (`gguf_vocab.copy_vocab`)."""
     _names("GGUF type written by ghostdistill", [gguf_type], GGUF_TYPES)
     if tokenizer is None:
         raise ValueError("GGUF export needs the tokenizer: llama.cpp reads the vocabulary from the file")
@@ -140,7 +142,12 @@ def write_gguf(
         writer.add_array("ghostdistill.removed_blocks", [int(i) for i in plan["removed"]])
     if info:
         writer.add_string("ghostdistill.provenance", json.dumps(info, default=str, sort_keys=True))
-    add_vocab(writer, tokenizer, config.vocab_size)
+    try:
+        add_vocab(writer, tokenizer, config.vocab_size)
+    except ValueError:
+        if vocab_source is None:
+            raise
+        copy_vocab(writer, vocab_source, config.vocab_size)
     for tensor_name, data in tensors.items():
         storage = _storage(tensor_name, data, gguf_type)
         try:
@@ -171,12 +178,14 @@ def export_gguf(
     imatrix: bool = True,
     calibration: Callable[[], torch.Tensor] | None = None,
     log: Callable[[str], None] = print,
+    vocab_source: Path | None = None,
 ) -> list[Path]:
     """Write `view` of `pruned` as one GGUF file per type (`gguf_path(root, view, type)`); returns the paths.
 
     F32, F16 and Q8_0 are written here; the llama-quantize types (`quantize.QUANTIZE_TYPES`) from the view's F32
     file (written for them when F32 is not asked for, then removed) with an importance matrix over
-    `calibration()`, the run's calibration windows, unless `imatrix` is false. Refuses operator views
+    `calibration()`, the run's calibration windows, unless `imatrix` is false. `vocab_source`: the GGUF file the
+    model came from, whose vocabulary serves a tokenizer `gguf_vocab` does not read. Refuses operator views
     (`refusal`), missing tools and existing files without `overwrite`, before writing anything."""
     types = check_gguf_types(types)
     check_quantize(types, imatrix)
@@ -214,7 +223,7 @@ def export_gguf(
             if quants and "F32" not in written:
                 ours.insert(0, ("F32", source))
             for gguf_type, path in ours:
-                write_gguf(path, tensors, config, tokenizer, gguf_type, name=view, info=info)
+                write_gguf(path, tensors, config, tokenizer, gguf_type, name=view, info=info, vocab_source=vocab_source)
         del state, tensors
         if quants:
             add_bos = adds(tokenizer, tokenizer.bos_token_id)[0]

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.model import resolve_source
 from ..core.views import DENSE, PRUNED, PrunedModel
 from ..distill.config import Student
 from ..export import export_view
@@ -70,6 +71,12 @@ def provenance(report: dict, view: str, method: str | None, seed: int | None, st
         if student.trains("tail"):
             info["distill"]["tail_blocks"] = student.tail_blocks
     return info
+
+
+def source_gguf(cfg: RunConfig) -> Path | None:
+    """The GGUF file the run's model was read from (SmolLM2's wheel, a `.gguf` source), or None."""
+    folder, name = resolve_source(cfg.model)
+    return Path(folder) / name if name else None
 
 
 def check_views(
@@ -181,5 +188,6 @@ def export_views(
                 overwrite=overwrite,
                 imatrix=imatrix,
                 calibration=calibration,
+                vocab_source=source_gguf(cfg),
             )
     return paths

