@@ -80,7 +80,8 @@ def measure_run(run: Path, views: list[str] | None, out: Path, llama_cpp: Path, 
             info = provenance(loaded.report, view, method, seed)
             start = time.perf_counter()
             with loaded.pruned.use(view) as model:
-                reference = check_llama_cpp.transformers_figures(model, windows, cfg.data.batch_size)
+                ours = check_llama_cpp.llama_cpp_windows(windows, loaded.tokenizer)
+                reference = check_llama_cpp.transformers_figures(model, ours, cfg.data.batch_size)
             entry: dict = {"transformers_f32": reference["ppl_second_half"], "ppl_run": reference["ppl"]}
             root = out / run.name / view
             common = dict(method=method, tokenizer=loaded.tokenizer, info=info, overwrite=True, log=log)
