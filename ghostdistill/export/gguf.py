@@ -1,29 +1,28 @@
-"""GGUF files of a plain-architecture view, for llama.cpp: F32, F16 and Q8_0, written with the `gguf` package.
+"""GGUF files of a plain-architecture view, for llama.cpp: F32, F16 and Q8_0 written with the `gguf` package, the
+k-quants (Q6_K, Q5_K_M, Q4_K_M, …) by llama.cpp's own `llama-quantize` from the F32 file (`quantize`).
 
 Which views: those whose exported folder is the plain architecture (`parts.view_parts` kind ``plain``): the
 pruned model, the views whose maps fold into the weights (magnitude, ReplaceMe, `rotation_through`), and the
 fine-tuned students of those with their LoRA adapters merged. A view that keeps operators (ghost,
-LinearPatch and their `_ft` students) computes `h + h·Δ` at each gap, a module llama.cpp's LLaMA graph does not
+LinearPatch and their `_ft` students) computes `h + h·Δ` at each gap, a module llama.cpp's graphs do not
 have, so it is refused before anything is written: fold the repair (`rotation_through` is ghost's foldable
 form), or serve the Hugging Face folder with vLLM (its Transformers backend runs the operators).
 
-What a file holds, as llama.cpp's `convert_hf_to_gguf.py` (`LlamaModel`, `TextModel`) writes a LLaMA folder:
+Which families: LLaMA, Mistral, Qwen2, Qwen3 and Gemma 3 (`gguf_arch`: what llama.cpp's `convert_hf_to_gguf.py`
+writes for each). What a file holds, as the converter writes it:
 
-- tensors renamed by `gguf.get_tensor_name_map` (``model.layers.3.self_attn.q_proj.weight`` ->
-  ``blk.3.attn_q.weight``) over the *surviving* blocks, renumbered 0 … n-1; the head is left out when it is
-  tied to the embedding (llama.cpp reuses ``token_embd``);
-- Q and K rows permuted from Hugging Face's rotary layout (the two halves of each head: x₀…x_{d/2-1} |
-  x_{d/2}…) to GGML's interleaved pairs (x₀, x_{d/2}, x₁, …): for W of shape [h·d, C] viewed as
-  [h, 2, d/2, C], swap the two middle axes (`LlamaModel.permute`; K uses the key-value head count). The
-  attention logits q·k are unchanged, because both sides get the same permutation of each head's rotary
-  pairs;
+- tensors renamed by `gguf.get_tensor_name_map` of the family's architecture (``model.layers.3.self_attn.q_proj
+  .weight`` -> ``blk.3.attn_q.weight``) over the *surviving* blocks, renumbered 0 … n-1; the head is left out
+  when it is tied to the embedding (llama.cpp reuses ``token_embd``); LLaMA's Q and K rows permuted to GGML's
+  rotary layout, Gemma's norms as 1 + γ (`gguf_arch`);
 - the storage type per tensor: 1-D tensors, norms and biases F32; every other weight F32, F16 or Q8_0
   (`gguf.quants.quantize`: blocks of 32 values, one F16 scale max|x|/127 each); a row whose length is not
   a multiple of 32 falls back to F16, as in the converter;
-- hyper-parameters: ``llama.block_count`` is the pruned count, and no per-layer array is written, so no
-  array keeps the dense model's length (llama.cpp issue #27976: pruning with `llama-quantize
-  --prune-layers` left such arrays behind); ``ghostdistill.*`` keys record the view, the dense block count,
-  the removed and kept blocks, and the provenance JSON that `config.json` holds;
+- hyper-parameters: ``<arch>.block_count`` is the pruned count, and the only per-layer array is one of the
+  surviving blocks (Gemma 3's sliding-window pattern), so no array keeps the dense model's length (llama.cpp
+  issue #27976: pruning with `llama-quantize --prune-layers` left such arrays behind); ``ghostdistill.*`` keys
+  record the view, the dense block count, the removed blocks, and the provenance JSON that `config.json` holds
+  (llama-quantize copies them into its files, beside its own ``quantize.imatrix.*`` keys);
 - the tokenizer (`gguf_vocab`).
 
 Each file is written to a temporary file beside it and renamed into place (`core.io.atomic_path`). Tensors are
@@ -34,11 +33,12 @@ weights live off the device (`model.model.offload`) is never whole in memory; a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import gguf
@@ -46,12 +46,14 @@ import numpy as np
 import torch
 
 from ..core.checks import check_unique
-from ..core.io import atomic_path
+from ..core.io import atomic_path, current_umask
 from ..core.lock import hold, lock_path
 from ..core.views import PrunedModel
 from ..methods import ships_stock
-from .gguf_vocab import add_vocab
-from .parts import Part, exporting, view_parts
+from .gguf_arch import FAMILIES, TensorStream, add_hparams, arch_name, gguf_tensors
+from .gguf_vocab import add_vocab, adds, copy_vocab
+from .parts import exporting, view_parts
+from .quantize import QUANTIZE_TYPES, check_quantize, quantize_view, quantized
 from .writer import check_target
 
 FORMATS = ("hf", "gguf")
@@ -62,7 +64,8 @@ GGUF_TYPES = {
     "Q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
 }
 DEFAULT_GGUF_TYPES = ("F32", "F16", "Q8_0")
-ARCHITECTURES = {"llama": gguf.MODEL_ARCH.LLAMA}
+ALL_GGUF_TYPES = tuple(GGUF_TYPES) + QUANTIZE_TYPES  # the rest: llama.cpp's llama-quantize (`export.quantize`)
+ARCHITECTURES = {t: f.arch for t, f in FAMILIES.items()}
 
 
 def _names(what: str, given: Iterable[str], valid) -> list[str]:
@@ -79,7 +82,7 @@ def check_formats(formats: Iterable[str]) -> list[str]:
 
 
 def check_gguf_types(types: Iterable[str]) -> list[str]:
-    return _names("GGUF type", types, GGUF_TYPES)
+    return _names("GGUF type", types, ALL_GGUF_TYPES)
 
 
 def gguf_path(root: str | os.PathLike, view: str, gguf_type: str) -> Path:
@@ -105,69 +108,6 @@ def check_gguf_views(views: Iterable[str], method_of) -> None:
     for view in views:
         if inserts_operators(method_of(view)):
             raise ValueError(refusal(view, method_of(view)))
-
-
-def _permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Hugging Face's rotary layout to GGML's, per head (`LlamaModel.permute` of the converter)."""
-    return (
-        weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
-
-
-@dataclass
-class TensorStream:
-    """Tensors known by GGUF name and shape before any is made (`shapes`, in file order); `arrays()` makes them,
-    float32, in that order."""
-
-    shapes: dict[str, tuple[int, ...]]
-    arrays: Callable[[], Iterator[tuple[str, np.ndarray]]]
-
-
-def gguf_stream(parts: list[Part], config) -> TensorStream:
-    """The view's tensors under their GGUF names, float32, Q and K permuted (see the module docstring), a part
-    at a time."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in ARCHITECTURES:
-        raise ValueError(
-            f"GGUF export writes {sorted(ARCHITECTURES)} models; this view is {model_type!r}: convert its Hugging "
-            "Face folder with llama.cpp's convert_hf_to_gguf.py"
-        )
-    n_blocks = config.num_hidden_layers
-    names = gguf.get_tensor_name_map(ARCHITECTURES[model_type], n_blocks)
-    n_head = config.num_attention_heads
-    n_kv = getattr(config, "num_key_value_heads", None) or n_head
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    renamed: dict[str, str] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    for part in parts:
-        for name, shape in part.names.items():
-            if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
-                continue
-            new = names.get_name(name, try_suffixes=(".weight", ".bias"))
-            if new is None:
-                raise ValueError(f"tensor {name!r} has no GGUF name for {model_type}: it cannot be written")
-            renamed[name], shapes[new] = new, shape
-    blocks = {int(n.split(".")[1]) for n in shapes if n.startswith("blk.")}
-    if blocks != set(range(n_blocks)):
-        raise ValueError(f"the state has blocks {sorted(blocks)} but the config says {n_blocks}")
-
-    def arrays() -> Iterator[tuple[str, np.ndarray]]:
-        for part in parts:
-            if not set(part.names) & set(renamed):
-                continue
-            for name, tensor in part.load().items():
-                if name not in renamed:
-                    continue
-                data = tensor.detach().to("cpu", torch.float32)
-                if name.endswith(("q_proj.weight", "q_proj.bias")):
-                    data = _permute(data, n_head)
-                elif name.endswith(("k_proj.weight", "k_proj.bias")):
-                    data = _permute(data, n_kv)
-                yield renamed[name], data.contiguous().numpy()
-
-    return TensorStream(shapes, arrays)
 
 
 def _storage(name: str, shape: tuple[int, ...], gguf_type: str) -> gguf.GGMLQuantizationType:
@@ -204,18 +144,6 @@ def _quantize(data: np.ndarray, storage: gguf.GGMLQuantizationType) -> np.ndarra
     return np.concatenate([gguf.quants.quantize(data[lo : lo + rows], storage) for lo in range(0, len(data), rows)])
 
 
-def _rope(config) -> tuple[float | None, dict]:
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    kind = params.get("rope_type", params.get("type")) or "default"
-    if kind not in ("default", "linear"):
-        raise ValueError(
-            f"rope_type {kind!r} is not written by ghostdistill's GGUF writer (valid: default, linear): convert "
-            "the Hugging Face folder with llama.cpp's convert_hf_to_gguf.py"
-        )
-    return theta, params if kind == "linear" else {}
-
-
 def write_gguf(
     path: str | os.PathLike,
     tensors: Mapping[str, np.ndarray] | TensorStream,
@@ -225,12 +153,15 @@ def write_gguf(
     *,
     name: str,
     info: dict | None = None,
+    vocab_source: Path | None = None,
     write: bool = True,
 ) -> Path:
-    """Write one GGUF file of `gguf_type` from `gguf_stream`'s output (or GGUF-named float32 arrays), the view's
-    config and tokenizer: the header with every tensor's name, shape and storage, then each tensor as it is made.
-    `write` false: every tensor is made (a sharded model's gathers, in rank 0's order), nothing written."""
-    check_gguf_types([gguf_type])
+    """Write one GGUF file of `gguf_type` (F32, F16 or Q8_0) from `gguf_tensors`' output (or GGUF-named float32
+    arrays), the view's config and tokenizer: the header with every tensor's name, shape and storage, then each
+    tensor as it is made. A tokenizer `gguf_vocab` does not read takes the vocabulary of `vocab_source`, the GGUF
+    file the model came from, if any (`gguf_vocab.copy_vocab`). `write` false: every tensor is made (a sharded
+    model's gathers, in rank 0's order), nothing written."""
+    _names("GGUF type written by ghostdistill", [gguf_type], GGUF_TYPES)
     if not write:
         if isinstance(tensors, TensorStream):
             for _ in tensors.arrays():
@@ -239,30 +170,10 @@ def write_gguf(
     if tokenizer is None:
         raise ValueError("GGUF export needs the tokenizer: llama.cpp reads the vocabulary from the file")
     path = Path(path)
-    arch = gguf.MODEL_ARCH_NAMES[ARCHITECTURES[config.model_type]]
-    writer = gguf.GGUFWriter(path=None, arch=arch)
+    writer = gguf.GGUFWriter(path=None, arch=arch_name(config))
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name)
-    hidden, n_head = config.hidden_size, config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // n_head
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or n_head)
-    theta, scaling = _rope(config)
-    if theta is not None:
-        writer.add_rope_freq_base(float(theta))
-    if scaling:
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(scaling["factor"]))
-    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_file_type(GGUF_TYPES[gguf_type][1])
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_rope_dimension_count(head_dim)
+    add_hparams(writer, config, GGUF_TYPES[gguf_type][1])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     info = dict(info or {})
     plan = info.get("plan") or {}
@@ -273,7 +184,12 @@ def write_gguf(
         writer.add_array("ghostdistill.removed_blocks", [int(i) for i in plan["removed"]])
     if info:
         writer.add_string("ghostdistill.provenance", json.dumps(info, default=str, sort_keys=True))
-    add_vocab(writer, tokenizer, config.vocab_size)
+    try:
+        add_vocab(writer, tokenizer, config.vocab_size)
+    except ValueError:
+        if vocab_source is None:
+            raise
+        copy_vocab(writer, vocab_source, config.vocab_size)
     if not isinstance(tensors, TensorStream):
         tensors = TensorStream({n: tuple(a.shape) for n, a in tensors.items()}, lambda held=tensors: iter(held.items()))
     plan = {n: _stored(n, shape, gguf_type) for n, shape in tensors.shapes.items()}
@@ -288,14 +204,8 @@ def write_gguf(
         for tensor_name, data in tensors.arrays():
             writer.write_tensor_data(_quantize(data, plan[tensor_name][0]))
         writer.close()
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~current_umask())
     return path
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def export_gguf(
@@ -308,17 +218,29 @@ def export_gguf(
     info: dict | None = None,
     types: Iterable[str] = DEFAULT_GGUF_TYPES,
     overwrite: bool = False,
+    imatrix: bool = True,
+    calibration: Callable[[], torch.Tensor] | None = None,
+    log: Callable[[str], None] = print,
+    vocab_source: Path | None = None,
     write: bool = True,
 ) -> list[Path]:
     """Write `view` of `pruned` as one GGUF file per type (`gguf_path(root, view, type)`); returns the paths.
 
-    Refuses operator views (`refusal`) and existing files without `overwrite`, before writing anything.
-    `write` false: the same work, nothing written (`write_gguf`)."""
+    F32, F16 and Q8_0 are written here, a part (a block) at a time; the llama-quantize types
+    (`quantize.QUANTIZE_TYPES`) from the view's F32 file (written for them when F32 is not asked for, then
+    removed) with an importance matrix over `calibration()`, the run's calibration windows, unless `imatrix` is
+    false. `vocab_source`: the GGUF file the model came from, whose vocabulary serves a tokenizer `gguf_vocab`
+    does not read. Refuses operator views (`refusal`), missing tools and existing files without `overwrite`,
+    before writing anything. `write` false: the same work, nothing written (a rank of a sharded model other
+    than rank 0)."""
     types = check_gguf_types(types)
+    check_quantize(types, imatrix)
     if view not in pruned.views:
         raise ValueError(f"cannot export view {view!r}: the views are {pruned.views}")
     if inserts_operators(method):
         raise ValueError(refusal(view, method))
+    if quantized(types) and imatrix and calibration is None:
+        raise ValueError("an importance matrix needs the run's calibration windows: pass calibration, or imatrix=False")
     paths = [gguf_path(root, view, t) for t in types]
     for path in paths if write else ():
         check_target(path, "file", overwrite, "overwrite (export.overwrite / --overwrite)")
@@ -329,13 +251,34 @@ def export_gguf(
         "plan",
         {"num_layers": pruned.plan.num_layers, "removed": list(pruned.plan.removed)},
     )
-    with exporting(pruned, view):
-        parts, config, kind = view_parts(pruned, view, method, info)
-        if kind != "plain":
-            raise ValueError(refusal(view, method))
-        tensors = gguf_stream(parts, config)
-        for gguf_type, path in zip(types, paths):
-            write_gguf(path, tensors, config, tokenizer, gguf_type, name=view, info=info, write=write)
+    written = dict(zip(types, paths))
+    quants = {t: written[t] for t in quantized(types)}
+    with contextlib.ExitStack() as stack:
+        source = written.get("F32")
+        if quants and source is None and not write:  # never written: the passes match rank 0's
+            source = Path(root) / f"{view}.F32.gguf"
+        elif quants and source is None:  # llama-quantize reads an F32 file: one for it alone, removed after
+            Path(root).mkdir(parents=True, exist_ok=True)
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(dir=root, prefix=f".{view}.F32-"))
+            source = Path(tmp) / f"{view}.F32.gguf"
+        with exporting(pruned, view):
+            parts, config, kind = view_parts(pruned, view, method, info)
+            if kind != "plain":
+                raise ValueError(refusal(view, method))
+            tensors = gguf_tensors(parts, config)
+            ours = [(t, written[t]) for t in types if t in GGUF_TYPES]
+            if quants and "F32" not in written:
+                ours.insert(0, ("F32", source))
+            for gguf_type, path in ours:
+                write_gguf(
+                    path, tensors, config, tokenizer, gguf_type, name=view, info=info, vocab_source=vocab_source, write=write
+                )
+        del parts, tensors
+        if quants and write:
+            add_bos = adds(tokenizer, tokenizer.bos_token_id)[0]
+            quantize_view(
+                source, quants, tokenizer=tokenizer, calibration=calibration, imatrix=imatrix, add_bos=add_bos, log=log
+            )
     return paths
 
 

@@ -11,6 +11,11 @@ the way llama.cpp's `convert_hf_to_gguf.py` writes it (`TextModel._set_vocab_gpt
   pre-tokenizer silently changes what the model sees.
 - bos / eos / unk / pad ids, `add_bos_token` / `add_eos_token` as the tokenizer behaves (does encoding a text
   add them?), and the chat template.
+
+A tokenizer this writer does not read (SentencePiece's: Gemma, Llama 2, Mistral v0.1, whose llama.cpp
+vocabulary is ``llama`` with per-token scores that a Hugging Face tokenizer.json does not keep) can still be
+written when the model itself came from a GGUF file: `copy_vocab` copies that file's ``tokenizer.*`` keys,
+llama.cpp's own vocabulary of the same model (pruning keeps the vocabulary).
 """
 
 from __future__ import annotations
@@ -156,3 +161,20 @@ def add_vocab(writer: gguf.GGUFWriter, tokenizer, vocab_size: int) -> dict:
     if isinstance(template, str) and template:
         writer.add_chat_template(template)
     return {"pre": pre, "merges": len(merges), "add_bos": add_bos, "add_eos": add_eos, **special}
+
+
+def copy_vocab(writer: gguf.GGUFWriter, source, vocab_size: int) -> dict:
+    """Copy the ``tokenizer.*`` keys of the GGUF file `source` (the model's own); returns what was copied."""
+    reader = gguf.GGUFReader(str(source))
+    fields = {k: f for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if tokens is None or len(tokens.data) != vocab_size:
+        raise ValueError(
+            f"{source} has {0 if tokens is None else len(tokens.data)} tokens, the model {vocab_size}: its vocabulary "
+            "is not this model's"
+        )
+    for key, field in fields.items():
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), kind, sub_type=sub)
+    return {"copied_from": str(source), "keys": sorted(fields)}

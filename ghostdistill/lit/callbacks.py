@@ -131,7 +131,9 @@ class Export(Callback):
         overwrite: replace existing folders and files.
         format: what to write per view, one or more of ``hf`` (the folder ``<dir>/<view>``) and ``gguf``
             (``<dir>/<view>.<type>.gguf`` for llama.cpp; plain views only).
-        gguf_types: the GGUF files' storage types, of ``F32``, ``F16``, ``Q8_0``.
+        gguf_types: the GGUF files' types: ``F32``, ``F16``, ``Q8_0`` (written by ghostdistill) and llama.cpp's
+            llama-quantize types (``Q6_K``, ``Q5_K_M``, ``Q4_K_M``, …; `export.quantize`).
+        imatrix: k-quants with an importance matrix over the run's calibration windows (false: without).
     """
 
     def __init__(
@@ -141,12 +143,14 @@ class Export(Callback):
         overwrite: bool = False,
         format: list[str] | None = None,
         gguf_types: list[str] | None = None,
+        imatrix: bool = True,
     ) -> None:
         self.views = list(views or [])
         self.dir = dir
         self.overwrite = overwrite
         self.format = list(format) if format is not None else ["hf"]
         self.gguf_types = list(gguf_types) if gguf_types is not None else list(DEFAULT_GGUF_TYPES)
+        self.imatrix = imatrix
 
     def root(self, trainer: Trainer) -> Path:
         return Path(self.dir) if self.dir else Path(trainer.default_root_dir) / "export"
@@ -165,7 +169,7 @@ class Export(Callback):
                 f"export.views {unbuilt} are fine-tuned views, which trainer.max_steps 0 does not build: set "
                 "trainer.max_steps, or export them later from the run folder of a run that distils"
             )
-        check_views(cfg, self.views, formats=self.format, gguf_types=self.gguf_types)
+        check_views(cfg, self.views, formats=self.format, gguf_types=self.gguf_types, imatrix=self.imatrix)
         check_targets(
             self.root(trainer), self.views, self.overwrite, "export.overwrite: true", self.format, self.gguf_types
         )
@@ -184,6 +188,7 @@ class Export(Callback):
             seed=_seed(trainer),
             formats=self.format,
             gguf_types=self.gguf_types,
+            imatrix=self.imatrix,
         ):
             rank_zero_info(f"exported {path}")
 

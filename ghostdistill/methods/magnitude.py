@@ -3,7 +3,10 @@
 x ← s·x on the residual stream at the gap. In a pre-norm model every later block reads its input
 through a scale-invariant norm, so the same function results from dividing each later block's writes
 to the residual stream (attention output and MLP down projections) by s, the final norm removing the
-overall factor (exact up to the norm's ε): `fold` does that, and the method adds no parameters.
+overall factor (exact up to the norm's ε): `fold` does that, and the method adds no parameters. A block
+whose branches end in a norm (Gemma 2 and 3: `post_attention_layernorm`, `post_feedforward_layernorm` normalise
+the branch output before it is added) writes that norm's output, which dividing a linear before it would not
+change: there the norm's gain is divided instead (γ ← γ/s, or for Gemma's x/rms(x)·(1 + γ), 1 + γ ← (1 + γ)/s).
 
 A fine-tuned student trains the scale alone (`student_operator`: W = e^t·s·I, t trainable from 0), so it
 still folds; `fold` refuses an operator that is not a multiple of the identity rather than drop the rest.
@@ -96,10 +99,32 @@ class ResidualScaleOperator(ReparametrisedOperator):
         return (self.log_scale.exp() - 1) * t
 
 
+# The norms that end a block's two branches where a branch ends in a norm (Gemma 2, Gemma 3).
+BRANCH_END_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
+
+
+@torch.no_grad()
+def gain_offset(norm: nn.Module) -> float:
+    """1.0 for a norm computing x/rms(x)·(1 + γ) (Gemma's), 0.0 for x/rms(x)·γ: its output with γ = 0 says."""
+    weight = norm.weight
+    saved = weight.detach().clone()
+    weight.zero_()
+    try:
+        out = norm(torch.ones(1, weight.shape[0], dtype=weight.dtype, device=weight.device))
+    finally:
+        weight.copy_(saved)
+    return 1.0 if float(out.abs().max()) > 0.5 else 0.0
+
+
 @torch.no_grad()
 def fold_residual_scale(blocks_after: list[nn.Module], s: float) -> None:
     """Divide every residual-stream write of the given blocks by s (see module docstring)."""
     for block in blocks_after:
+        if isinstance(getattr(block, BRANCH_END_NORMS[1], None), nn.Module):
+            for norm in (getattr(block, name) for name in BRANCH_END_NORMS):
+                offset = gain_offset(norm)
+                norm.weight.copy_(((norm.weight.double() + offset) / s - offset).to(norm.weight.dtype))
+            continue
         attn = getattr(block, "self_attn", None) or getattr(block, "attn", None)
         if attn is None:
             raise TypeError(f"{type(block).__name__} has no self_attn; cannot fold a residual scale")

@@ -5,7 +5,9 @@
 
 `formats` picks what is written per view: ``hf`` (the folder `<root>/<view>`, `export.writer`) and ``gguf``
 (`<root>/<view>.<type>.gguf` per type of `gguf_types`, `export.gguf`; plain views only, operator views are
-refused before anything is loaded or written).
+refused before anything is loaded or written). A llama-quantize type (`export.quantize`) takes an importance
+matrix over the run's calibration windows (`imatrix`, on by default); the tools it needs are checked before
+anything loads.
 
 From a run folder (`pipeline.reload`, which rebuilds it as a `pipeline.run.Run`) nothing the run cached is recomputed: the calibration statistics come from
 `calibration_state.pt` (only the closed-form solves run again, and the student passes of a sequential
@@ -18,18 +20,22 @@ last one).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+
 from ..core.checks import check_unique
 from ..core.io import check_writable
 from ..core.lock import hold, lock_path
+from ..core.model import resolve_source
 from ..core.views import DENSE, PRUNED, PrunedModel
 from ..distill.config import Student
 from ..export import export_view
 from ..export.gguf import DEFAULT_GGUF_TYPES, check_formats, check_gguf_types, check_gguf_views, export_gguf, gguf_path
+from ..export.quantize import check_quantize
 from ..export.writer import check_target
 from .config import RunConfig
 
@@ -72,15 +78,23 @@ def provenance(report: dict, view: str, method: str | None, seed: int | None, st
     return info
 
 
+def source_gguf(cfg: RunConfig) -> Path | None:
+    """The GGUF file the run's model was read from (SmolLM2's wheel, a `.gguf` source), or None."""
+    folder, name = resolve_source(cfg.model)
+    return Path(folder) / name if name else None
+
+
 def check_views(
     cfg: RunConfig,
     views: list[str],
     where: str = "this run",
     formats: Sequence[str] = ("hf",),
     gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
+    imatrix: bool = True,
 ) -> None:
     """Everything an export can check before it loads or computes anything: the view names, the formats and
-    GGUF types, and that no view asked for as GGUF keeps operators."""
+    GGUF types, that no view asked for as GGUF keeps operators, and that llama.cpp's tools are there for a
+    k-quant."""
     formats = check_formats(formats)
     check_unique("export views", views)
     available = cfg.views()
@@ -90,6 +104,7 @@ def check_views(
     if "gguf" in formats:
         check_gguf_types(gguf_types)
         check_gguf_views(views, cfg.method_of)
+        check_quantize(gguf_types, imatrix)
 
 
 def export_targets(
@@ -149,11 +164,14 @@ def export_views(
     formats: Sequence[str] = ("hf",),
     gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
     write: bool = True,
+    imatrix: bool = True,
+    calibration: Callable[[], torch.Tensor] | None = None,
 ) -> list[Path]:
-    """Write each of `views` of an in-memory run in `formats` under `root`; `report` is the run's results.
-    Returns `export_targets`' paths. `write` false: a rank of a sharded model other than rank 0, which joins
-    every gather and writes nothing (`export.parts`)."""
-    check_views(cfg, views, formats=formats, gguf_types=gguf_types)
+    """Write each of `views` of an in-memory run in `formats` under `root`; `report` is the run's results;
+    `calibration` gives the run's calibration windows (for the importance matrix of a k-quant). Returns
+    `export_targets`' paths. `write` false: a rank of a sharded model other than rank 0, which joins every
+    gather and writes nothing (`export.parts`)."""
+    check_views(cfg, views, formats=formats, gguf_types=gguf_types, imatrix=imatrix)
     specs = {s.name: s for s in cfg.distill.specs()}
     missing = [v for v in views if v not in pruned.views]
     if missing:
@@ -189,5 +207,8 @@ def export_views(
                 types=gguf_types,
                 overwrite=overwrite,
                 write=write,
+                imatrix=imatrix,
+                calibration=calibration,
+                vocab_source=source_gguf(cfg),
             )
     return paths

@@ -96,11 +96,12 @@ def export_run(
     formats: Sequence[str] = ("hf",),
     gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
     observers=(),
+    imatrix: bool = True,
 ) -> list[Path]:
     """Export views of the finished run in `run` (configured by `cfg`, its config.yaml) without a Trainer.
-    Bad view names, formats and targets fail before the model loads."""
+    Bad view names, formats and targets, and missing llama.cpp tools, fail before the model loads."""
     root = out or run / "export"
-    check_views(cfg, list(views), str(run), formats, gguf_types)
+    check_views(cfg, list(views), str(run), formats, gguf_types, imatrix)
     check_targets(root, list(views), overwrite, "--overwrite", formats, gguf_types)
     # Held from before the model loads: a second export of these targets is refused at once, not after its load.
     with holding_targets(root, list(views), formats, gguf_types):
@@ -113,4 +114,5 @@ def export_run(
             seed=seed,
             formats=formats,
             gguf_types=gguf_types,
+            imatrix=imatrix,
         )

@@ -15,7 +15,8 @@ merged into those; operator views are refused with the reason, as `export --form
    The tool scores only the second half of each chunk (positions ⌊c/2⌋ … c-2 predicting the next token: the
    first half is context; it has no option to score every token, and `--ppl-stride` uses other windows), so
    transformers' figure is computed the same way on the same windows: exp(mean NLL of tokens c/2+1 … c-1 of
-   each window). Tolerances on that figure: 1% for F32 and F16, 3% for Q8_0. The run's own figure (every
+   each window), each window's first token replaced by BOS where the tokenizer adds one (Gemma), as the tool
+   does. Tolerances on that figure: 1% for F32 and F16, 3% for Q8_0. The run's own figure (every
    token but the first of each window) is reported beside it.
 4. Converter parity (`--parity`): llama.cpp's own `convert_hf_to_gguf.py` on the view's Hugging Face folder,
    as F32, against our F32 file: the same tensor names, shapes and values, and the metadata keys that differ.
@@ -142,10 +143,25 @@ def eval_text(cfg, tokenizer, source, tokens: int, folder: Path) -> Path:
     return path
 
 
+def llama_cpp_windows(windows: torch.Tensor, tokenizer) -> torch.Tensor:
+    """The windows as llama-perplexity runs them: with a tokenizer that adds BOS (Gemma, Llama), each chunk's first
+    token is replaced by BOS (`tools/perplexity/perplexity.cpp`); SmolLM2's adds none, and its windows are the
+    run's."""
+    from ghostdistill.export.gguf_vocab import adds
+
+    bos = tokenizer.bos_token_id
+    if not adds(tokenizer, bos)[0]:
+        return windows
+    windows = windows.clone()
+    windows[:, 0] = bos
+    return windows
+
+
 @torch.no_grad()
 def transformers_figures(model, windows: torch.Tensor, batch_size: int) -> dict:
     """exp(mean NLL) over every token but the first of each window (the run's protocol) and over the second
-    half (llama-perplexity's: positions c/2 … c-2 predicting the next token)."""
+    half (llama-perplexity's: positions c/2 … c-2 predicting the next token); `windows` as llama-perplexity runs
+    them (`llama_cpp_windows`)."""
     seq = windows.shape[1]
     first = seq // 2
     nll_all = nll_half = 0.0
@@ -270,7 +286,9 @@ def check_views(
                     ].tolist()
                     for p in prompts
                 ]
-                reference = transformers_figures(model, windows, cfg.data.batch_size)
+                reference = transformers_figures(
+                    model, llama_cpp_windows(windows, loaded.tokenizer), cfg.data.batch_size
+                )
             entry: dict = {
                 "transformers": {"tokens": expected, **reference},
                 "ppl_run": loaded.report["views"][view]["metrics"][source.label]["ppl"],

@@ -137,8 +137,10 @@ def test_format_and_type_names_are_checked():
     assert check_formats(["hf", "gguf"]) == ["hf", "gguf"]
     with pytest.raises(ValueError, match=r"\['onnx'\] is not one of \['hf', 'gguf'\]"):
         check_formats(["hf", "onnx"])
-    with pytest.raises(ValueError, match=r"\['Q4_0'\] is not one of \['F32', 'F16', 'Q8_0'\]"):
-        check_gguf_types(["Q4_0"])
+    # ghostdistill's own F32, F16, Q8_0, then llama-quantize's (export.quantize)
+    with pytest.raises(ValueError, match=r"\['Q4'\] is not one of \['F32', 'F16', 'Q8_0', 'Q4_0', .*'Q4_K_M'"):
+        check_gguf_types(["Q4"])
+    assert check_gguf_types(["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M"]) == ["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M"]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -161,7 +163,7 @@ def test_a_bad_format_or_type_is_one_line_naming_the_valid_ones(tmp_path):
     line = _one_error_line(_cli("export", str(tmp_path), "--views", "pruned", "--format", "hf", "onnx"))
     assert "['onnx']" in line and "['hf', 'gguf']" in line
     line = _one_error_line(_cli("export", str(tmp_path), "--views", "pruned", "--format", "gguf", "--gguf-types", "Q4"))
-    assert "['Q4']" in line and "['F32', 'F16', 'Q8_0']" in line
+    assert "['Q4']" in line and "['F32', 'F16', 'Q8_0', 'Q4_0'," in line and "'Q4_K_M'" in line
 
 
 def test_fit_writes_gguf_and_export_refuses_operator_views_before_loading(tiny_dir, text_files, tmp_path):

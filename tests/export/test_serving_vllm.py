@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import serving_run
+from conftest import GEMMA, serving_run, tiny_model
+from tiny_run import tiny_run_args
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("GHOSTDISTILL_VLLM_PYTHON", ROOT / ".venv-serve" / "bin" / "python"))
@@ -57,3 +58,56 @@ def test_vllm_serves_plain_folded_and_operator_exports_token_for_token(tmp_path)
             f"{view}: vLLM's perplexity {r['vllm']['ppl']} vs {r['transformers']['ppl']}"
         )
     shutil.rmtree(tmp_path / "served")  # 4 float32 folders; the llama.cpp check beside this one needs the disk
+
+
+@pytest.mark.slow
+@pytest.mark.serving
+def test_vllm_serves_gemma_3_operator_and_plain_exports_token_for_token(tmp_path, tiny_tokenizer, text_files):
+    """A tiny Gemma 3 (sliding window of 8 tokens, post-norms) fitted and distilled by `fit`: its ghost folder and
+    its ghost student's (operators + LoRA, merged) through vLLM's Transformers backend and the folder's modelling
+    file; its pruned folder and its magnitude student's (the scale folded into the post-norm gains, the norms
+    trained) through vLLM's own Gemma 3 model; each token for token as transformers."""
+    why = _has_vllm()
+    if why:
+        pytest.skip(why)
+    model_dir = tmp_path / "tiny_gemma"
+    tiny_model(GEMMA).save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    run = tmp_path / "run"
+    recovery = [{"name": "ghost"}, {"name": "magnitude", "method": "magnitude"}]
+    students = [
+        {"name": "ghost_lora_ft", "method": "ghost", "train": ["operators", "lora"]},
+        {"name": "magnitude_norms_ft", "method": "magnitude", "train": ["operators", "norms"]},
+    ]
+    distill = ["--trainer.max_steps", "3", "--model.distill.students", json.dumps(students)]
+    distill += ["--model.distill.lr", "1e-2", "--model.distill.lora.lr", "1e-2", "--model.distill.norm_lr", "1e-2"]
+    distill += ["--model.distill.keep", "last", "--model.evaluation.analysis", "false"]
+    fit = tiny_run_args(model_dir, text_files, run, *distill, recovery=recovery)
+    done = subprocess.run([sys.executable, "-m", "ghostdistill", *fit], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "serving.json"
+    check = [
+        sys.executable, str(ROOT / "scripts" / "check_serving.py"), str(run), "--views", "pruned", "ghost",
+        "ghost_lora_ft", "magnitude_norms_ft", "--dir", str(tmp_path / "served"), "--stacks", "transformers", "vllm",
+        "--vllm-python", str(VLLM_PYTHON), "--new", "12", "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(check, capture_output=True, text=True, cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    kinds = {view: r["kind"] for view, r in report["views"].items()}
+    assert kinds == {
+        "pruned": "plain",
+        "ghost": "operators",
+        "ghost_lora_ft": "operators",
+        "magnitude_norms_ft": "plain",
+    }
+    ppl = {
+        v: next(iter(r["metrics"].values()))["ppl"]
+        for v, r in json.loads((run / "results.json").read_text())["views"].items()
+    }
+    for student, closed_form in (("ghost_lora_ft", "ghost"), ("magnitude_norms_ft", "magnitude")):
+        assert ppl[student] != ppl[closed_form], f"{student} did not move off {closed_form}'s closed form"
+    for view, r in report["views"].items():
+        assert r["transformers"]["same_tokens_as_run"], f"{view}: the exported folder's tokens differ from the run's"
+        assert r["vllm"]["same_tokens"], f"{view}: vLLM's greedy tokens differ from transformers'"
+        assert r["vllm"]["within_tolerance"], (view, r["vllm"]["ppl"], r["transformers"]["ppl"])

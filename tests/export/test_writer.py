@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_FAMILIES, fit_all, tiny_model
+from conftest import GEMMA, TINY_FAMILIES, fit_all, tiny_model
 
 from ghostdistill.core.plan import PruningPlan
 from ghostdistill.export import export_view, load_exported
@@ -43,7 +43,7 @@ def _left_padded(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.masked_fill(mask == 0, 1), mask
 
 
-@pytest.fixture(scope="module", params=TINY_FAMILIES)
+@pytest.fixture(scope="module", params=(*TINY_FAMILIES, GEMMA))
 def fitted(request):
     torch.manual_seed(0)
     pm, _ = fit_all(tiny_model(request.param), PruningPlan.from_layers([2, 3], 6), METHODS)
