@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from tqdm.auto import tqdm
 
 from ..distill.config import DistillConfig
+from ..export.compressed import DEFAULT_SCHEMES
 from ..export.gguf import DEFAULT_GGUF_TYPES
 from ..pipeline.config import RunConfig
 from ..pipeline.export import check_targets, check_views
@@ -121,9 +122,11 @@ class Export(Callback):
         views: views to export (e.g. ``[ghost, ghost_ft]``); empty exports nothing.
         dir: parent folder of the exported views (one sub-folder per view); default ``<run>/export``.
         overwrite: replace existing folders and files.
-        format: what to write per view, one or more of ``hf`` (the folder ``<dir>/<view>``) and ``gguf``
-            (``<dir>/<view>.<type>.gguf`` for llama.cpp; plain views only).
+        format: what to write per view, one or more of ``hf`` (the folder ``<dir>/<view>``), ``gguf``
+            (``<dir>/<view>.<type>.gguf`` for llama.cpp; plain views only) and ``compressed-tensors``
+            (``<dir>/<view>.<scheme>`` for vLLM, quantized by llm-compressor in its own environment).
         gguf_types: the GGUF files' storage types, of ``F32``, ``F16``, ``Q8_0``.
+        schemes: the compressed-tensors schemes, of ``W8A8``, ``W4A16``, ``W4A16-AWQ``, ``W8A16``.
     """
 
     def __init__(
@@ -133,12 +136,14 @@ class Export(Callback):
         overwrite: bool = False,
         format: list[str] | None = None,
         gguf_types: list[str] | None = None,
+        schemes: list[str] | None = None,
     ) -> None:
         self.views = list(views or [])
         self.dir = dir
         self.overwrite = overwrite
         self.format = list(format) if format is not None else ["hf"]
         self.gguf_types = list(gguf_types) if gguf_types is not None else list(DEFAULT_GGUF_TYPES)
+        self.schemes = list(schemes) if schemes is not None else list(DEFAULT_SCHEMES)
 
     def root(self, trainer: Trainer) -> Path:
         return Path(self.dir) if self.dir else Path(trainer.default_root_dir) / "export"
@@ -157,9 +162,15 @@ class Export(Callback):
                 f"export.views {unbuilt} are fine-tuned views, which trainer.max_steps 0 does not build: set "
                 "trainer.max_steps, or export them later from the run folder of a run that distils"
             )
-        check_views(cfg, self.views, formats=self.format, gguf_types=self.gguf_types)
+        check_views(cfg, self.views, formats=self.format, gguf_types=self.gguf_types, schemes=self.schemes)
         check_targets(
-            self.root(trainer), self.views, self.overwrite, "export.overwrite: true", self.format, self.gguf_types
+            self.root(trainer),
+            self.views,
+            self.overwrite,
+            "export.overwrite: true",
+            self.format,
+            self.gguf_types,
+            self.schemes,
         )
 
     def setup(self, trainer: Trainer, pl_module: GhostDistill, stage: str) -> None:
@@ -175,6 +186,7 @@ class Export(Callback):
             seed=_seed(trainer),
             formats=self.format,
             gguf_types=self.gguf_types,
+            schemes=self.schemes,
         ):
             rank_zero_info(f"exported {path}")
 

@@ -5,7 +5,8 @@
 
 `formats` picks what is written per view: ``hf`` (the folder `<root>/<view>`, `export.writer`) and ``gguf``
 (`<root>/<view>.<type>.gguf` per type of `gguf_types`, `export.gguf`; plain views only, operator views are
-refused before anything is loaded or written).
+refused before anything is loaded or written) and ``compressed-tensors`` (`<root>/<view>.<scheme>` per scheme of
+`schemes`, `export.compressed`: quantized by llm-compressor in its own environment, for vLLM).
 
 From a run folder (`pipeline.reload`, which rebuilds it as a `pipeline.run.Run`) nothing the run cached is recomputed: the calibration statistics come from
 `calibration_state.pt` (only the closed-form solves run again, and the student passes of a sequential
@@ -24,9 +25,20 @@ from pathlib import Path
 
 from ..core.views import DENSE, PRUNED, PrunedModel
 from ..distill.config import Student
-from ..export import export_view
-from ..export.gguf import DEFAULT_GGUF_TYPES, check_formats, check_gguf_types, check_gguf_views, export_gguf, gguf_path
+from ..export import compressed, export_view
+from ..export.gguf import DEFAULT_GGUF_TYPES, check_gguf_types, check_gguf_views, export_gguf, gguf_path
+from ..export.gguf import FORMATS as GGUF_FORMATS
 from .config import RunConfig
+
+FORMATS = (*GGUF_FORMATS, compressed.FORMAT)
+
+
+def check_formats(formats: Sequence[str]) -> list[str]:
+    formats = list(formats)
+    bad = [f for f in formats if f not in FORMATS]
+    if bad or not formats:
+        raise ValueError(f"export format {bad or formats} is not one of {list(FORMATS)}")
+    return formats
 
 
 def provenance(report: dict, view: str, method: str | None, seed: int | None, student: Student | None = None) -> dict:
@@ -73,9 +85,12 @@ def check_views(
     where: str = "this run",
     formats: Sequence[str] = ("hf",),
     gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
+    schemes: Sequence[str] = compressed.DEFAULT_SCHEMES,
+    quantize_python: str | None = None,
 ) -> None:
-    """Everything an export can check before it loads or computes anything: the view names, the formats and
-    GGUF types, and that no view asked for as GGUF keeps operators."""
+    """Everything an export can check before it loads or computes anything: the view names, the formats,
+    GGUF types and quantization schemes, that no view asked for as GGUF keeps operators, and that
+    llm-compressor's environment is there."""
     formats = check_formats(formats)
     available = cfg.views()
     bad = [v for v in views if v not in available]
@@ -84,18 +99,28 @@ def check_views(
     if "gguf" in formats:
         check_gguf_types(gguf_types)
         check_gguf_views(views, cfg.method_of)
+    if compressed.FORMAT in formats:
+        compressed.check_schemes(schemes)
+        compressed.quantize_python(quantize_python)
 
 
 def export_targets(
-    root: Path, views: list[str], formats: Sequence[str] = ("hf",), gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES
+    root: Path,
+    views: list[str],
+    formats: Sequence[str] = ("hf",),
+    gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
+    schemes: Sequence[str] = compressed.DEFAULT_SCHEMES,
 ) -> list[Path]:
-    """The paths an export writes, in order: per view its folder (``hf``), then its GGUF files (``gguf``)."""
+    """The paths an export writes, in order: per view its folder (``hf``), its GGUF files (``gguf``), then its
+    quantized folders (``compressed-tensors``)."""
     out: list[Path] = []
     for view in views:
         if "hf" in formats:
             out.append(root / view)
         if "gguf" in formats:
             out += [gguf_path(root, view, t) for t in gguf_types]
+        if compressed.FORMAT in formats:
+            out += compressed.targets(root, [view], schemes)
     return out
 
 
@@ -106,12 +131,13 @@ def check_targets(
     flag: str = "--overwrite",
     formats: Sequence[str] = ("hf",),
     gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
+    schemes: Sequence[str] = compressed.DEFAULT_SCHEMES,
 ) -> None:
     """The folders and files `views` would be written to (`export_targets`), checked before any work: none
     exists unless `overwrite`, and `root` is (or can be made) a writable folder. `flag` names how the user
     asks to overwrite."""
     root = Path(root)
-    existing = [str(p) for p in export_targets(root, views, formats, gguf_types) if p.exists()]
+    existing = [str(p) for p in export_targets(root, views, formats, gguf_types, schemes) if p.exists()]
     if existing and not overwrite:
         raise FileExistsError(f"export targets {existing} exist; pass {flag} to replace them, or choose another dir")
     probe = root
@@ -137,15 +163,19 @@ def export_views(
     seed: int | None = None,
     formats: Sequence[str] = ("hf",),
     gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
+    schemes: Sequence[str] = compressed.DEFAULT_SCHEMES,
+    quantize_python: str | None = None,
+    calibration_ids=None,
 ) -> list[Path]:
-    """Write each of `views` of an in-memory run in `formats` under `root`; `report` is the run's results.
+    """Write each of `views` of an in-memory run in `formats` under `root`; `report` is the run's results;
+    `calibration_ids` (a callable giving the run's calibration windows) for ``compressed-tensors``.
     Returns `export_targets`' paths."""
-    check_views(cfg, views, formats=formats, gguf_types=gguf_types)
+    check_views(cfg, views, formats=formats, gguf_types=gguf_types, schemes=schemes, quantize_python=quantize_python)
     specs = {s.name: s for s in cfg.distill.specs()}
     missing = [v for v in views if v not in pruned.views]
     if missing:
         raise ValueError(f"cannot export {missing}: they were not built in this run (views: {pruned.views})")
-    existing = [str(p) for p in export_targets(root, views, formats, gguf_types) if p.exists()]
+    existing = [str(p) for p in export_targets(root, views, formats, gguf_types, schemes) if p.exists()]
     if existing and not overwrite:
         raise FileExistsError(f"export targets {existing} exist; pass overwrite (--overwrite / export.overwrite: true)")
     paths: list[Path] = []
@@ -167,6 +197,19 @@ def export_views(
                 tokenizer=tokenizer,
                 info=info,
                 types=gguf_types,
+                overwrite=overwrite,
+            )
+        if compressed.FORMAT in formats:
+            paths += compressed.export_compressed(
+                pruned,
+                view,
+                root,
+                method=method,
+                tokenizer=tokenizer,
+                info=info,
+                calibration_ids=calibration_ids(),
+                schemes=schemes,
+                python=quantize_python,
                 overwrite=overwrite,
             )
     return paths

@@ -331,5 +331,6 @@ class Run:
         """`views` as Hugging Face folders and GGUF files under `root` (`pipeline.export.export_views`);
         `report`: the results the exports record (default this run's)."""
         report = report if report is not None else self.report.to_dict()
+        kwargs.setdefault("calibration_ids", self.data.calibration_ids)  # what compressed-tensors calibrates on
         with self.phase("export"):
             return export_views(self.pruned, self.tokenizer, report, self.cfg, views, root, **kwargs)
