@@ -201,13 +201,19 @@ def main() -> None:
             ),
         )
     )
-    if args.schemes:
-        # The float folders exist already: only the quantized ones are written (each from its own float copy).
-        export_views(
-            loaded.pruned, loaded.tokenizer, loaded.report, cfg, views, Path(args.dir), overwrite=True, seed=seed,
-            formats=["compressed-tensors"], schemes=args.schemes, quantize_python=args.quantize_python,
-            calibration_ids=loaded.data.calibration_ids,
-        )  # fmt: skip
+    not_quantized: dict[str, str] = {}
+    for view in views if args.schemes else []:
+        for scheme in args.schemes:
+            # One folder at a time, so that a scheme llm-compressor cannot apply to a view is reported, not fatal.
+            try:
+                export_views(
+                    loaded.pruned, loaded.tokenizer, loaded.report, cfg, [view], Path(args.dir), overwrite=True,
+                    seed=seed, formats=["compressed-tensors"], schemes=[scheme], quantize_python=args.quantize_python,
+                    calibration_ids=loaded.data.calibration_ids,
+                )  # fmt: skip
+            except RuntimeError as error:
+                not_quantized[f"{view}.{scheme}"] = str(error)
+                print(f"not quantized: {error}", flush=True)
     source = cfg.data.evaluation.sources[0]
     windows = loaded.data.eval_ids(source)
     prompts = [loaded.tokenizer(p).input_ids for p in PROMPTS]
@@ -250,7 +256,10 @@ def main() -> None:
             )
         if "vllm" in args.stacks:
             quantized = {
-                f"{v}.{s}": str(compressed_path(args.dir, v, s).resolve()) for v in folders for s in args.schemes
+                f"{v}.{s}": str(compressed_path(args.dir, v, s).resolve())
+                for v in folders
+                for s in args.schemes
+                if f"{v}.{s}" not in not_quantized
             }
             request = {
                 "views": {v: str(Path(f).resolve()) for v, f in folders.items()} | quantized,
@@ -294,6 +303,9 @@ def main() -> None:
                         "load_s": entry["load_s"],
                     }
                 )
+            for name, error in not_quantized.items():
+                view, scheme = name.split(".", 1)
+                report["views"][view][f"vllm {scheme}"] = {"error": f"llm-compressor: {error}"}
             for view, entry in served["views"].items():
                 if view in quantized:
                     continue

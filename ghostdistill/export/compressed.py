@@ -110,7 +110,7 @@ def quantize_python(given: str | os.PathLike | None = None) -> Path:
 
 
 def quantize_folder(
-    python: Path, folder: Path, ids: Path, scheme: str, out: Path, failed_log: Path, group_size: int = 128, log=print
+    python: Path, folder: Path, ids: Path, scheme: str, out: Path, failed_log: Path, group_size: int = 0, log=print
 ) -> None:
     """`compressed_oneshot.py` under `python` on one folder. On failure its output goes to `failed_log` and the
     error's last line into the message."""
@@ -136,11 +136,12 @@ def export_compressed(
     calibration_ids: torch.Tensor,
     schemes: Sequence[str] = DEFAULT_SCHEMES,
     python: Path | None = None,
-    group_size: int = 128,
+    group_size: int = 0,
     overwrite: bool = False,
     log=print,
 ) -> list[Path]:
     """Write `view` quantized with each of `schemes` under `root`; returns the folders, in `schemes`' order.
+    `group_size` 0: 128 or the largest half of it that divides every linear's input width (`compressed_oneshot`).
     The view's float folder and the calibration ids are written once to a temporary folder beside the
     targets and removed at the end."""
     python = quantize_python(python)

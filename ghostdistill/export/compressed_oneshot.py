@@ -13,7 +13,9 @@ llm-compressor fits both (docs/export.md, "Quantized for vLLM").
   `modeling_ghostdistill.py`, loaded with `trust_remote_code`);
 - `calibration_ids.pt`: a LongTensor [n, seq_len], the run's calibration windows (the tokens the repair was
   fitted on), given to `oneshot` as a tokenized dataset (no text, no tokenizer decides anything), in order;
-- `scheme`: a key of `RECIPES`; `group size`: the weight group of the W4A16 schemes (default 128);
+- `scheme`: one of the recipes below; `group size`: the weight group of the grouped schemes (default: 128,
+  llm-compressor's preset, halved until it divides the input width of every quantized linear, because vLLM
+  reads ⌊width / group⌋ groups per row: SmolLM2's 576 gets 64);
 - `out`: the compressed-tensors folder (`save_compressed`), with the folder's tokenizer.
 
 Recipes, as llm-compressor's examples write them for vLLM:
@@ -63,7 +65,18 @@ def recipe(scheme: str, group_size: int):
     raise SystemExit(f"scheme {scheme!r} is not one of W8A8, W4A16, W4A16-AWQ, W8A16")
 
 
-def main(folder: str, ids_path: str, scheme: str, out: str, group_size: int = 128) -> None:
+def largest_group(model, start: int = 128) -> int:
+    """`start` halved until it divides the input width of every linear but the head (at least 8)."""
+    widths = {
+        m.in_features for name, m in model.named_modules() if type(m).__name__ == "Linear" and "lm_head" not in name
+    }
+    group = start
+    while group > 8 and any(w % group for w in widths):
+        group //= 2
+    return group
+
+
+def main(folder: str, ids_path: str, scheme: str, out: str, group_size: int = 0) -> None:
     import llmcompressor
     import torch
     from datasets import Dataset
@@ -76,6 +89,7 @@ def main(folder: str, ids_path: str, scheme: str, out: str, group_size: int = 12
     data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
     model = AutoModelForCausalLM.from_pretrained(source, dtype="auto", trust_remote_code=remote)
     tokenizer = AutoTokenizer.from_pretrained(source)
+    group_size = group_size or largest_group(model)
     oneshot(
         model=model,
         tokenizer=tokenizer,
@@ -90,7 +104,7 @@ def main(folder: str, ids_path: str, scheme: str, out: str, group_size: int = 12
     if remote and not (target / "modeling_ghostdistill.py").is_file():
         shutil.copyfile(source / "modeling_ghostdistill.py", target / "modeling_ghostdistill.py")
     versions = {"llmcompressor": llmcompressor.__version__, "transformers": __import__("transformers").__version__}
-    (target / "oneshot.json").write_text(json.dumps({"scheme": scheme, "group_size": group_size, **versions}) + "\n")
+    (target / "oneshot.json").write_text(json.dumps({"scheme": scheme, "group_size": None if scheme == "W8A8" else group_size, **versions}) + "\n")
 
 
 if __name__ == "__main__":

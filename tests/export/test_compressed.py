@@ -97,7 +97,7 @@ def test_views_quantize_and_read_back_near_the_float_view(fitted, view, tmp_path
     calibration = torch.cat([b["input_ids"] for b in random_batches(n=4, batch=4, seq=32)])
     paths = compressed.export_compressed(
         fitted, view, tmp_path, method=METHOD_OF[view], tokenizer=tiny_tokenizer, info={"seed": 0},
-        calibration_ids=calibration, schemes=["W8A8", "W4A16"], python=python, group_size=32, log=lambda _: None,
+        calibration_ids=calibration, schemes=["W8A8", "W4A16"], python=python, log=lambda _: None,
     )  # fmt: skip
     assert paths == [tmp_path / f"{view}.W8A8", tmp_path / f"{view}.W4A16"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths)  # no work folder left
