@@ -104,7 +104,9 @@ def main(folder: str, ids_path: str, scheme: str, out: str, group_size: int = 0)
     if remote and not (target / "modeling_ghostdistill.py").is_file():
         shutil.copyfile(source / "modeling_ghostdistill.py", target / "modeling_ghostdistill.py")
     versions = {"llmcompressor": llmcompressor.__version__, "transformers": __import__("transformers").__version__}
-    (target / "oneshot.json").write_text(json.dumps({"scheme": scheme, "group_size": None if scheme == "W8A8" else group_size, **versions}) + "\n")
+    (target / "oneshot.json").write_text(
+        json.dumps({"scheme": scheme, "group_size": None if scheme == "W8A8" else group_size, **versions}) + "\n"
+    )
 
 
 if __name__ == "__main__":
