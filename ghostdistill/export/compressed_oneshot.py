@@ -43,6 +43,7 @@ from pathlib import Path
 def recipe(scheme: str, group_size: int):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
     from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
 
@@ -59,7 +60,8 @@ def recipe(scheme: str, group_size: int):
     if scheme == "W4A16":
         return [GPTQModifier(config_groups=weights(4, True), ignore=ignore)]
     if scheme == "W4A16-AWQ":
-        return [AWQModifier(config_groups=weights(4, False), ignore=ignore)]
+        # 0.14's API: AWQ only rescales (a transform); the quantizing modifier after it rounds the weights.
+        return [AWQModifier(), QuantizationModifier(config_groups=weights(4, False), ignore=ignore)]
     if scheme == "W8A16":
         return [GPTQModifier(config_groups=weights(8, True), ignore=ignore)]
     raise SystemExit(f"scheme {scheme!r} is not one of W8A8, W4A16, W4A16-AWQ, W8A16")

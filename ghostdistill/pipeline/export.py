@@ -172,6 +172,8 @@ def export_views(
     Returns `export_targets`' paths."""
     check_views(cfg, views, formats=formats, gguf_types=gguf_types, schemes=schemes, quantize_python=quantize_python)
     specs = {s.name: s for s in cfg.distill.specs()}
+    if compressed.FORMAT in formats and calibration_ids is None:
+        raise ValueError(f"{compressed.FORMAT} calibrates on the run's windows: pass calibration_ids (Run.export does)")
     missing = [v for v in views if v not in pruned.views]
     if missing:
         raise ValueError(f"cannot export {missing}: they were not built in this run (views: {pruned.views})")
