@@ -77,8 +77,8 @@ def targets(root: str | os.PathLike, views: Iterable[str], schemes: Sequence[str
 
 
 def _imports_llmcompressor(python: Path) -> bool:
-    if Path(python).resolve() == Path(sys.executable).resolve():
-        return importlib.util.find_spec("llmcompressor") is not None
+    # Always asked in a process: a virtual environment's python is a link to the system's, so comparing resolved
+    # paths cannot tell two environments apart.
     probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('llmcompressor') is None)"
     return subprocess.run([str(python), "-c", probe], capture_output=True, check=False).returncode == 0
 
