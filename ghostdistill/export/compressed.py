@@ -100,7 +100,7 @@ def quantize_python(given: str | os.PathLike | None = None) -> Path:
         Path(__file__).resolve().parents[2] / ".venv-quantize/bin/python",
     ):
         if python.is_file() and _imports_llmcompressor(python):
-            return python
+            return python.absolute()
     if importlib.util.find_spec("llmcompressor") is not None:
         return Path(sys.executable)
     raise FileNotFoundError(
