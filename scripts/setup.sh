@@ -3,8 +3,7 @@
 #   --dev       adds the test tools (pytest, hypothesis, ruff)
 #   --serve     makes .venv-serve instead: ghostdistill (test tools included) and vLLM in one environment, for
 #               serving exported checkpoints and for the serving checks (scripts/check_serving.py); builds
-#               llama.cpp's tools into .serve/llama.cpp (scripts/serving/llama_cpp.sh, gcc + cmake + ninja);
-#               and makes .venv-quantize (--quantize)
+#               llama.cpp's tools into .serve/llama.cpp (scripts/serving/llama_cpp.sh, gcc + cmake + ninja)
 #   --quantize  makes .venv-quantize instead: llm-compressor alone, which `export --format compressed-tensors`
 #               runs (ghostdistill/export/compressed_oneshot.py). Its own environment: every llm-compressor
 #               release pins a compressed-tensors and a transformers that vLLM 0.32 and ghostdistill do not accept
@@ -47,6 +46,4 @@ extras="zeroshot"
 if [ "$mode" = "--serve" ]; then
   # llama.cpp (from llama-cpp-python's sdist): llama-perplexity, llama-greedy-ids, ... for the GGUF checks.
   bash scripts/serving/llama_cpp.sh
-  # llm-compressor's environment, for the compressed-tensors exports vLLM serves (3 min, 1.5 GB here).
-  bash scripts/setup.sh --quantize
 fi
