@@ -27,8 +27,8 @@ Recipes, as llm-compressor's examples write them for vLLM:
   weights in groups;
 - ``W8A16``: GPTQ, int8 weights in groups.
 
-The output head is left in the model's dtype (`ignore: lm_head`), as in every llm-compressor example: it is
-tied to the embedding in most small models. The gap operators of an operator folder are parameters, not
+The output head is left in the model's dtype (ignored by its full name, `lm_head` or `pruned.lm_head`), as in
+every llm-compressor example: it is tied to the embedding in most small models. The gap operators of an operator folder are parameters, not
 linears, so they stay in float32 too.
 """
 
@@ -40,7 +40,7 @@ import sys
 from pathlib import Path
 
 
-def recipe(scheme: str, group_size: int):
+def recipe(scheme: str, group_size: int, ignore: list[str]):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
@@ -51,7 +51,6 @@ def recipe(scheme: str, group_size: int):
         args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy="group", group_size=group_size)
         return {"group_0": QuantizationScheme(targets=["Linear"], weights=args)}
 
-    ignore = ["lm_head"]
     if scheme == "W8A8":
         return [
             SmoothQuantModifier(smoothing_strength=0.8),
@@ -65,6 +64,12 @@ def recipe(scheme: str, group_size: int):
     if scheme == "W8A16":
         return [GPTQModifier(config_groups=weights(8, True), ignore=ignore)]
     raise SystemExit(f"scheme {scheme!r} is not one of W8A8, W4A16, W4A16-AWQ, W8A16")
+
+
+def heads(model) -> list[str]:
+    """The output head's full name: compressed-tensors matches `ignore` names exactly, and an operator folder
+    holds the family's causal LM under ``pruned.`` (``pruned.lm_head``)."""
+    return [name for name, _ in model.named_modules() if name.split(".")[-1] == "lm_head"]
 
 
 def largest_group(model, start: int = 128) -> int:
@@ -95,8 +100,9 @@ def main(folder: str, ids_path: str, scheme: str, out: str, group_size: int = 0)
     oneshot(
         model=model,
         tokenizer=tokenizer,
+        trust_remote_code_model=remote,  # oneshot re-reads the folder's config itself
         dataset=data,
-        recipe=recipe(scheme, group_size),
+        recipe=recipe(scheme, group_size, heads(model)),
         num_calibration_samples=ids.shape[0],
         max_seq_length=ids.shape[1],
         shuffle_calibration_samples=False,
