@@ -10,7 +10,10 @@
    (`--vllm-python`, default `.venv-serve/bin/python`, which `bash scripts/setup.sh --serve` makes): the
    same prompts (as token ids) and windows (perplexity from prompt log-probabilities, within 0.5% of
    transformers'); with `--throughput`, prefill and decode tokens per second of ghost beside pruned, in
-   interleaved repeats.
+   interleaved repeats. With `--schemes W8A8 W4A16`, each view is also quantized by llm-compressor
+   (`export --format compressed-tensors`, in `.venv-quantize`, calibrated on the run's calibration windows) and
+   served in vLLM beside its float folder: perplexity on the same windows beside the float view's in vLLM, and
+   greedy tokens against the float view's (how many of the prompts identical, and where the first parts).
 4. llama.cpp (`--stacks llama.cpp`): `scripts/serving/check_llama_cpp.py` with the tools that
    `bash scripts/serving/llama_cpp.sh` builds into `.serve/llama.cpp` (`--llama-cpp`): each plain view as GGUF
    F32 / F16 / Q8_0 files in `--dir`, greedy tokens (as token ids) against transformers', and
@@ -39,6 +42,7 @@ from pathlib import Path
 import torch
 
 from ghostdistill.cli import load_run_config
+from ghostdistill.export.compressed import SCHEMES, compressed_path
 from ghostdistill.pipeline.export import export_views
 from ghostdistill.pipeline.reload import load_run
 
@@ -102,11 +106,26 @@ def columns(stacks: list[str], gguf_types) -> list[str]:
     return out
 
 
+def parted(tokens: list[list[int]], reference: list[list[int]]) -> list[int | None]:
+    """Per prompt, the first position where `tokens` part from `reference` (None: identical)."""
+    return [next((i for i, (a, b) in enumerate(zip(t, r)) if a != b), None) for t, r in zip(tokens, reference)]
+
+
+def quantized_cell(s: dict) -> str:
+    """A quantized folder in vLLM: greedy tokens identical to the float view's in vLLM (how many prompts; the
+    first parting position of the others) and the perplexity with its difference from the float view's."""
+    same = sum(p is None for p in s["parted"])
+    where = ",".join(f"@{p}" for p in s["parted"] if p is not None)
+    tokens = "✔" if same == len(s["parted"]) else f"✗ {same}/{len(s['parted'])} ({where})"
+    return f"{tokens} {s['ppl']:.2f} ({100 * s['rel_diff']:+.2f}%)"
+
+
 def table(report: dict, stacks: list[str], gguf_types: tuple[str, ...] = check_llama_cpp.TYPES) -> str:
     """One row per view, one column per stack: ✔/✗ (greedy tokens identical to transformers') and the
     perplexity measured there, with its difference from transformers' on the same tokens (llama.cpp: the
     second half of each window, beside transformers' figure over those tokens)."""
-    head = ["view", "kind", "transformers"] + columns(stacks, gguf_types)
+    schemes = report.get("schemes") or []
+    head = ["view", "kind", "transformers"] + columns(stacks, gguf_types) + [f"vllm {s}" for s in schemes]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for view, r in report["views"].items():
         t = r["transformers"]
@@ -119,6 +138,10 @@ def table(report: dict, stacks: list[str], gguf_types: tuple[str, ...] = check_l
             s = r.get(stack)
             if s is None:
                 cells.append("–")
+            elif "error" in s:
+                cells.append(f"not served: {s['error']}")
+            elif "parted" in s:
+                cells.append(quantized_cell(s))
             elif "refused" in s:
                 cells.append("refused: operators" if stack.startswith("llama.cpp") else f"refused: {s['refused']}")
             elif "reference" in s:
@@ -149,6 +172,10 @@ def main() -> None:
     parser.add_argument("--throughput", action="store_true", help="vLLM prefill / decode of ghost beside pruned")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved throughput repeats")
     parser.add_argument(
+        "--schemes", nargs="*", default=[], choices=SCHEMES, help="also serve each view quantized (compressed-tensors)"
+    )
+    parser.add_argument("--quantize-python", default=None, help="llm-compressor's Python (default .venv-quantize)")
+    parser.add_argument(
         "--llama-cpp", default=str(check_llama_cpp.LLAMA_CPP), help="scripts/serving/llama_cpp.sh's build"
     )
     parser.add_argument("--gguf-types", nargs="+", default=list(check_llama_cpp.TYPES), choices=check_llama_cpp.TYPES)
@@ -174,10 +201,30 @@ def main() -> None:
             ),
         )
     )
+    not_quantized: dict[str, str] = {}
+    for view in views if args.schemes else []:
+        for scheme in args.schemes:
+            # One folder at a time, so that a scheme llm-compressor cannot apply to a view is reported, not fatal.
+            try:
+                export_views(
+                    loaded.pruned, loaded.tokenizer, loaded.report, cfg, [view], Path(args.dir), overwrite=True,
+                    seed=seed, formats=["compressed-tensors"], schemes=[scheme], quantize_python=args.quantize_python,
+                    calibration_ids=loaded.data.calibration_ids,
+                )  # fmt: skip
+            except RuntimeError as error:
+                not_quantized[f"{view}.{scheme}"] = str(error)
+                print(f"not quantized: {error}", flush=True)
     source = cfg.data.evaluation.sources[0]
     windows = loaded.data.eval_ids(source)
     prompts = [loaded.tokenizer(p).input_ids for p in PROMPTS]
-    report: dict = {"run": str(run), "prompts": PROMPTS, "new": args.new, "source": source.label, "views": {}}
+    report: dict = {
+        "run": str(run),
+        "prompts": PROMPTS,
+        "new": args.new,
+        "source": source.label,
+        "schemes": args.schemes,
+        "views": {},
+    }
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         inputs = tmp / "inputs.pt"
@@ -208,8 +255,15 @@ def main() -> None:
                 flush=True,
             )
         if "vllm" in args.stacks:
+            quantized = {
+                f"{v}.{s}": str(compressed_path(args.dir, v, s).resolve())
+                for v in folders
+                for s in args.schemes
+                if f"{v}.{s}" not in not_quantized
+            }
             request = {
-                "views": {v: str(Path(f).resolve()) for v, f in folders.items()},
+                "views": {v: str(Path(f).resolve()) for v, f in folders.items()} | quantized,
+                "keep_going": list(quantized),
                 "prompts": prompts,
                 "new": args.new,
                 "windows": windows,
@@ -235,7 +289,26 @@ def main() -> None:
                     "decode": [16, 16, 128],
                 }
             served = run_vllm(args.vllm_python, request, tmp)
+            for name in quantized:
+                view, scheme = name.split(".", 1)
+                entry, float_entry = served["views"][name], served["views"][view]
+                report["views"][view][f"vllm {scheme}"] = (
+                    {"error": entry["error"]}
+                    if "error" in entry
+                    else {
+                        "tokens": entry["tokens"],
+                        "parted": parted(entry["tokens"], float_entry["tokens"]),
+                        "ppl": entry["ppl"],
+                        "rel_diff": (entry["ppl"] - float_entry["ppl"]) / float_entry["ppl"],
+                        "load_s": entry["load_s"],
+                    }
+                )
+            for name, error in not_quantized.items():
+                view, scheme = name.split(".", 1)
+                report["views"][view][f"vllm {scheme}"] = {"error": f"llm-compressor: {error}"}
             for view, entry in served["views"].items():
+                if view in quantized:
+                    continue
                 ref = report["views"][view]["transformers"]
                 report["views"][view]["vllm"] = {
                     "same_tokens": entry["tokens"] == ref["tokens"],

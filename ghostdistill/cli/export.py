@@ -36,15 +36,19 @@ def load_run_config(run: Path, trust_remote_code: bool = False):
 
 
 def run_export(argv: list[str]) -> list[Path]:
-    """`export <run folder> --views v ... [--dir D] [--overwrite] [--format hf gguf] [--gguf-types F32 F16 Q8_0
-    Q4_K_M ...] [--no-imatrix] [--trust-remote-code]`: write views of a finished run as Hugging Face folders
-    (``<dir>/<view>/``) and GGUF files for llama.cpp (``<dir>/<view>.<type>.gguf``, plain views only; k-quants
-    by llama.cpp's llama-quantize, with an importance matrix over the run's calibration windows unless
-    --no-imatrix) with `pipeline.reload.export_run`, without a Trainer. A run folder's
-    config runs none of its author's code unless you pass --trust-remote-code. SIGTERM and SIGINT stop it
-    with one line and leave no folder behind (each view is written in a temporary folder and renamed)."""
-    from ..export.gguf import DEFAULT_GGUF_TYPES, FORMATS, GGUF_TYPES, check_formats, check_gguf_types
+    """`export <run folder> --views v ... [--dir D] [--overwrite] [--format hf gguf compressed-tensors]
+    [--gguf-types F32 F16 Q8_0 Q4_K_M ...] [--no-imatrix] [--schemes W8A8 W4A16] [--quantize-python P]
+    [--trust-remote-code]`: write views of a finished run as Hugging Face folders (``<dir>/<view>/``), GGUF files
+    for llama.cpp (``<dir>/<view>.<type>.gguf``, plain views only; k-quants by llama.cpp's llama-quantize, with
+    an importance matrix over the run's calibration windows unless --no-imatrix) and quantized folders for vLLM
+    (``<dir>/<view>.<scheme>/``, llm-compressor in its own environment) with `pipeline.reload.export_run`,
+    without a Trainer. A run folder's config runs none of its author's code unless you pass
+    --trust-remote-code. SIGTERM and SIGINT stop it with one line and leave no folder behind (each view is
+    written in a temporary folder and renamed)."""
+    from ..export.compressed import DEFAULT_SCHEMES, FORMAT, SCHEMES, SETUP, check_schemes, quantize_python
+    from ..export.gguf import DEFAULT_GGUF_TYPES, GGUF_TYPES, check_gguf_types
     from ..export.quantize import QUANTIZE_TYPES, check_quantize
+    from ..pipeline.export import FORMATS, check_formats
     from ..pipeline.reload import export_run
     from ..pipeline.trust import FLAG
 
@@ -55,7 +59,10 @@ def run_export(argv: list[str]) -> list[Path]:
     parser.add_argument("--overwrite", action="store_true", help="replace existing folders and files")
     formats, types = ", ".join(FORMATS), " ".join(DEFAULT_GGUF_TYPES)
     parser.add_argument(
-        "--format", nargs="+", default=["hf"], help=f"of {formats} (default hf); gguf: plain views only"
+        "--format",
+        nargs="+",
+        default=["hf"],
+        help=f"of {formats} (default hf); gguf: plain views only; compressed-tensors: quantized for vLLM",
     )
     parser.add_argument(
         "--gguf-types",
@@ -72,6 +79,17 @@ def run_export(argv: list[str]) -> list[Path]:
         "round-to-nearest)",
     )
     parser.add_argument(
+        "--schemes",
+        nargs="+",
+        default=list(DEFAULT_SCHEMES),
+        help=f"compressed-tensors schemes, of {' '.join(SCHEMES)} (default {' '.join(DEFAULT_SCHEMES)})",
+    )
+    parser.add_argument(
+        "--quantize-python",
+        default=None,
+        help=f"the Python of the environment with llm-compressor (default .venv-quantize/bin/python: `{SETUP}`)",
+    )
+    parser.add_argument(
         FLAG,
         action="store_true",
         help="honour the run config's model.model.trust_remote_code: true (runs the Python files its model "
@@ -82,6 +100,9 @@ def run_export(argv: list[str]) -> list[Path]:
     check_gguf_types(args.gguf_types)
     if "gguf" in args.format:
         check_quantize(args.gguf_types, args.imatrix)
+    check_schemes(args.schemes)
+    if FORMAT in args.format:
+        quantize_python(args.quantize_python)  # llm-compressor's environment, before the run is read
     run = Path(args.run)
     if not run.is_dir():
         raise FileNotFoundError(f"run folder {run} does not exist (the trainer.default_root_dir of a finished fit)")
@@ -98,6 +119,8 @@ def run_export(argv: list[str]) -> list[Path]:
             formats=args.format,
             gguf_types=args.gguf_types,
             imatrix=args.imatrix,
+            schemes=args.schemes,
+            quantize_python=args.quantize_python,
         )
     for path in paths:
         print(f"exported {path}")

@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from tqdm.auto import tqdm
 
 from ..distill.config import DistillConfig
+from ..export.compressed import DEFAULT_SCHEMES
 from ..export.gguf import DEFAULT_GGUF_TYPES
 from ..pipeline.calibrate import OFFLOAD_ONE_DEVICE
 from ..pipeline.config import RunConfig
@@ -129,11 +130,13 @@ class Export(Callback):
         views: views to export (e.g. ``[ghost, ghost_ft]``); empty exports nothing.
         dir: parent folder of the exported views (one sub-folder per view); default ``<run>/export``.
         overwrite: replace existing folders and files.
-        format: what to write per view, one or more of ``hf`` (the folder ``<dir>/<view>``) and ``gguf``
-            (``<dir>/<view>.<type>.gguf`` for llama.cpp; plain views only).
+        format: what to write per view, one or more of ``hf`` (the folder ``<dir>/<view>``), ``gguf``
+            (``<dir>/<view>.<type>.gguf`` for llama.cpp; plain views only) and ``compressed-tensors``
+            (``<dir>/<view>.<scheme>`` for vLLM, quantized by llm-compressor in its own environment).
         gguf_types: the GGUF files' types: ``F32``, ``F16``, ``Q8_0`` (written by ghostdistill) and llama.cpp's
             llama-quantize types (``Q6_K``, ``Q5_K_M``, ``Q4_K_M``, …; `export.quantize`).
         imatrix: k-quants with an importance matrix over the run's calibration windows (false: without).
+        schemes: the compressed-tensors schemes, of ``W8A8``, ``W4A16``, ``W4A16-AWQ``, ``W8A16``.
     """
 
     def __init__(
@@ -144,6 +147,7 @@ class Export(Callback):
         format: list[str] | None = None,
         gguf_types: list[str] | None = None,
         imatrix: bool = True,
+        schemes: list[str] | None = None,
     ) -> None:
         self.views = list(views or [])
         self.dir = dir
@@ -151,6 +155,7 @@ class Export(Callback):
         self.format = list(format) if format is not None else ["hf"]
         self.gguf_types = list(gguf_types) if gguf_types is not None else list(DEFAULT_GGUF_TYPES)
         self.imatrix = imatrix
+        self.schemes = list(schemes) if schemes is not None else list(DEFAULT_SCHEMES)
 
     def root(self, trainer: Trainer) -> Path:
         return Path(self.dir) if self.dir else Path(trainer.default_root_dir) / "export"
@@ -169,9 +174,17 @@ class Export(Callback):
                 f"export.views {unbuilt} are fine-tuned views, which trainer.max_steps 0 does not build: set "
                 "trainer.max_steps, or export them later from the run folder of a run that distils"
             )
-        check_views(cfg, self.views, formats=self.format, gguf_types=self.gguf_types, imatrix=self.imatrix)
+        check_views(
+            cfg, self.views, formats=self.format, gguf_types=self.gguf_types, imatrix=self.imatrix, schemes=self.schemes
+        )
         check_targets(
-            self.root(trainer), self.views, self.overwrite, "export.overwrite: true", self.format, self.gguf_types
+            self.root(trainer),
+            self.views,
+            self.overwrite,
+            "export.overwrite: true",
+            self.format,
+            self.gguf_types,
+            self.schemes,
         )
 
     def setup(self, trainer: Trainer, pl_module: GhostDistill, stage: str) -> None:
@@ -189,6 +202,7 @@ class Export(Callback):
             formats=self.format,
             gguf_types=self.gguf_types,
             imatrix=self.imatrix,
+            schemes=self.schemes,
         ):
             rank_zero_info(f"exported {path}")
 

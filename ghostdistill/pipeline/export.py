@@ -5,9 +5,10 @@
 
 `formats` picks what is written per view: ``hf`` (the folder `<root>/<view>`, `export.writer`) and ``gguf``
 (`<root>/<view>.<type>.gguf` per type of `gguf_types`, `export.gguf`; plain views only, operator views are
-refused before anything is loaded or written). A llama-quantize type (`export.quantize`) takes an importance
-matrix over the run's calibration windows (`imatrix`, on by default); the tools it needs are checked before
-anything loads.
+refused before anything is loaded or written) and ``compressed-tensors`` (`<root>/<view>.<scheme>` per scheme of
+`schemes`, `export.compressed`: quantized by llm-compressor in its own environment, for vLLM). A llama-quantize
+type (`export.quantize`) takes an importance matrix over the run's calibration windows (`imatrix`, on by
+default); the tools it needs are checked before anything loads.
 
 From a run folder (`pipeline.reload`, which rebuilds it as a `pipeline.run.Run`) nothing the run cached is recomputed: the calibration statistics come from
 `calibration_state.pt` (only the closed-form solves run again, and the student passes of a sequential
@@ -33,11 +34,22 @@ from ..core.lock import hold, lock_path
 from ..core.model import resolve_source
 from ..core.views import DENSE, PRUNED, PrunedModel
 from ..distill.config import Student
-from ..export import export_view
-from ..export.gguf import DEFAULT_GGUF_TYPES, check_formats, check_gguf_types, check_gguf_views, export_gguf, gguf_path
+from ..export import compressed, export_view
+from ..export.gguf import DEFAULT_GGUF_TYPES, check_gguf_types, check_gguf_views, export_gguf, gguf_path
+from ..export.gguf import FORMATS as GGUF_FORMATS
 from ..export.quantize import check_quantize
 from ..export.writer import check_target
 from .config import RunConfig
+
+FORMATS = (*GGUF_FORMATS, compressed.FORMAT)
+
+
+def check_formats(formats: Sequence[str]) -> list[str]:
+    formats = list(formats)
+    bad = [f for f in formats if f not in FORMATS]
+    if bad or not formats:
+        raise ValueError(f"export format {bad or formats} is not one of {list(FORMATS)}")
+    return check_unique("export formats", formats)
 
 
 def provenance(report: dict, view: str, method: str | None, seed: int | None, student: Student | None = None) -> dict:
@@ -91,10 +103,12 @@ def check_views(
     formats: Sequence[str] = ("hf",),
     gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
     imatrix: bool = True,
+    schemes: Sequence[str] = compressed.DEFAULT_SCHEMES,
+    quantize_python: str | None = None,
 ) -> None:
-    """Everything an export can check before it loads or computes anything: the view names, the formats and
-    GGUF types, that no view asked for as GGUF keeps operators, and that llama.cpp's tools are there for a
-    k-quant."""
+    """Everything an export can check before it loads or computes anything: the view names, the formats,
+    GGUF types and quantization schemes, that no view asked for as GGUF keeps operators, that llama.cpp's
+    tools are there for a k-quant and llm-compressor's environment for a quantized folder."""
     formats = check_formats(formats)
     check_unique("export views", views)
     available = cfg.views()
@@ -105,18 +119,28 @@ def check_views(
         check_gguf_types(gguf_types)
         check_gguf_views(views, cfg.method_of)
         check_quantize(gguf_types, imatrix)
+    if compressed.FORMAT in formats:
+        compressed.check_schemes(schemes)
+        compressed.quantize_python(quantize_python)
 
 
 def export_targets(
-    root: Path, views: list[str], formats: Sequence[str] = ("hf",), gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES
+    root: Path,
+    views: list[str],
+    formats: Sequence[str] = ("hf",),
+    gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
+    schemes: Sequence[str] = compressed.DEFAULT_SCHEMES,
 ) -> list[Path]:
-    """The paths an export writes, in order: per view its folder (``hf``), then its GGUF files (``gguf``)."""
+    """The paths an export writes, in order: per view its folder (``hf``), its GGUF files (``gguf``), then its
+    quantized folders (``compressed-tensors``)."""
     out: list[Path] = []
     for view in views:
         if "hf" in formats:
             out.append(root / view)
         if "gguf" in formats:
             out += [gguf_path(root, view, t) for t in gguf_types]
+        if compressed.FORMAT in formats:
+            out += compressed.targets(root, [view], schemes)
     return out
 
 
@@ -127,12 +151,13 @@ def check_targets(
     flag: str = "--overwrite",
     formats: Sequence[str] = ("hf",),
     gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
+    schemes: Sequence[str] = compressed.DEFAULT_SCHEMES,
 ) -> None:
     """The folders and files `views` would be written to (`export_targets`), checked before any work: none
     exists unless `overwrite`, and `root` is (or can be made) a writable folder. `flag` names how the user
     asks to overwrite."""
     root = Path(root)
-    targets = export_targets(root, views, formats, gguf_types)
+    targets = export_targets(root, views, formats, gguf_types, schemes)
     existing = [str(p) for p in targets if os.path.lexists(p)]
     if existing and not overwrite:
         raise FileExistsError(f"export targets {existing} exist; pass {flag} to replace them, or choose another dir")
@@ -142,11 +167,17 @@ def check_targets(
 
 
 @contextmanager
-def holding_targets(root: Path, views: list[str], formats: Sequence[str], gguf_types: Sequence[str]) -> Iterator[None]:
+def holding_targets(
+    root: Path,
+    views: list[str],
+    formats: Sequence[str],
+    gguf_types: Sequence[str],
+    schemes: Sequence[str] = compressed.DEFAULT_SCHEMES,
+) -> Iterator[None]:
     """Hold the lock of every target an export writes (`core.lock`), from before the model loads until the
     last file is written: a second export of the same folders is refused at once, naming this one."""
     with ExitStack() as stack:
-        for path in export_targets(Path(root), views, formats, gguf_types):
+        for path in export_targets(Path(root), views, formats, gguf_types, schemes):
             stack.enter_context(hold(lock_path(path), f"export to {path}", "wait for that export to finish"))
         yield
 
@@ -166,19 +197,33 @@ def export_views(
     write: bool = True,
     imatrix: bool = True,
     calibration: Callable[[], torch.Tensor] | None = None,
+    schemes: Sequence[str] = compressed.DEFAULT_SCHEMES,
+    quantize_python: str | None = None,
 ) -> list[Path]:
     """Write each of `views` of an in-memory run in `formats` under `root`; `report` is the run's results;
-    `calibration` gives the run's calibration windows (for the importance matrix of a k-quant). Returns
-    `export_targets`' paths. `write` false: a rank of a sharded model other than rank 0, which joins every
-    gather and writes nothing (`export.parts`)."""
-    check_views(cfg, views, formats=formats, gguf_types=gguf_types, imatrix=imatrix)
+    `calibration` gives the run's calibration windows (the importance matrix of a k-quant, the calibration of
+    ``compressed-tensors``). Returns `export_targets`' paths. `write` false: a rank of a sharded model other
+    than rank 0, which joins every gather and writes nothing (`export.parts`)."""
+    check_views(
+        cfg,
+        views,
+        formats=formats,
+        gguf_types=gguf_types,
+        imatrix=imatrix,
+        schemes=schemes,
+        quantize_python=quantize_python,
+    )
     specs = {s.name: s for s in cfg.distill.specs()}
+    if compressed.FORMAT in formats and calibration is None:
+        raise ValueError(f"{compressed.FORMAT} calibrates on the run's windows: pass calibration (Run.export does)")
     missing = [v for v in views if v not in pruned.views]
     if missing:
         raise ValueError(f"cannot export {missing}: they were not built in this run (views: {pruned.views})")
     # Each writer holds its target's lock while it writes (`export.writer`, `export.gguf`).
     if write:
-        check_targets(root, views, overwrite, "overwrite (--overwrite / export.overwrite: true)", formats, gguf_types)
+        check_targets(
+            root, views, overwrite, "overwrite (--overwrite / export.overwrite: true)", formats, gguf_types, schemes
+        )
     paths: list[Path] = []
     for view in views:
         method = cfg.method_of(view)
@@ -210,5 +255,18 @@ def export_views(
                 imatrix=imatrix,
                 calibration=calibration,
                 vocab_source=source_gguf(cfg),
+            )
+        if compressed.FORMAT in formats:
+            paths += compressed.export_compressed(
+                pruned,
+                view,
+                root,
+                method=method,
+                tokenizer=tokenizer,
+                info=info,
+                calibration_ids=calibration(),
+                schemes=schemes,
+                python=quantize_python,
+                overwrite=overwrite,
             )
     return paths

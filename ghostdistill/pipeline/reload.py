@@ -14,6 +14,7 @@ import torch
 from ..core.io import read_mapping
 from ..core.views import PrunedModel
 from ..distill.students import Students
+from ..export.compressed import DEFAULT_SCHEMES
 from ..export.gguf import DEFAULT_GGUF_TYPES
 from .config import RunConfig
 from .data import RunData
@@ -95,16 +96,19 @@ def export_run(
     log: Callable[[str], None] = print,
     formats: Sequence[str] = ("hf",),
     gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
+    schemes: Sequence[str] = DEFAULT_SCHEMES,
+    quantize_python: str | None = None,
     observers=(),
     imatrix: bool = True,
 ) -> list[Path]:
     """Export views of the finished run in `run` (configured by `cfg`, its config.yaml) without a Trainer.
-    Bad view names, formats and targets, and missing llama.cpp tools, fail before the model loads."""
+    Bad view names, formats, schemes and targets, and missing llama.cpp tools or llm-compressor's environment,
+    fail before the model loads."""
     root = out or run / "export"
-    check_views(cfg, list(views), str(run), formats, gguf_types, imatrix)
-    check_targets(root, list(views), overwrite, "--overwrite", formats, gguf_types)
+    check_views(cfg, list(views), str(run), formats, gguf_types, imatrix, schemes, quantize_python)
+    check_targets(root, list(views), overwrite, "--overwrite", formats, gguf_types, schemes)
     # Held from before the model loads: a second export of these targets is refused at once, not after its load.
-    with holding_targets(root, list(views), formats, gguf_types):
+    with holding_targets(root, list(views), formats, gguf_types, schemes):
         loaded = load_run(run, cfg, views, log, observers)
         return loaded.run.export(
             views,
@@ -115,4 +119,6 @@ def export_run(
             formats=formats,
             gguf_types=gguf_types,
             imatrix=imatrix,
+            schemes=schemes,
+            quantize_python=quantize_python,
         )

@@ -368,6 +368,7 @@ class Run:
         `report`: the results the exports record (default this run's). A sharded model exports on every rank
         (each block is gathered from all of them); rank 0 writes."""
         report = report if report is not None else self.report.to_dict()
-        kwargs.setdefault("calibration", self.data.calibration_ids)  # a k-quant's importance matrix reads them
+        # The run's calibration windows: a k-quant's importance matrix and compressed-tensors calibrate on them.
+        kwargs.setdefault("calibration", self.data.calibration_ids)
         with self.phase("export"):
             return export_views(self.pruned, self.tokenizer, report, self.cfg, views, root, write=self.write, **kwargs)

@@ -7,11 +7,14 @@ ghostdistill and vLLM together; ghostdistill itself is not imported here). Reads
     {"views": {name: folder}, "prompts": [[token ids], ...], "new": tokens to generate,
      "windows": LongTensor [n, seq_len] (the run's evaluation windows), "dtype": "float32",
      "throughput": {"variants": {name: [view, model_impl]}, "repeats": 5, "prefill": [prompts, tokens],
-     "decode": [prompts, prompt tokens, new tokens]} or None, "eager": true}
+     "decode": [prompts, prompt tokens, new tokens]} or None, "eager": true,
+     "keep_going": [names of views whose failure to load is reported, not raised]}
 
 and writes JSON: per view the greedy continuation of every prompt (token ids), the perplexity over the windows
 (mean next-token NLL over every position but the last of each window, as `fit` evaluates), the load time;
-and, with `throughput`, tokens per second of each view in interleaved repeats (a, b, a, b, ...).
+and, with `throughput`, tokens per second of each view in interleaved repeats (a, b, a, b, ...). A view in
+`keep_going` (a quantized folder, whose scheme this build of vLLM may not serve) that fails gets its error's
+last line instead.
 
 Every prompt is passed as token ids (`TokensPrompt`), so no stack's tokenizer decides what the model sees.
 vLLM packs the sequences of a batch into one row; the exported operator decides the first position from the
@@ -121,11 +124,19 @@ def main(request_path: str, out_path: str) -> None:
     eager = bool(request.get("eager", True))
     result: dict = {"vllm": __import__("vllm").__version__, "eager": eager, "views": {}}
     dtype = request.get("dtype", "float32")
+    keep_going = set(request.get("keep_going") or [])
     for view, folder in request["views"].items():
-        llm, load_s = load(folder, dtype, max_len, eager)
-        entry = {"load_s": load_s, "tokens": greedy(llm, request["prompts"], request["new"])}
-        if windows:
-            entry.update(perplexity(llm, windows))
+        try:
+            llm, load_s = load(folder, dtype, max_len, eager)
+            entry = {"load_s": load_s, "tokens": greedy(llm, request["prompts"], request["new"])}
+            if windows:
+                entry.update(perplexity(llm, windows))
+        except Exception as error:  # noqa: BLE001  (reported per view: which schemes this build serves)
+            if view not in keep_going:
+                raise
+            result["views"][view] = {"error": f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}"}
+            print(f"vllm {view}: {result['views'][view]['error']}", flush=True)
+            continue
         result["views"][view] = entry
         print(f"vllm {view}: {json.dumps({k: v for k, v in entry.items() if k != 'tokens'})}", flush=True)
         del llm
