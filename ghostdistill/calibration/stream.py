@@ -3,6 +3,9 @@
 Nothing but fixed-size float64 accumulators is kept, so memory does not grow with the number of
 samples, and each forward pass stops at the last block whose input is needed.
 
+A batch's `statistics_mask` (chat calibration with ``chat.tokens: answers``, `data.chat`) narrows the tokens
+the statistics sum over (`GapTaps.mask`) to the ones it marks; the forward still sees every token.
+
 Every tap is checked to be finite before it reaches a sum: one inf or NaN (a float16 model overflowing,
 broken weights) would turn every operator into NaN silently, so the run stops at once naming the batch
 and the block whose input it was.
@@ -50,11 +53,12 @@ def accumulate(
             )
         for block, out in mlp.items():
             check_finite(out, mask, f"calibration batch {index}", f"the MLP output of block {block}", model)
+        counted = counted_tokens(batch, mask)
         for gap in gaps:
-            taps = GapTaps(streams[gap.start], streams[gap.stop], mask, first, mlp.get(gap.start - 1))
+            taps = GapTaps(streams[gap.start], streams[gap.stop], counted, first, mlp.get(gap.start - 1))
             for collector in stats[gap.key].values():
                 collector.update(taps)
-        tokens += int(mask.sum())
+        tokens += int(counted.sum())
     return tokens
 
 
@@ -95,11 +99,18 @@ def accumulate_students(
             check_finite(
                 student[student_point], mask, where, f"the residual stream entering block {gap.stop}", pruned.model
             )
-            taps = GapTaps(student[student_point], dense[gap.stop], mask, first, next(iter(mlp.values()), None))
+            counted = counted_tokens(batch, mask)
+            taps = GapTaps(student[student_point], dense[gap.stop], counted, first, next(iter(mlp.values()), None))
             for collector in view_collectors.values():
                 collector.update(taps)
             seconds[view] += time.perf_counter() - start
     return seconds
+
+
+def counted_tokens(batch: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """What the statistics sum over: the real tokens (`mask`), narrowed to `batch["statistics_mask"]` if any."""
+    narrow = batch.get("statistics_mask")
+    return mask if narrow is None else mask * narrow.to(mask.device, mask.dtype)
 
 
 def check_finite(x: torch.Tensor, mask: torch.Tensor, where: str, what: str, model: nn.Module) -> None:

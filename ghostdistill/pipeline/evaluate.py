@@ -19,8 +19,9 @@ from ..analysis import analyse
 from ..core.head import final_hidden, output_head, tokens_per_chunk
 from ..core.io import json_digest, tensor_digest
 from ..core.views import DENSE, PRUNED, PrunedModel, view_parameter_count
+from ..data import ChatWindows
 from ..data.windows import shared_ngrams
-from ..evaluation.metrics import TokenScores, next_token_targets, score_hidden
+from ..evaluation.metrics import TokenScores, leading_agreement, next_token_targets, score_hidden
 from ..evaluation.scores import ScoreStore, score_key
 from ..evaluation.tally import ViewTally
 from ..evaluation.zeroshot import average_scores, task_limits
@@ -38,21 +39,30 @@ def score_views(
     *,
     chunk: int | None = None,
     counted: torch.Tensor | None = None,
+    answers: torch.Tensor | None = None,
 ) -> dict[str, TokenScores]:
     """NLL of every view in `views`, and KL and top-1 against the dense view, on one batch (1-D over the
     real next-token positions). Each view's decoder runs once and yields final hidden states; logits
     exist only `chunk` tokens at a time (null: sized by the vocabulary, `core.head.tokens_per_chunk`),
-    so memory does not grow with batch × vocabulary. `counted` [batch]: rows to score (default all)."""
+    so memory does not grow with batch × vocabulary. `counted` [batch]: rows to score (default all).
+    `answers` [batch, seq]: the chat score (`pipeline.chat`): only the positions that predict an answer token
+    are scored, and each view's `prefix` per answer is given."""
     targets, valid = next_token_targets(ids, mask)
     if counted is not None:
         valid = valid & counted.bool()[:, None]
+    if answers is not None:
+        valid = valid & answers[:, 1:].bool()
     hidden, heads = {}, {}
     for view in [DENSE, *(v for v in views if v != DENSE)]:
         with pruned.use(view) as model:
             hidden[view] = final_hidden(model, ids, mask)[:, :-1]
             heads[view] = output_head(model)  # a student that trains the tail has its own head
     vocab = pruned.model.get_output_embeddings().weight.shape[0]
-    return score_hidden(hidden, heads, targets, valid, reference=DENSE, chunk=tokens_per_chunk(vocab, chunk))
+    scores = score_hidden(hidden, heads, targets, valid, reference=DENSE, chunk=tokens_per_chunk(vocab, chunk))
+    if answers is not None:
+        for s in scores.values():
+            s.prefix = None if s.top1 is None else leading_agreement(s.top1, valid)
+    return scores
 
 
 def views_to_evaluate(available: list[str], wanted: list[str]) -> list[str]:
@@ -90,23 +100,33 @@ def inference_parameters(pruned: PrunedModel, view: str, method: str | None = No
 def evaluate(
     pruned: PrunedModel,
     views: list[str],
-    windows: dict[str, torch.Tensor],
+    windows: dict[str, torch.Tensor | ChatWindows],
     batch_size: int,
     *,
     chunk: int | None = None,
     methods: dict[str, str | None] | None = None,
 ) -> dict[str, ViewResult]:
-    """Every view on every source's windows, in one process (the Lightning test loop does the same per batch);
-    `methods`: the method behind each view (`RunConfig.method_of`), for its parameter count."""
+    """Every view on every source's windows (a chat source's: `ChatWindows`), in one process (the Lightning
+    test loop does the same per batch); `methods`: the method behind each view (`RunConfig.method_of`), for its
+    parameter count."""
     device = next(pruned.model.parameters()).device
     tally = ViewTally(views, list(windows), reference=DENSE).to(device)
-    for si, ids in enumerate(windows.values()):
-        for part in ids.split(batch_size):
-            part = part.to(device)
-            scores = score_views(pruned, part, torch.ones_like(part), views, chunk=chunk)
+    for si, source in enumerate(windows.values()):
+        for batch in window_batches(source, batch_size):
+            batch = {k: v.to(device) for k, v in batch.items()}
+            ids, mask, answers = batch["input_ids"], batch["attention_mask"], batch.get("answers")
+            scores = score_views(pruned, ids, mask, views, chunk=chunk, answers=answers)
             for view in views:
                 tally.update(view, si, scores[view])
     return view_results(tally, pruned, methods)
+
+
+def window_batches(windows: torch.Tensor | ChatWindows, batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """A source's windows as batches: ids with a full attention mask, or a chat source's with its masks."""
+    if isinstance(windows, ChatWindows):
+        parts = [t.split(batch_size) for t in (windows.input_ids, windows.attention_mask, windows.answers)]
+        return [{"input_ids": i, "attention_mask": m, "answers": a} for i, m, a in zip(*parts)]
+    return [{"input_ids": b, "attention_mask": torch.ones_like(b)} for b in windows.split(batch_size)]
 
 
 @torch.no_grad()
