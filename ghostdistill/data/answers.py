@@ -1,13 +1,15 @@
 """The dense model's own answers to instructions: data-free chat calibration, and the chat score's references.
 
 Both render each instruction with the tokenizer's chat template and its generation prompt (`data.chat`) and
-let the dense model answer, `batch_size` prompts at a time (left-padded: each answer continues its own
-prompt), until its end-of-turn token or `max_new_tokens`. An answer keeps the end-of-turn token it wrote.
+let the dense model answer, `ANSWER_BATCH` prompts at a time (left-padded: each answer continues its own
+prompt), until its end-of-turn token or `max_new_tokens`. An answer keeps the end-of-turn token it wrote. The
+batch is fixed, not the run's `data.batch_size`: padding and the sampler's draws depend on how prompts are
+batched, and the answers (so the calibration text and the chat score) must not depend on the run's batch size.
 
-- Calibration (`generated_chat_windows`): instructions in a seeded order, answered by seeded sampling
-  (greedy at temperature 0); prompt and answer are one conversation, its answer tokens marked, and the
-  conversations are packed into windows (`data.chat.pack`). More windows than instructions fill take another
-  seeded order of them (sampling only: greedy answers would repeat).
+- Calibration (`generated_chat_windows`): instructions in a seeded order, answered greedily (by default) or
+  by seeded sampling at `chat.temperature`; prompt and answer are one conversation, its answer tokens marked,
+  and the conversations are packed into windows (`data.chat.pack`). More windows than the instructions fill
+  take another seeded order of them when sampling (greedy answers would repeat: an error says so).
 - The chat score (`score_windows`): every held-out instruction answered greedily; the sequences prompt +
   answer are right-padded, with the answer tokens marked. The answer is cut before the first token at which
   the dense model's own teacher-forced argmax (one forward over the whole sequence, what the score runs)
@@ -27,6 +29,9 @@ from torch import nn
 
 from ..core.head import final_hidden, output_head
 from .chat import check_chat_template, conversations, encode_prompt, pack
+
+#: Prompts answered together (see the module docstring).
+ANSWER_BATCH = 16
 
 
 @dataclass
@@ -87,16 +92,16 @@ def _pad_id(tokenizer, stop: list[int]) -> int:
 
 
 def generated_chat_windows(
-    model: nn.Module, tokenizer, src, seq_len: int, num_samples: int, seed: int, batch_size: int, progress: bool = True
+    model: nn.Module, tokenizer, src, seq_len: int, num_samples: int, seed: int, progress: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Data-free chat calibration: windows of instructions and the dense model's answers, and their answer
-    mask; deterministic for `seed` (and `batch_size`, which decides how the sampling draws)."""
+    mask; deterministic for `seed`."""
     from tqdm.auto import tqdm
 
     check_chat_template(tokenizer, src.label)
     chat = src.chat
     prompts = [encode_prompt(tokenizer, m) for m in conversations(src, for_eval=False)]
-    temperature = 1.0 if chat.temperature is None else chat.temperature
+    temperature = 0.0 if chat.temperature is None else chat.temperature
     stop, rng = stop_tokens(model, tokenizer), random.Random(seed)
     pad = _pad_id(tokenizer, stop)
     device = next(model.parameters()).device
@@ -109,8 +114,8 @@ def generated_chat_windows(
                 return  # greedy answers of the same instructions would repeat: `pack` says how many windows there are
             order = list(range(len(prompts)))
             rng.shuffle(order)
-            for lo in range(0, len(order), batch_size):
-                batch = [prompts[i] for i in order[lo : lo + batch_size]]
+            for lo in range(0, len(order), ANSWER_BATCH):
+                batch = [prompts[i] for i in order[lo : lo + ANSWER_BATCH]]
                 answers = answer(model, batch, chat.answer_tokens("calibration"), stop, pad, temperature)
                 bar.update(len(batch))
                 for p, a in zip(batch, answers):
@@ -119,13 +124,14 @@ def generated_chat_windows(
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        ids, answers = pack(items(), seq_len, num_samples, src.label)
+        more = "" if temperature else " (or chat.temperature > 0: sampled answers, several per instruction)"
+        ids, answers = pack(items(), seq_len, num_samples, src.label, more)
     bar.close()
     return ids, answers
 
 
 @torch.no_grad()
-def score_windows(model: nn.Module, tokenizer, src, batch_size: int, progress: bool = True) -> ChatWindows:
+def score_windows(model: nn.Module, tokenizer, src, progress: bool = True) -> ChatWindows:
     """The chat score's sequences: each held-out instruction and the dense model's greedy answer (module
     docstring), right-padded, with the answer tokens marked."""
     from tqdm.auto import tqdm
@@ -135,19 +141,18 @@ def score_windows(model: nn.Module, tokenizer, src, batch_size: int, progress: b
     stop = stop_tokens(model, tokenizer)
     pad, n = _pad_id(tokenizer, stop), src.chat.answer_tokens("score")
     seqs: list[tuple[list[int], list[int]]] = []
-    for lo in tqdm(range(0, len(prompts), batch_size), desc="the dense model's answers", disable=not progress):
-        batch = prompts[lo : lo + batch_size]
+    for lo in tqdm(range(0, len(prompts), ANSWER_BATCH), desc="the dense model's answers", disable=not progress):
+        batch = prompts[lo : lo + ANSWER_BATCH]
         seqs += [(p, a) for p, a in zip(batch, answer(model, batch, n, stop, pad))]
     windows = _right_padded(seqs, pad)
     device, head = next(model.parameters()).device, output_head(model)
-    for lo in range(0, len(windows), batch_size):
-        ids = windows.input_ids[lo : lo + batch_size].to(device)
-        mask = windows.attention_mask[lo : lo + batch_size].to(device)
-        hidden = final_hidden(model, ids, mask)[:, :-1]
-        scored = windows.answers[lo : lo + batch_size, 1:].bool()
+    for lo in range(0, len(windows), ANSWER_BATCH):
+        rows = slice(lo, lo + ANSWER_BATCH)
+        hidden = final_hidden(model, windows.input_ids[rows].to(device), windows.attention_mask[rows].to(device))
+        scored = windows.answers[rows, 1:].bool()
         argmax = torch.zeros_like(scored, dtype=torch.long)
-        argmax[scored] = head(hidden[scored.to(device)]).argmax(-1).cpu()
-        differs = scored & (argmax != windows.input_ids[lo : lo + batch_size, 1:])
+        argmax[scored] = head(hidden[:, :-1][scored.to(device)]).argmax(-1).cpu()
+        differs = scored & (argmax != windows.input_ids[rows, 1:])
         for row in differs.nonzero()[:, 0].unique().tolist():
             first = int(differs[row].nonzero()[0]) + 1  # the first answer token the dense argmax does not reproduce
             windows.answers[lo + row, first:] = 0

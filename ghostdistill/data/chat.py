@@ -181,7 +181,7 @@ def encode(tokenizer, messages: Messages) -> tuple[list[int], list[int] | None]:
     return enc.input_ids, answers
 
 
-def pack(items: Iterable[tuple[list[int], list[int]]], seq_len: int, num_samples: int, label: str):
+def pack(items: Iterable[tuple[list[int], list[int]]], seq_len: int, num_samples: int, label: str, more: str = ""):
     """Windows [num_samples, seq_len] of ids and of their mask, filled from `items` (ids, mask) in order: every
     window starts where a conversation starts; the one that does not fit is cut at the window's end."""
     ids, mask, window, window_mask = [], [], [], []
@@ -197,7 +197,7 @@ def pack(items: Iterable[tuple[list[int], list[int]]], seq_len: int, num_samples
                 return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
     raise ValueError(
         f"{label}: its conversations fill only {len(ids)} windows of {seq_len} tokens, {num_samples} requested; "
-        "use more conversations, fewer num_samples or a shorter seq_len"
+        f"use more conversations{more}, fewer num_samples or a shorter seq_len"
     )
 
 

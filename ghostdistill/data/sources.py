@@ -44,8 +44,9 @@ class ChatSettings:
         instructions: with ``source: generate``, a file of instructions the dense model answers; null: the
             shipped set (calibration: PIQA's how-to questions; evaluation: the held-out prompts).
         max_new_tokens: the longest answer the dense model writes; null: 256 for calibration, 64 for the score.
-        temperature: calibration answers: 0 greedy, else seeded sampling at this temperature; null: 1, the
-            model's own distribution (as ``generate`` samples plain text). The score is always greedy.
+        temperature: calibration answers: 0 greedy, else seeded sampling at this temperature; null: 0, the
+            answers a chat user most likely sees (a small model sampled at 1 drifts off topic). The score is
+            always greedy.
         tokens: calibration only: the tokens the statistics sum over, ``all`` or ``answers`` (the module
             docstring).
     """

@@ -25,14 +25,14 @@ class _Windows(Dataset):
     """Windows by index; an index i ≥ len marks a padding copy of window i − len (`counted` false). A chat
     source's windows (`ChatWindows`) come with their attention mask and answer tokens."""
 
-    def __init__(self, windows: torch.Tensor | ChatWindows) -> None:
-        self.windows = windows
+    def __init__(self, ids: torch.Tensor | ChatWindows) -> None:
+        self.ids = ids
 
     def __len__(self) -> int:
-        return len(self.windows)
+        return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        n, w = len(self.windows), self.windows
+        n, w = len(self.ids), self.ids
         if isinstance(w, ChatWindows):
             item = {
                 "input_ids": w.input_ids[i % n],

@@ -51,7 +51,7 @@ def chat_windows(data, src: TextSource, seq_len: int, n: int, seed: int, cache: 
     if data.dense is None:
         raise ValueError("source: generate needs the dense model, which this run did not provide")
     with data.dense() as model:
-        ids, answers = generated_chat_windows(model, data.tokenizer, src, seq_len, n, seed, data.batch_size)
+        ids, answers = generated_chat_windows(model, data.tokenizer, src, seq_len, n, seed)
     if cache is not None and data.write:
         atomic_torch_save({"input_ids": ids, "answers": answers}, cache)
     return ids, answers
@@ -63,7 +63,7 @@ def score_source(data, src: TextSource) -> ChatWindows:
     if data.dense is None:
         raise ValueError("the chat score needs the dense model's answers, and this run did not provide the model")
     with data.dense() as model:
-        return score_windows(model, data.tokenizer, src, data.batch_size)
+        return score_windows(model, data.tokenizer, src)
 
 
 def check_chat_sources(data, distilling: bool) -> None:

@@ -89,6 +89,8 @@ class RunData:
         if self.run_dir is None:
             return None
         settings = section_settings(getattr(self.cfg, what))
+        if (settings.get("source") or {}).get("chat"):
+            settings["source"]["chat"].pop("tokens")  # what the statistics count, not what is written
         key = json_digest({"model": self.model_key, what: settings, "batch_size": self.batch_size})
         return Path(self.run_dir) / f"generated_{what}_{key}.pt"
 

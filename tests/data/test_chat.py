@@ -51,7 +51,7 @@ def chat_tokenizer(tiny_tokenizer):
 
 
 def write_jsonl(path, records):
-    with (gzip.open(path, "wt") if path.suffix == ".gz" else open(path, "w")) as f:
+    with gzip.open(path, "wt") if path.suffix == ".gz" else open(path, "w") as f:
         for r in records:
             f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
     return path
@@ -148,26 +148,28 @@ def test_given_windows_are_seeded_and_mark_the_answers(tmp_path, chat_tokenizer)
 
 def test_the_dense_answers_calibrate_deterministically(chat_tokenizer, tmp_path):
     model = tiny_model("llama", num_layers=4)
-    prompts = write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": f"the run {i}"}]} for i in range(3)])
-    src = TextSource("generate", chat=ChatSettings(instructions=str(prompts), max_new_tokens=6))
-    a = generated_chat_windows(model, chat_tokenizer, src, 32, 5, seed=0, batch_size=2, progress=False)
-    b = generated_chat_windows(model, chat_tokenizer, src, 32, 5, seed=0, batch_size=2, progress=False)
-    c = generated_chat_windows(model, chat_tokenizer, src, 32, 5, seed=1, batch_size=2, progress=False)
+    prompts = write_jsonl(
+        tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": f"the run {i}"}]} for i in range(3)]
+    )
+    src = TextSource("generate", chat=ChatSettings(instructions=str(prompts), max_new_tokens=6, temperature=1.0))
+    a = generated_chat_windows(model, chat_tokenizer, src, 32, 5, seed=0, progress=False)
+    b = generated_chat_windows(model, chat_tokenizer, src, 32, 5, seed=0, progress=False)
+    c = generated_chat_windows(model, chat_tokenizer, src, 32, 5, seed=1, progress=False)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and not torch.equal(a[0], c[0])
     # Every window starts with an instruction's prompt (where a conversation starts), and answers are marked.
     starts = {tuple(encode_prompt(chat_tokenizer, [{"role": "user", "content": f"the run {i}"}])[:3]) for i in range(3)}
     assert all(tuple(row[:3]) in starts for row in a[0].tolist())
     assert a[1].sum() > 0 and not a[1][:, :3].any()
-    greedy = TextSource("generate", chat=ChatSettings(instructions=str(prompts), max_new_tokens=6, temperature=0))
+    greedy = TextSource("generate", chat=ChatSettings(instructions=str(prompts), max_new_tokens=6))  # greedy
     with pytest.raises(ValueError, match="fill only"):  # greedy answers of 3 instructions cannot fill 5 windows
-        generated_chat_windows(model, chat_tokenizer, greedy, 32, 5, seed=0, batch_size=2, progress=False)
+        generated_chat_windows(model, chat_tokenizer, greedy, 32, 5, seed=0, progress=False)
 
 
 @torch.no_grad()
 def test_score_answers_are_the_dense_models_own_greedy_tokens(chat_tokenizer):
     model = tiny_model("llama", num_layers=4)
     src = TextSource("generate", name="chat", chat=ChatSettings(max_new_tokens=8), max_documents=5)
-    windows = score_windows(model, chat_tokenizer, src, batch_size=2, progress=False)
+    windows = score_windows(model, chat_tokenizer, src, progress=False)
     assert len(windows) == 5 and windows.answers.sum() > 0
     logits = model(input_ids=windows.input_ids, attention_mask=windows.attention_mask).logits[:, :-1]
     scored = windows.answers[:, 1:].bool()
@@ -178,8 +180,8 @@ def test_score_answers_are_the_dense_models_own_greedy_tokens(chat_tokenizer):
     for row, answers in zip(windows.input_ids, windows.answers):  # an answer ends at its stop token or N
         tokens = row[answers.bool()].tolist()
         assert not any(t in stop for t in tokens[:-1])
-    again = score_windows(model, chat_tokenizer, src, batch_size=3, progress=False)
-    assert torch.equal(again.answers, windows.answers)
+    again = score_windows(model, chat_tokenizer, src, progress=False)
+    assert torch.equal(again.input_ids, windows.input_ids) and torch.equal(again.answers, windows.answers)
 
 
 def test_the_chat_score_is_on_by_default_only_with_a_chat_template(chat_tokenizer, tiny_tokenizer):

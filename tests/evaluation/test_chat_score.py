@@ -27,7 +27,11 @@ def test_the_tally_averages_the_prefix_per_answer_and_only_on_chat_sources():
     tally = ViewTally(["dense", "ghost"], ["wiki", "chat"])
     t = torch.tensor
     tally.update("ghost", 0, TokenScores(nll=t([1.0]), kl=t([0.1]), top1=t([1.0])))
-    tally.update("ghost", 1, TokenScores(nll=t([1.0, 1.0, 1.0]), kl=t([0.2, 0.2, 0.2]), top1=t([1.0, 0.0, 1.0]), prefix=t([1.0, 4.0])))
+    tally.update(
+        "ghost",
+        1,
+        TokenScores(nll=t([1.0, 1.0, 1.0]), kl=t([0.2, 0.2, 0.2]), top1=t([1.0, 0.0, 1.0]), prefix=t([1.0, 4.0])),
+    )
     tally.update("ghost", 1, TokenScores(nll=t([1.0]), kl=t([0.2]), top1=t([1.0]), prefix=t([1.0])))
     tally.update("dense", 1, TokenScores(nll=t([1.0])))
     out = tally.compute()
