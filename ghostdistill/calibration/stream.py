@@ -3,6 +3,9 @@
 Nothing but fixed-size float64 accumulators is kept, so memory does not grow with the number of
 samples, and each forward pass stops at the last block whose input is needed.
 
+A batch's `statistics_mask` (chat calibration with ``chat.tokens: answers``, `data.chat`) narrows the tokens
+the statistics sum over (`GapTaps.mask`) to the ones it marks; the forward still sees every token.
+
 Every tap is checked to be finite before it reaches a sum: one inf or NaN (a float16 model overflowing,
 broken weights) would turn every operator into NaN silently, so the run stops at once naming the batch
 and the block whose input it was.
@@ -64,11 +67,12 @@ def accumulate(
             )
         for block, out in mlp.items():
             check_finite(out, mask, f"calibration batch {index}", f"the MLP output of block {block}", model)
+        summed = counted_tokens(batch, mask)
         for gap in gaps:
-            taps = GapTaps(streams[gap.start], streams[gap.stop], mask, first, mlp.get(gap.start - 1))
+            taps = GapTaps(streams[gap.start], streams[gap.stop], summed, first, mlp.get(gap.start - 1))
             for collector in stats[gap.key].values():
                 collector.update(taps)
-        tokens += int(mask.sum())
+        tokens += int(summed.sum())
     return tokens
 
 
@@ -90,11 +94,12 @@ def _accumulate_blockwise(model, stack, gaps, batches, stats, first_batch, point
                 if out is not None:
                     what = f"the MLP output of block {gap.start - 1}"
                     check_finite(out, mask, f"calibration batch {first_batch + b}", what, model)
-                taps = GapTaps(held[gap.start][b], streams[b], mask, windows.first[b], out)
+                summed = counted_tokens(batches[b], mask)
+                taps = GapTaps(held[gap.start][b], streams[b], summed, windows.first[b], out)
                 for collector in stats[gap.key].values():
                     collector.update(taps)
         held = {p: s for p, s in held.items() if any(g.start == p and g.stop > point for g in gaps)}
-    return sum(int(mask.sum()) for mask in masks)
+    return sum(int(counted_tokens(batches[b], mask).sum()) for b, mask in enumerate(masks))
 
 
 @torch.no_grad()
@@ -138,7 +143,8 @@ def accumulate_students(
             check_finite(
                 student[student_point], mask, where, f"the residual stream entering block {gap.stop}", pruned.model
             )
-            taps = GapTaps(student[student_point], dense[gap.stop], mask, first, next(iter(mlp.values()), None))
+            summed = counted_tokens(batch, mask)
+            taps = GapTaps(student[student_point], dense[gap.stop], summed, first, next(iter(mlp.values()), None))
             for collector in view_collectors.values():
                 collector.update(taps)
             seconds[view] += time.perf_counter() - start
@@ -166,11 +172,18 @@ def _students_blockwise(pruned, gap, batches, collectors, student_point, mlp_blo
             student = taps[i][student_point][b]
             check_finite(student, mask, where, f"the residual stream entering block {gap.stop}", pruned.model)
             out = next(iter(mlp[i].values()))[b] if mlp[i] else None
-            taps_b = GapTaps(student, taps[0][gap.stop][b], mask, windows.first[b], out)
+            summed = counted_tokens(batches[b], mask)
+            taps_b = GapTaps(student, taps[0][gap.stop][b], summed, windows.first[b], out)
             for collector in view_collectors.values():
                 collector.update(taps_b)
     seconds = {view: s.seconds for view, s in zip(collectors, streams[1:])}
     return {DENSE: time.perf_counter() - start - sum(seconds.values()), **seconds}
+
+
+def counted_tokens(batch: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """What the statistics sum over: the real tokens (`mask`), narrowed to `batch["statistics_mask"]` if any."""
+    narrow = batch.get("statistics_mask")
+    return mask if narrow is None else mask * narrow.to(mask.device, mask.dtype)
 
 
 def check_finite(x: torch.Tensor, mask: torch.Tensor, where: str, what: str, model: nn.Module) -> None:

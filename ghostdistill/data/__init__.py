@@ -1,4 +1,5 @@
-"""Text data: sources (`sources`: hub, local files, self-generated) and token windows (`windows`).
+"""Text data: sources (`sources`: hub, local files, self-generated), token windows (`windows`), and
+conversations through the chat template (`chat`; the dense model's answers, `answers`).
 
 Three places touch data, each for a reason: this package reads text and cuts token windows and knows
 no run; `pipeline/data.py` holds a run's data sections (`DataConfig`) and `RunData`, the windows of one run
@@ -6,10 +7,13 @@ bound to its tokenizer and cached in its folder; `lit/datamodule.py` is only Lig
 `RunData` (dataloaders, each rank's share of the evaluation windows).
 """
 
-from .sources import GENERATE, HUB_SOURCES, TextSource, load_documents, validate_source
+from .answers import ChatWindows
+from .sources import GENERATE, HUB_SOURCES, ChatSettings, TextSource, load_documents, validate_source
 from .windows import calibration_windows, evaluation_windows, generate_windows, shared_ngrams, tokenize_documents
 
 __all__ = [
+    "ChatSettings",
+    "ChatWindows",
     "GENERATE",
     "HUB_SOURCES",
     "TextSource",

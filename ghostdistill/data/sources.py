@@ -2,7 +2,10 @@
 
 A source is a hub data set (wikitext2, c4, ptb: real `datasets` loading code, users have internet), a
 local file (.txt/.raw, .jsonl, .json, either optionally .gz, or .parquet), or `generate`: the dense
-model writes its own calibration text (data-free, seeded sampling).
+model writes its own calibration text (data-free, seeded sampling). With `chat` set it is a chat source:
+conversations through the tokenizer's chat template (`data.chat`), also from any Hugging Face dataset.
+`records` holds a source's documents (or conversations) in memory, handed over from Python; `source` is
+then only its name.
 
 The hub sources load with every `datasets` from 3.0 on, none of them through a loading script (which
 `datasets` 4 no longer runs): WikiText-2 (`Salesforce/wikitext`) is stored as parquet, C4 is read from
@@ -15,7 +18,7 @@ from __future__ import annotations
 import gzip
 import json
 import zlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 HUB_SOURCES = ("wikitext2", "c4", "ptb")
@@ -25,6 +28,54 @@ PTB_REPO = "ptb-text-only/ptb_text_only"
 PARQUET_REVISION = "refs/convert/parquet"
 GENERATE = "generate"
 LOCAL_SUFFIXES = (".txt", ".raw", ".jsonl", ".json", ".parquet")
+CHAT_SUFFIXES = (".jsonl", ".json", ".parquet")
+TOKENS = ("all", "answers")
+#: The longest answer the dense model writes when `chat.max_new_tokens` is null.
+ANSWER_TOKENS = {"calibration": 256, "score": 64}
+
+
+@dataclass
+class ChatSettings:
+    """A chat source's settings (`TextSource.chat`; ``chat: {}`` takes every default).
+
+    Args:
+        messages_field: the field of each record that holds its messages.
+        subset: the Hugging Face dataset's configuration (hub sources).
+        instructions: with ``source: generate``, a file of instructions the dense model answers; null: the
+            shipped set (calibration: PIQA's how-to questions; evaluation: the held-out prompts).
+        max_new_tokens: the longest answer the dense model writes; null: 256 for calibration, 64 for the score.
+        temperature: calibration answers: 0 greedy, else seeded sampling at this temperature; null: 0, the
+            answers a chat user most likely sees (a small model sampled at 1 drifts off topic). The score is
+            always greedy.
+        tokens: calibration only: the tokens the statistics sum over, ``all`` or ``answers`` (the module
+            docstring).
+    """
+
+    messages_field: str = "messages"
+    subset: str | None = None
+    instructions: str | None = None
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    tokens: str = "all"
+
+    def validate(self, where: str, *, for_eval: bool = False) -> None:
+        if self.tokens not in TOKENS:
+            raise ValueError(f"{where}.chat.tokens {self.tokens!r}: choose one of {', '.join(TOKENS)}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"{where}.chat.max_new_tokens must be >= 1 (or null), got {self.max_new_tokens}")
+        if self.temperature is not None and self.temperature < 0:
+            raise ValueError(f"{where}.chat.temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if for_eval and (self.tokens != "all" or self.temperature is not None):
+            raise ValueError(
+                f"{where}.chat: tokens and temperature are calibration settings; the chat score scores the dense "
+                "model's greedy answers: leave them out of an evaluation source"
+            )
+        if self.instructions is not None and not Path(self.instructions).expanduser().is_file():
+            raise FileNotFoundError(f"{where}.chat.instructions file {self.instructions!r} does not exist")
+
+    def answer_tokens(self, what: str) -> int:
+        """`max_new_tokens`, or its default for ``calibration`` or ``score``."""
+        return self.max_new_tokens if self.max_new_tokens is not None else ANSWER_TOKENS[what]
 
 
 @dataclass
@@ -39,6 +90,10 @@ class TextSource:
         first_document: skip this many documents (to keep calibration and evaluation disjoint).
         max_documents: use at most this many documents after `first_document`.
         join: separator placed between documents when they are concatenated for perplexity.
+        chat: conversations through the tokenizer's chat template (`ChatSettings`; ``chat: {}`` for the
+            defaults); null: plain text.
+        records: the documents (or, with `chat`, the conversations) themselves, in memory; `source` is then
+            only a name.
     """
 
     source: str = "wikitext2"
@@ -48,6 +103,8 @@ class TextSource:
     first_document: int = 0
     max_documents: int | None = None
     join: str = "\n\n"
+    chat: ChatSettings | None = None
+    records: list | None = None
 
     @property
     def label(self) -> str:
@@ -58,17 +115,44 @@ class TextSource:
         return Path(self.source).name.split(".")[0]
 
     def describe(self) -> dict:
-        return {
+        out = {
             "source": self.source,
             "split": self.split,
             "first_document": self.first_document,
             "max_documents": self.max_documents,
             "join": self.join,
         }
+        if self.chat is not None:
+            out["chat"] = asdict(self.chat)
+        if self.records is not None:
+            out["records"] = f"{len(self.records)} in memory"
+        return out
 
 
-def validate_source(src: TextSource) -> None:
-    if src.source in HUB_SOURCES or src.source == GENERATE:
+def validate_source(src: TextSource, where: str = "data source", *, for_eval: bool = False) -> None:
+    """What a source's values alone decide; `where` names it in errors (``data.calibration.source``)."""
+    if src.first_document < 0 or (src.max_documents is not None and src.max_documents < 1):
+        raise ValueError(
+            f"first_document={src.first_document}, max_documents={src.max_documents}: "
+            "first_document must be >= 0 and max_documents >= 1"
+        )
+    if src.records is not None and not src.records:
+        raise ValueError(f"{where}: records is an empty list; give documents or conversations, or leave it null")
+    if src.chat is not None:
+        src.chat.validate(where, for_eval=for_eval)
+        path = Path(src.source).expanduser()
+        if src.records is not None or src.source == GENERATE or path.is_dir():
+            return
+        named = any(s in path.suffixes for s in (*CHAT_SUFFIXES, ".gz", ".txt", ".raw"))
+        if path.is_file() and not any(s in path.suffixes for s in CHAT_SUFFIXES):
+            raise ValueError(
+                f"{where}: chat source file {src.source!r} must end in {', '.join(CHAT_SUFFIXES)} (optionally "
+                ".gz): records of messages; a hub dataset id or a dataset folder also works"
+            )
+        if named and not path.is_file():
+            raise FileNotFoundError(f"{where}: chat source file {src.source!r} does not exist")
+        return
+    if src.source in HUB_SOURCES or src.source == GENERATE or src.records is not None:
         return
     path = Path(src.source).expanduser()
     if not any(s in path.suffixes for s in LOCAL_SUFFIXES):
@@ -78,19 +162,19 @@ def validate_source(src: TextSource) -> None:
         )
     if not path.is_file():
         raise FileNotFoundError(f"text source file {src.source!r} does not exist")
-    if src.first_document < 0 or (src.max_documents is not None and src.max_documents < 1):
-        raise ValueError(
-            f"first_document={src.first_document}, max_documents={src.max_documents}: "
-            "first_document must be >= 0 and max_documents >= 1"
-        )
 
 
 def load_documents(src: TextSource, *, for_eval: bool) -> list[str]:
     """The source's documents, in order, after the first/max document selection."""
     validate_source(src)
-    if src.source == GENERATE:
+    if src.chat is not None:
+        raise ValueError(f"{src.label} is a chat source: its conversations are read by data.chat")
+    if src.source == GENERATE and src.records is None:
         raise ValueError("'generate' makes tokens with the model; use generate_windows()")
-    docs = _hub_documents(src, for_eval) if src.source in HUB_SOURCES else _file_documents(src)
+    if src.records is not None:
+        docs = [str(d) for d in src.records]
+    else:
+        docs = _hub_documents(src, for_eval) if src.source in HUB_SOURCES else _file_documents(src)
     stop = None if src.max_documents is None else src.first_document + src.max_documents
     docs = docs[src.first_document : stop]
     if not docs:
@@ -98,7 +182,7 @@ def load_documents(src: TextSource, *, for_eval: bool) -> list[str]:
     return docs
 
 
-def _read(path: Path) -> str:
+def read_text(path: Path) -> str:
     """The text of a file, gzip-compressed or not; a binary, truncated or corrupt one is a one-line error
     that names it."""
     gz = path.suffix == ".gz"
@@ -129,7 +213,7 @@ def _file_documents(src: TextSource) -> list[str]:
             raise ValueError(f"text source file {path} cannot be read as parquet ({err})") from None
         return [t for t in table.column(src.text_field).to_pylist() if t]
     if ".jsonl" in suffixes or ".json" in suffixes:
-        text = _read(path)
+        text = read_text(path)
         array = text.lstrip().startswith("[")
         records, number = [], 0
         try:
@@ -154,7 +238,7 @@ def _file_documents(src: TextSource) -> list[str]:
             raise ValueError(f"{path}: every record's {src.text_field!r} field is empty")
         return docs
     # A plain text file is one document (WikiText-2 raw keeps its article structure in the text).
-    text = _read(path)
+    text = read_text(path)
     if not text.strip():
         raise ValueError(f"{path} is empty (no text)")
     return [text]

@@ -15,6 +15,9 @@ Float32 logits of a whole batch over a 262k vocabulary take gigabytes (4 × 512 
   logits into metrics a slice of positions at a time.
 
 Both give the same numbers up to float round-off (tested).
+
+`leading_agreement` turns top-1 agreements into the chat score's `prefix` (`pipeline.chat`): per answer, the
+agreements in a row from its first token.
 """
 
 from __future__ import annotations
@@ -38,12 +41,24 @@ class TokenScores:
     """Per position ([batch, seq-1] from `score_tokens`; [valid tokens], in row-major order, from
     `score_hidden`): NLL of the target; with a reference, KL(reference ‖ model) in nats and whether the
     argmax agrees with the reference's. `logprobs`: the model's log-probability chunks when asked for (to
-    serve as the reference of later models; `score_tokens` only)."""
+    serve as the reference of later models; `score_tokens` only). `prefix`: per scored sequence, the top-1
+    agreements in a row from its first scored token (`leading_agreement`; the chat score only)."""
 
     nll: torch.Tensor
     kl: torch.Tensor | None = None
     top1: torch.Tensor | None = None
     logprobs: list[torch.Tensor] | None = None
+    prefix: torch.Tensor | None = None
+
+
+def leading_agreement(agree: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Per row of `valid` [batch, positions] that has a valid position: how many of its valid positions, from
+    the first, agree before the first that does not. `agree`: 1-D over the valid positions in row-major order
+    (`score_hidden`'s top-1)."""
+    grid = torch.ones(valid.shape, dtype=agree.dtype, device=agree.device)
+    grid[valid] = agree
+    run = grid.cumprod(dim=1) * valid  # 1 until the first disagreement; positions that are not valid do not count
+    return run.sum(dim=1)[valid.any(dim=1)]
 
 
 def score_tokens(

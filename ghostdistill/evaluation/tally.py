@@ -1,5 +1,6 @@
 """The evaluation's sums as a torchmetrics `Metric`: per (view, source), the NLL, the token count, the KL to
-the dense teacher and the top-1 matches, each summed over tokens in float64.
+the dense teacher and the top-1 matches, each summed over tokens in float64; for a chat source also the chat
+score's shared prefixes and the number of answers they were measured on.
 
 Perplexity, KL and top-1 are means over tokens, and a mean over all ranks' tokens is a sum of sums
 divided by a sum of counts. So the states are plain float64 sums with ``dist_reduce_fx="sum"``:
@@ -10,7 +11,7 @@ loss of precision from float32 sums over a million tokens.
 
     tally = ViewTally(views, sources)         states [views, sources], float64, zero
     tally.update(view, source, scores)        one batch's `TokenScores` of one view on one source
-    tally.compute()                           {view: {source: {ppl, tokens, kl, top1}}}, summed over ranks
+    tally.compute()                           {view: {source: {ppl, tokens, kl, top1, prefix}}}, summed over ranks
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torchmetrics import Metric
 
 from .metrics import TokenScores
 
-STATES = ("nll", "tokens", "kl", "top1")
+STATES = ("nll", "tokens", "kl", "top1", "prefix", "answers")
 
 
 class ViewTally(Metric):
@@ -48,14 +49,18 @@ class ViewTally(Metric):
         if scores.kl is not None:
             self.kl[at] += scores.kl.double().sum()
             self.top1[at] += scores.top1.double().sum()
+        if scores.prefix is not None:
+            self.prefix[at] += scores.prefix.double().sum()
+            self.answers[at] += scores.prefix.numel()
 
     def compute(self) -> dict[str, dict[str, dict[str, float | int | None]]]:
-        """Per view and source: perplexity exp(ΣNLL / n), n, and (views but the reference) mean KL and top-1."""
+        """Per view and source: perplexity exp(ΣNLL / n), n, and (views but the reference) mean KL and top-1, and
+        on a chat source the mean shared prefix per answer (`prefix`, only there)."""
         out: dict[str, dict[str, dict[str, float | int | None]]] = {}
         for vi, view in enumerate(self.views):
             out[view] = {}
             for si, source in enumerate(self.sources):
-                nll, tokens, kl, top1 = (float(getattr(self, s)[vi, si]) for s in STATES)
+                nll, tokens, kl, top1, prefix, answers = (float(getattr(self, s)[vi, si]) for s in STATES)
                 n = max(tokens, 1.0)
                 compared = view != self.reference
                 out[view][source] = {
@@ -64,4 +69,6 @@ class ViewTally(Metric):
                     "kl": kl / n if compared else None,
                     "top1": top1 / n if compared else None,
                 }
+                if compared and answers:
+                    out[view][source]["prefix"] = prefix / answers
         return out

@@ -7,6 +7,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
+from ..data import ChatWindows
 from ..pipeline.data import (
     CalibrationData,
     DataConfig,
@@ -21,18 +22,26 @@ __all__ = ["CalibrationData", "EvaluationData", "GhostDataModule", "TrainData", 
 
 
 class _Windows(Dataset):
-    """Windows by index; an index i ≥ len marks a padding copy of window i − len (`counted` false)."""
+    """Windows by index; an index i ≥ len marks a padding copy of window i − len (`counted` false). A chat
+    source's windows (`ChatWindows`) come with their attention mask and answer tokens."""
 
-    def __init__(self, ids: torch.Tensor) -> None:
+    def __init__(self, ids: torch.Tensor | ChatWindows) -> None:
         self.ids = ids
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        n = len(self.ids)
-        window = self.ids[i % n]
-        return {"input_ids": window, "attention_mask": torch.ones_like(window), "counted": torch.tensor(i < n)}
+        n, w = len(self.ids), self.ids
+        if isinstance(w, ChatWindows):
+            item = {
+                "input_ids": w.input_ids[i % n],
+                "attention_mask": w.attention_mask[i % n],
+                "answers": w.answers[i % n],
+            }
+        else:
+            item = {"input_ids": w[i % n], "attention_mask": torch.ones_like(w[i % n])}
+        return {**item, "counted": torch.tensor(i < n)}
 
 
 class EvenShares(DistributedSampler):
@@ -137,8 +146,8 @@ class GhostDataModule(LightningDataModule):
         trainer = self.trainer
         world = trainer.world_size if trainer is not None else 1
         loaders = []
-        for src in self.cfg.evaluation.sources:
-            windows = _Windows(self.data.eval_ids(src))
+        for src in self.data.eval_sources:
+            windows = _Windows(self.data.eval_windows(src))
             # Lightning keeps a DistributedSampler it is given: ours pads without counting windows twice.
             sampler = EvenShares(windows, world, trainer.global_rank) if world > 1 else None
             loaders.append(

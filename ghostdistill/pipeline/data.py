@@ -1,8 +1,9 @@
 """The windows a run reads: calibration, distillation training and validation, and evaluation.
 
-`RunData` turns the data settings into token windows, each computed once: it needs the tokenizer and,
-for self-generated (data-free) text, the dense model that writes it. Nothing here knows about
-Lightning; the data module hands these windows to its loaders.
+`RunData` turns the data settings (`pipeline.data_config`, re-exported here) into token windows, each
+computed once: it needs the tokenizer and, for self-generated (data-free) text or the dense model's answers,
+the dense model that writes them. Nothing here knows about Lightning; the data module hands these windows to
+its loaders.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -19,121 +20,25 @@ from torch import nn
 from ..core.io import atomic_torch_save, json_digest
 from ..data import (
     GENERATE,
+    ChatWindows,
     TextSource,
     calibration_windows,
     evaluation_windows,
     generate_windows,
     shared_ngrams,
-    validate_source,
+)
+from .chat import chat_windows, check_chat_sources, evaluation_sources, score_source, statistics_masks
+from .data_config import (
+    CalibrationData,
+    DataConfig,
+    EvaluationData,
+    SelectionData,
+    TrainData,
+    ValidationData,
+    section_settings,
 )
 
-
-@dataclass
-class CalibrationData:
-    """Calibration text: `num_samples` windows of `seq_len` tokens, deterministic for `seed`.
-
-    With ``source: generate`` the dense model writes them itself (data-free); the tokens are cached in
-    the run folder so a resumed run does not sample again.
-    """
-
-    source: TextSource = field(default_factory=lambda: TextSource(source="c4"))
-    num_samples: int = 128
-    seq_len: int = 2048
-    seed: int = 0
-
-
-@dataclass
-class EvaluationData:
-    """Held-out text for perplexity and teacher fidelity (KL, top-1 agreement), windows of `seq_len`.
-
-    `max_windows` keeps only the first windows of each source (for quick runs; results say so).
-    """
-
-    sources: list[TextSource] = field(default_factory=lambda: [TextSource(source="wikitext2")])
-    seq_len: int = 2048
-    max_windows: int | None = None
-
-
-@dataclass
-class TrainData:
-    """Distillation training windows: random windows (as calibration draws them), deterministic for
-    `seed`. `source: null` trains on the calibration windows themselves (LinearPatch's recipe).
-    Windows never overlap an evaluation window cut from the same text (checked; the run stops)."""
-
-    source: TextSource | None = None
-    num_samples: int = 128
-    seq_len: int = 2048
-    seed: int = 0
-
-
-@dataclass
-class ValidationData:
-    """Held-out windows that validation during distillation reads (KL to the teacher and perplexity
-    per method): the first `num_windows` non-overlapping windows of `source`, which must not overlap
-    the evaluation windows. `source: null` validates on nothing (only the final evaluation)."""
-
-    source: TextSource | None = None
-    num_windows: int = 8
-    seq_len: int = 2048
-
-
-@dataclass
-class SelectionData:
-    """Held-out windows on which the repair-aware plan criteria (`plan.criterion` ``repair``,
-    ``repair_greedy``) score every repaired candidate: the first `num_windows` non-overlapping windows of
-    `source`, which must share no text with the calibration or evaluation windows (checked; the run stops).
-    `source: null` with self-generated calibration text generates further windows with another seed; with
-    a text source it is an error naming the fix (take later documents of the same text).
-
-    Read only by those criteria."""
-
-    source: TextSource | None = None
-    num_windows: int = 8
-    seq_len: int = 512
-
-
-@dataclass
-class DataConfig:
-    """All of a run's data settings (the data module's arguments)."""
-
-    calibration: CalibrationData = field(default_factory=CalibrationData)
-    evaluation: EvaluationData = field(default_factory=EvaluationData)
-    train: TrainData = field(default_factory=TrainData)
-    validation: ValidationData = field(default_factory=ValidationData)
-    batch_size: int = 4
-    selection: SelectionData = field(default_factory=SelectionData)
-
-    def validate(self) -> None:
-        """What the values alone decide (before any tokenizer or model is loaded)."""
-        positive = {
-            "calibration.num_samples": self.calibration.num_samples,
-            "calibration.seq_len": self.calibration.seq_len,
-            "evaluation.seq_len": self.evaluation.seq_len,
-            "batch_size": self.batch_size,
-            "train.num_samples": self.train.num_samples,
-            "train.seq_len": self.train.seq_len,
-            "validation.num_windows": self.validation.num_windows,
-            "validation.seq_len": self.validation.seq_len,
-            "selection.num_windows": self.selection.num_windows,
-            "selection.seq_len": self.selection.seq_len,
-        }
-        for name, value in positive.items():
-            if value < 1:
-                raise ValueError(f"data.{name} must be a positive integer, got {value}")
-            if value < 2 and name in ("evaluation.seq_len", "validation.seq_len", "selection.seq_len"):
-                raise ValueError(f"data.{name} {value}: a scored window must hold at least 2 tokens; use 2 or more")
-        if self.evaluation.max_windows is not None and self.evaluation.max_windows < 1:
-            raise ValueError(f"data.evaluation.max_windows must be >= 1 or null, got {self.evaluation.max_windows}")
-        validate_source(self.calibration.source)
-        for src in (*self.evaluation.sources, self.train.source, self.validation.source, self.selection.source):
-            if src is not None:
-                validate_source(src)
-        labels = [s.label for s in self.evaluation.sources]
-        if len(set(labels)) != len(labels):
-            raise ValueError(f"evaluation sources need distinct names; got {labels} (set `name:` on each)")
-
-    def describe(self) -> dict:
-        return {k: asdict(getattr(self, k)) for k in ("calibration", "evaluation", "train", "validation", "selection")}
+__all__ = ["CalibrationData", "DataConfig", "EvaluationData", "RunData", "SelectionData", "TrainData", "ValidationData"]
 
 
 class RunData:
@@ -160,6 +65,8 @@ class RunData:
         self.cfg, self.tokenizer, self.run_dir = cfg, tokenizer, run_dir
         self.dense, self.model_key, self.write = dense, model_key or {}, write
         self._calibration: torch.Tensor | None = None
+        self._answers: torch.Tensor | None = None  # a chat calibration's answer tokens
+        self._chat: dict[str, ChatWindows] = {}
         self._eval: dict[str, torch.Tensor] = {}
         self._train: torch.Tensor | None = None
         self._val: torch.Tensor | None = None
@@ -176,38 +83,62 @@ class RunData:
         with self.dense() as model:
             return generate_windows(model, self.tokenizer, seq_len, n, seed, self.batch_size)
 
-    def generated_cache(self) -> Path | None:
-        """Where self-generated calibration tokens are kept: keyed by the model that wrote them and the
-        calibration settings."""
+    def generated_cache(self, what: str = "calibration") -> Path | None:
+        """Where self-generated `what` (calibration, train) tokens are kept: keyed by the model that wrote them
+        and the section's settings."""
         if self.run_dir is None:
             return None
-        key = json_digest(
-            {"model": self.model_key, "calibration": asdict(self.cfg.calibration), "batch_size": self.batch_size}
-        )
-        return Path(self.run_dir) / f"generated_calibration_{key}.pt"
+        settings = section_settings(getattr(self.cfg, what))
+        if (settings.get("source") or {}).get("chat"):
+            settings["source"]["chat"].pop("tokens")  # what the statistics count, not what is written
+        key = json_digest({"model": self.model_key, what: settings, "batch_size": self.batch_size})
+        return Path(self.run_dir) / f"generated_{what}_{key}.pt"
+
+    def _windows(self, src: TextSource, seq_len: int, n: int, seed: int, cache: Path | None = None):
+        """(ids, answer mask or None): `n` random windows of `src`, text, self-generated (kept in `cache`) or chat."""
+        if src.chat is not None:
+            return chat_windows(self, src, seq_len, n, seed, cache)
+        if src.source != GENERATE:
+            return calibration_windows(self.tokenizer, src, seq_len, n, seed), None
+        if cache is not None and cache.is_file():
+            return torch.load(cache, weights_only=True), None
+        ids = self._generate(seq_len, n, seed)  # seeded: every rank samples the same text; rank 0 keeps it
+        if cache is not None and self.write:
+            atomic_torch_save(ids, cache)
+        return ids, None
 
     def calibration_ids(self) -> torch.Tensor:
         if self._calibration is None:
             cal = self.cfg.calibration
-            if cal.source.source == GENERATE:
-                cache = self.generated_cache()
-                if cache is not None and cache.is_file():
-                    ids = torch.load(cache, weights_only=True)
-                else:
-                    # Seeded: every rank samples the same text; only rank 0 keeps it.
-                    ids = self._generate(cal.seq_len, cal.num_samples, cal.seed)
-                    if cache is not None and self.write:
-                        atomic_torch_save(ids, cache)
-            else:
-                ids = calibration_windows(self.tokenizer, cal.source, cal.seq_len, cal.num_samples, cal.seed)
-            self._calibration = ids
+            windows = self._windows(cal.source, cal.seq_len, cal.num_samples, cal.seed, self.generated_cache())
+            self._calibration, self._answers = windows
         return self._calibration
 
     def calibration_batches(self) -> list[dict[str, torch.Tensor]]:
-        ids = self.calibration_ids()
-        return [{"input_ids": b, "attention_mask": torch.ones_like(b)} for b in ids.split(self.batch_size)]
+        ids, size = self.calibration_ids(), self.batch_size
+        batches = [{"input_ids": b, "attention_mask": torch.ones_like(b)} for b in ids.split(size)]
+        counted = statistics_masks(self.cfg.calibration.source, self._answers)
+        for b, m in zip(batches, [] if counted is None else counted.split(size)):
+            b["statistics_mask"] = m
+        return batches
+
+    @property
+    def eval_sources(self) -> list[TextSource]:
+        """The evaluation sources: the configured ones and the chat score's (`pipeline.chat`)."""
+        ev = self.cfg.evaluation
+        return evaluation_sources(ev.sources, ev.chat, self.tokenizer)
+
+    def eval_windows(self, src: TextSource) -> torch.Tensor | ChatWindows:
+        """A source's evaluation windows: ids, or a chat source's `ChatWindows` (padding and answer masks)."""
+        if src.chat is None:
+            return self.eval_ids(src)
+        if src.label not in self._chat:
+            self._chat[src.label] = score_source(self, src)
+        return self._chat[src.label]
 
     def eval_ids(self, src: TextSource) -> torch.Tensor:
+        if src.chat is not None:
+            return self.eval_windows(src).input_ids
         if src.label not in self._eval:
             ev = self.cfg.evaluation
             if src.source == GENERATE:
@@ -224,7 +155,7 @@ class RunData:
             if tr.source is None:
                 ids = self.calibration_ids()
             else:
-                ids = calibration_windows(self.tokenizer, tr.source, tr.seq_len, tr.num_samples, tr.seed)
+                ids = self._windows(tr.source, tr.seq_len, tr.num_samples, tr.seed, self.generated_cache("train"))[0]
             self._check_disjoint("training", tr.source or self.cfg.calibration.source, ids)
             self._train = ids
         return self._train
@@ -250,7 +181,7 @@ class RunData:
                         f"({{source: {cal.source.source}, first_document: <after calibration's>}})"
                     )
                 # Self-generated: further windows from a seed neither calibration nor evaluation uses.
-                ids = self._generate(sel.seq_len, sel.num_windows, 20_000 + cal.seed)
+                ids = self._windows(cal.source, sel.seq_len, sel.num_windows, 20_000 + cal.seed)[0]
             else:
                 ids = evaluation_windows(self.tokenizer, sel.source, sel.seq_len, sel.num_windows)
                 self._check_disjoint("selection", sel.source, ids)
@@ -287,8 +218,9 @@ class RunData:
                     f"(max_position_embeddings {max_positions}): positions beyond it were never trained",
                     stacklevel=2,
                 )
+        check_chat_sources(self, distilling)
         for src in self.cfg.evaluation.sources:
-            if src.source != GENERATE:
+            if src.source != GENERATE and src.chat is None:
                 self.eval_ids(src)
         if distilling:
             self.train_ids()
@@ -314,9 +246,10 @@ class RunData:
             "seq_len": ev.seq_len,
             "max_windows": ev.max_windows,
             "sources": {
-                s.label: {**s.describe(), "windows": len(self._eval[s.label])}
-                for s in ev.sources
-                if s.label in self._eval
+                s.label: {**s.describe(), "windows": len(self._eval.get(s.label, self._chat.get(s.label, [])))}
+                | ({"answer_tokens": s.chat.answer_tokens("score")} if s.chat else {})
+                for s in self.eval_sources
+                if s.label in self._eval or s.label in self._chat
             },
         }
         if self._train is not None:

@@ -22,9 +22,10 @@ from ..core.io import json_digest, tensor_digest
 from ..core.offload import is_offloaded, model_device, onloaded
 from ..core.sequential import capture, final_states, view_stream
 from ..core.views import DENSE, PRUNED, PrunedModel, view_parameter_count
+from ..data import ChatWindows
 from ..data.windows import shared_ngrams
 from ..distill.parallel import full_tensor
-from ..evaluation.metrics import TokenScores, next_token_targets, score_hidden
+from ..evaluation.metrics import TokenScores, leading_agreement, next_token_targets, score_hidden
 from ..evaluation.scores import ScoreStore, score_key
 from ..evaluation.tally import ViewTally
 from ..evaluation.zeroshot import average_scores, task_limits
@@ -42,34 +43,48 @@ def score_views(
     *,
     chunk: int | None = None,
     counted: torch.Tensor | None = None,
+    answers: torch.Tensor | None = None,
 ) -> dict[str, TokenScores]:
     """NLL of every view in `views`, and KL and top-1 against the dense view, on one batch (1-D over the
     real next-token positions). Each view's decoder runs once and yields final hidden states; logits
     exist only `chunk` tokens at a time (null: sized by the vocabulary, `core.head.tokens_per_chunk`),
-    so memory does not grow with batch × vocabulary. `counted` [batch]: rows to score (default all)."""
-    targets, valid = next_token_targets(ids, mask)
-    if counted is not None:
-        valid = valid & counted.bool()[:, None]
+    so memory does not grow with batch × vocabulary. `counted` [batch]: rows to score (default all).
+    `answers` [batch, seq]: the chat score (`pipeline.chat`): only the positions that predict an answer token
+    are scored, and each view's `prefix` per answer is given."""
     hidden, heads = {}, {}
     for view in [DENSE, *(v for v in views if v != DENSE)]:
         with pruned.use(view) as model:
             hidden[view] = final_hidden(model, ids, mask)[:, :-1]
             heads[view] = output_head(model)  # a student that trains the tail has its own head
+    return _scores(pruned, hidden, heads, ids, mask, chunk, counted, answers)
+
+
+def _scores(pruned, hidden, heads, ids, mask, chunk, counted, answers) -> dict[str, TokenScores]:
+    """`score_views`' scores from each view's final hidden states (`hidden`, shifted) and output head."""
+    targets, valid = next_token_targets(ids, mask)
+    if counted is not None:
+        valid = valid & counted.to(valid.device).bool()[:, None]
+    if answers is not None:
+        valid = valid & answers[:, 1:].to(valid.device).bool()
     vocab = pruned.model.get_output_embeddings().weight.shape[0]
-    return score_hidden(hidden, heads, targets, valid, reference=DENSE, chunk=tokens_per_chunk(vocab, chunk))
+    scores = score_hidden(hidden, heads, targets, valid, reference=DENSE, chunk=tokens_per_chunk(vocab, chunk))
+    if answers is not None:
+        for s in scores.values():
+            s.prefix = None if s.top1 is None else leading_agreement(s.top1, valid)
+    return scores
 
 
 @torch.no_grad()
 def score_batches(
     pruned: PrunedModel, batches: list[dict[str, torch.Tensor]], views: list[str], *, chunk: int | None = None
 ) -> list[dict[str, TokenScores]]:
-    """`score_views` of each batch ({"input_ids", "attention_mask", "counted"?}). With the weights offloaded
+    """`score_views` of each batch ({"input_ids", "attention_mask", "counted"?, "answers"?}). With the weights offloaded
     (`model.model.offload`) every view runs block by block over all the batches at once (`core.sequential`),
     each block and the head brought onto the device once; the scores are `score_views`' to the bit."""
     masks = [b.get("attention_mask", torch.ones_like(b["input_ids"])) for b in batches]
     if not is_offloaded(pruned.model):
         return [
-            score_views(pruned, b["input_ids"], m, views, chunk=chunk, counted=b.get("counted"))
+            score_views(pruned, b["input_ids"], m, views, chunk=chunk, counted=b.get("counted"), answers=b.get("answers"))
             for b, m in zip(batches, masks)
         ]
     # A pass holds every view's final hidden states of its windows: passes are cut to `PASS_BYTES` of them.
@@ -102,14 +117,9 @@ def _score_pass(pruned: PrunedModel, batches: list[dict], order: list[str], chun
     out = []
     with onloaded(*{id(m): m for m in modules}.values()):
         for b, (ids, mask) in enumerate(zip(windows.ids, windows.masks)):
-            targets, valid = next_token_targets(ids, mask)
-            counted = batches[b].get("counted")
-            if counted is not None:
-                valid = valid & counted.to(valid.device).bool()[:, None]
             states = {view: hidden[view][b][:, :-1] for view in order}
-            out.append(
-                score_hidden(states, heads, targets, valid, reference=DENSE, chunk=tokens_per_chunk(vocab, chunk))
-            )
+            counted, answers = batches[b].get("counted"), batches[b].get("answers")
+            out.append(_scores(pruned, states, heads, ids, mask, chunk, counted, answers))
     return out
 
 
@@ -152,22 +162,31 @@ def inference_parameters(pruned: PrunedModel, view: str, method: str | None = No
 def evaluate(
     pruned: PrunedModel,
     views: list[str],
-    windows: dict[str, torch.Tensor],
+    windows: dict[str, torch.Tensor | ChatWindows],
     batch_size: int,
     *,
     chunk: int | None = None,
     methods: dict[str, str | None] | None = None,
 ) -> dict[str, ViewResult]:
-    """Every view on every source's windows, in one process (the Lightning test loop does the same per batch);
-    `methods`: the method behind each view (`RunConfig.method_of`), for its parameter count."""
+    """Every view on every source's windows (a chat source's: `ChatWindows`), in one process (the Lightning
+    test loop does the same per batch); `methods`: the method behind each view (`RunConfig.method_of`), for its
+    parameter count."""
     device = model_device(pruned.model)
     tally = ViewTally(views, list(windows), reference=DENSE).to(device)
-    for si, ids in enumerate(windows.values()):
-        batches = [{"input_ids": part.to(device)} for part in ids.split(batch_size)]
+    for si, source in enumerate(windows.values()):
+        batches = [{k: v.to(device) for k, v in batch.items()} for batch in window_batches(source, batch_size)]
         for scores in score_batches(pruned, batches, views, chunk=chunk):
             for view in views:
                 tally.update(view, si, scores[view])
     return view_results(tally, pruned, methods)
+
+
+def window_batches(windows: torch.Tensor | ChatWindows, batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """A source's windows as batches: ids with a full attention mask, or a chat source's with its masks."""
+    if isinstance(windows, ChatWindows):
+        parts = [t.split(batch_size) for t in (windows.input_ids, windows.attention_mask, windows.answers)]
+        return [{"input_ids": i, "attention_mask": m, "answers": a} for i, m, a in zip(*parts)]
+    return [{"input_ids": b, "attention_mask": torch.ones_like(b)} for b in windows.split(batch_size)]
 
 
 @torch.no_grad()

@@ -97,7 +97,7 @@ def frontier_point(
         for criterion in criteria
         for view in views
     }
-    windows = {src.label: data.eval_ids(src) for src in cfg.data.evaluation.sources}
+    windows = {src.label: data.eval_windows(src) for src in cfg.data.evaluation.sources}
     methods = cfg.methods()
     rows: list[dict] = []
     start = time.perf_counter()
@@ -172,7 +172,7 @@ def greedy_rows(
     stack = decoder_stack(llm)
     entries = {r.name: r for r in cfg.recovery}
     batches, selection = data.calibration_batches(), data.selection_batches()
-    windows = {src.label: data.eval_ids(src) for src in cfg.data.evaluation.sources}
+    windows = {src.label: data.eval_windows(src) for src in cfg.data.evaluation.sources}
     methods = cfg.methods()
     rows, searches, costs = [], {}, {}
     for view, start_blocks in starts.items():

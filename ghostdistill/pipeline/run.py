@@ -277,7 +277,7 @@ class Run:
 
     def start_evaluation(self, device=None) -> None:
         self.begin("evaluate")
-        sources = [s.label for s in self.cfg.data.evaluation.sources]
+        sources = [s.label for s in self.data.eval_sources]
         self.tally = ViewTally(self.views, sources, reference=DENSE).to(device or model_device(self.llm))
 
     @torch.no_grad()
@@ -309,7 +309,7 @@ class Run:
     def evaluate(self) -> None:
         """Every view on every evaluation source in this process (what the Lightning test loop does)."""
         with self.phase("evaluate"):
-            windows = {s.label: self.data.eval_ids(s) for s in self.cfg.data.evaluation.sources}
+            windows = {s.label: self.data.eval_windows(s) for s in self.data.eval_sources}
             methods = {view: self.cfg.method_of(view) for view in self.views}
             self.report.views = evaluate(
                 self.pruned,
@@ -343,7 +343,9 @@ class Run:
         if not (self.cfg.evaluation.analysis and (self.write or self.sharded)):
             return
         with self.phase("analyse"), self.report.timed("analysis"):
-            first = self.cfg.data.evaluation.sources[0]
+            first = next((s for s in self.data.eval_sources if s.chat is None), None)
+            if first is None:
+                return  # the alignment error reads text windows; a chat source's are padded answers
             windows = self.data.eval_ids(first)[: self.cfg.evaluation.analysis_windows]
             calibration, size = self.data.calibration_ids(), self.cfg.data.batch_size
             self.report.analysis = analysis(self.pruned, windows, calibration, size, first.label)

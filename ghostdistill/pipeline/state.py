@@ -21,6 +21,7 @@ from ..core.model import ModelConfig, decoder_stack, hidden_size, model_key
 from ..core.plan import PruningPlan
 from ..methods import Collector, RecoveryConfig, make_collectors, statistics_layout
 from ..planning import PlanConfig, repair_config
+from .data_config import section_settings
 
 STATE_FILE = "calibration_state.pt"
 # Version of `calibration_state.pt`; a file of another version is recomputed, never reinterpreted.
@@ -178,10 +179,10 @@ def run_key(cfg, llm: nn.Module) -> str:
     """The fingerprint of a run's statistics (`cfg`: its `pipeline.config.RunConfig`); results.json's
     `calibration.fingerprint`."""
     methods = {r.method for r in cfg.recovery}
-    calibration = asdict(cfg.data.calibration)
+    calibration = section_settings(cfg.data.calibration)
     if cfg.plan.repair_aware():
         # The plan these statistics belong to was chosen on the selection windows (and its repair method).
-        calibration["selection"] = asdict(cfg.data.selection)
+        calibration["selection"] = section_settings(cfg.data.selection)
         calibration["repair_method"] = repair_config(cfg.plan, cfg.recovery).settings()
     return fingerprint(cfg.model, llm, cfg.plan, calibration, cfg.data.batch_size, methods, recovery=cfg.recovery)
 

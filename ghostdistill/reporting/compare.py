@@ -202,6 +202,7 @@ def gather(runs: list[tuple[dict, dict]], spec: dict) -> dict:
                         "ppl": m["ppl"],
                         "kl": m.get("kl"),
                         "top1": m.get("top1"),
+                        "prefix": m.get("prefix"),
                         "acc": None,
                         "acc_norm": None,
                         "items": None,
@@ -217,6 +218,7 @@ def gather(runs: list[tuple[dict, dict]], spec: dict) -> dict:
                         "ppl": None,
                         "kl": None,
                         "top1": None,
+                        "prefix": None,
                         "acc": m["acc"],
                         "acc_norm": m.get("acc_norm"),
                         "items": m.get("n"),
@@ -248,6 +250,7 @@ def to_markdown(report: dict) -> str:
     plans = list(dict.fromkeys(r["plan"] for r in rows))
     views = list(dict.fromkeys(r["view"] for r in rows))
     sources = list(dict.fromkeys(r["source"] for r in rows if not r["source"].startswith("zeroshot/")))
+    chat = [s for s in sources if any(r["prefix"] is not None for r in rows if r["source"] == s)]
     cal, ev = report["calibration"], report["evaluation"]
     lines = [
         "# ghostdistill compare",
@@ -262,6 +265,9 @@ def to_markdown(report: dict) -> str:
         "",
     ]
     for source in sources:
+        if source in chat:
+            lines += chat_table(rows, plans, views, source)
+            continue
         lines.append(
             f"Perplexity on {source} (KL to dense in parentheses; fit time in seconds, after the shared statistics pass):"
         )
@@ -304,6 +310,21 @@ def to_markdown(report: dict) -> str:
     lines.append("Shared statistics pass (s): " + ", ".join(f"{p} {t}" for p, t in stats.items()))
     lines.append("")
     return "\n".join(lines)
+
+
+def chat_table(rows: list[dict], plans: list[str], views: list[str], source: str) -> list[str]:
+    """The chat score per view and plan: KL on the dense model's answers, top-1, shared prefix (`pipeline.chat`)."""
+    scored = [r for r in rows if r["source"] == source and r["kl"] is not None]
+    cells = {(r["plan"], r["view"]): f"{r['kl']:.3f} ({r['top1']:.3f}; {r['prefix']:.1f})" for r in scored}
+    return [
+        f"Chat score on {source}: KL to dense on the dense model's greedy answers (top-1 agreement; tokens the "
+        "view's greedy answer shares with the dense one before they differ, mean per instruction):",
+        "",
+        "| method | " + " | ".join(plans) + " |",
+        "|---|" + "---|" * len(plans),
+        *(f"| {view} | " + " | ".join(cells.get((p, view), "–") for p in plans) + " |" for view in views),
+        "",
+    ]
 
 
 def plot(report: dict, path: Path) -> None:

@@ -20,12 +20,15 @@ from typing import Any
 @dataclass
 class SourceMetrics:
     """One view on one evaluation source: perplexity over `tokens` next-token predictions, and (for
-    every view but dense) mean per-token KL(dense ‖ view) and top-1 agreement with the dense model."""
+    every view but dense) mean per-token KL(dense ‖ view) and top-1 agreement with the dense model; on a
+    chat source (the chat score, `pipeline.chat`) those are on the dense model's answer tokens, and `prefix`
+    is the mean number of answer tokens the view's greedy answer shares with the dense one."""
 
     ppl: float
     tokens: int
     kl: float | None = None
     top1: float | None = None
+    prefix: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}

@@ -13,22 +13,33 @@ from .planning import plan_section, plot_plan
 from .report import RunReport
 
 
+def chat_sources(report: dict) -> list[str]:
+    """The evaluation sources that are chat scores (their views have a `prefix`, `pipeline.chat`)."""
+    views = report.get("views", {}).values()
+    return [
+        s
+        for s in dict.fromkeys(s for e in views for s in e["metrics"])
+        if any("prefix" in e["metrics"].get(s, {}) for e in views)
+    ]
+
+
 def markdown_table(report: dict) -> str:
+    """Per view: parameters, and per source perplexity, KL and top-1; a chat source shows KL, top-1 and the
+    shared prefix instead (its perplexity is that of the dense model's own answers: in results.json)."""
     views: dict = report.get("views", {})
     sources = list(next(iter(views.values()))["metrics"]) if views else []
+    chat = chat_sources(report)
     head = ["view", "params (M)"]
     for s in sources:
-        head += [f"{s} PPL", f"{s} KL", f"{s} top-1"]
+        head += [f"{s} KL", f"{s} top-1", f"{s} prefix"] if s in chat else [f"{s} PPL", f"{s} KL", f"{s} top-1"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for view, entry in views.items():
         row = [view, f"{entry['params'] / 1e6:.1f}"]
         for s in sources:
             m = entry["metrics"][s]
-            row += [
-                f"{m['ppl']:.2f}",
-                f"{m['kl']:.3f}" if "kl" in m else "–",
-                f"{m['top1']:.3f}" if "top1" in m else "–",
-            ]
+            row += [] if s in chat else [f"{m['ppl']:.2f}"]
+            row += [f"{m['kl']:.3f}" if "kl" in m else "–", f"{m['top1']:.3f}" if "top1" in m else "–"]
+            row += [f"{m['prefix']:.1f}" if "prefix" in m else "–"] if s in chat else []
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -154,8 +165,16 @@ def render_markdown(report: dict) -> str:
         f"- calibration: {src.get('source')} (documents from {src.get('first_document')}), "
         f"{cal.get('windows')} × {cal.get('seq_len')} tokens, seed {cal.get('seed')}",
         f"- evaluation: windows of {ev.get('seq_len')} tokens; "
-        + ", ".join(f"{k}: {v.get('windows')} windows of {v.get('source')}" for k, v in ev.get("sources", {}).items()),
+        + ", ".join(_source_text(k, v) for k, v in ev.get("sources", {}).items()),
         "- KL is KL(dense ‖ view) per token in nats; top-1 is agreement with the dense model's argmax.",
+        *(
+            [
+                "- the chat score (prefix: how many answer tokens the view's own greedy answer shares with the dense "
+                "one before they first differ, mean per instruction): KL and top-1 on the dense model's answer tokens."
+            ]
+            if chat_sources(report)
+            else []
+        ),
         "",
         markdown_table(report),
         "",
@@ -196,6 +215,16 @@ def render_markdown(report: dict) -> str:
     return "\n".join(parts)
 
 
+def _source_text(name: str, source: dict) -> str:
+    if "chat" not in source:
+        return f"{name}: {source.get('windows')} windows of {source.get('source')}"
+    where = "the shipped held-out instructions" if source.get("source") == "generate" else source.get("source")
+    return (
+        f"{name}: the dense model's greedy answers (at most {source.get('answer_tokens')} tokens) to "
+        f"{source.get('windows')} instructions ({where})"
+    )
+
+
 def _phase_cell(name: str, phase: dict) -> str:
     times = f" ×{phase['count']}" if phase.get("count", 1) > 1 else ""
     peak = phase.get("peak_gib")
@@ -209,7 +238,9 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     views = report["views"]
-    sources = list(next(iter(views.values()))["metrics"])
+    sources = [s for s in next(iter(views.values()))["metrics"] if s not in chat_sources(report)]
+    if not sources:
+        return
     fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(views) * max(1, len(sources)) / 2, 3.6))
     width = 0.8 / len(sources)
     for j, s in enumerate(sources):
@@ -255,7 +286,7 @@ def write_report(run_dir: Path, report: RunReport | dict) -> list[Path]:
     paths = [run_dir / "results.json", run_dir / "results.md"]
     atomic_write_json(paths[0], report)
     atomic_write_text(paths[1], render_markdown(report))
-    if report.get("views"):
+    if report.get("views") and len(chat_sources(report)) < len(next(iter(report["views"].values()))["metrics"]):
         paths.append(run_dir / "results.png")
         plot(report, paths[-1])
     if any("repaired_kl" in row for row in report.get("plan", {}).get("candidates", {}).values()):

@@ -137,6 +137,31 @@ def test_accumulate_fits_every_gap_of_a_non_contiguous_plan():
     assert kl("ghost") < kl("pruned")
 
 
+def test_a_statistics_mask_narrows_the_sums_to_the_tokens_it_marks():
+    """Chat calibration's ``chat.tokens: answers`` (`data.chat`): the forward sees every token, the statistics sum
+    only the marked ones: equal to feeding the collector those tokens' taps by hand."""
+    model = tiny_model("llama", num_layers=6)
+    plan = PruningPlan.from_layers([2, 3], 6)
+    pm = PrunedModel(model, plan)
+    gap = plan.gaps[0]
+    batch = _batches(1, batch=2, seq=16)[0]
+    narrow = torch.zeros(2, 16, dtype=torch.long)
+    narrow[0, 5:11] = 1
+    narrow[1, 9:] = 1
+    narrow[:, 0] = 1
+    stats = {gap.key: {"ghost": GhostStatistics(64)}}
+    tokens = accumulate(model, pm.stack, plan.gaps, [{**batch, "statistics_mask": narrow}], stats)
+    assert tokens == int(narrow.sum())
+    streams, first = residual_streams(model, pm.stack, batch["input_ids"], None, [gap.start, gap.stop])
+    by_hand = GhostStatistics(64)
+    by_hand.update(GapTaps(streams[gap.start], streams[gap.stop], narrow, first))
+    for group in GhostStatistics.GROUPS:
+        torch.testing.assert_close(stats[gap.key]["ghost"].xtx[group], by_hand.xtx[group])
+    everything = {gap.key: {"ghost": GhostStatistics(64)}}
+    accumulate(model, pm.stack, plan.gaps, [batch], everything)
+    assert not torch.allclose(everything[gap.key]["ghost"].xtx["plain_rest"], by_hand.xtx["plain_rest"])
+
+
 # ---------------------------------------------------------------- reliability
 def _ppl_kl(pm, ids):
     from ghostdistill.core.head import final_hidden, output_head

@@ -1,0 +1,146 @@
+"""The data sections of a run's config: calibration, evaluation, distillation training and validation, the
+repair-aware plan's selection windows, and `DataConfig` holding them (the data module's arguments).
+`pipeline.data.RunData` turns them into token windows."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ..data import TextSource, validate_source
+
+
+@dataclass
+class CalibrationData:
+    """Calibration text: `num_samples` windows of `seq_len` tokens, deterministic for `seed`.
+
+    With ``source: generate`` the dense model writes them itself (data-free); the tokens are cached in
+    the run folder so a resumed run does not sample again.
+    """
+
+    source: TextSource = field(default_factory=lambda: TextSource(source="c4"))
+    num_samples: int = 128
+    seq_len: int = 2048
+    seed: int = 0
+
+
+@dataclass
+class EvaluationData:
+    """Held-out text for perplexity and teacher fidelity (KL, top-1 agreement), windows of `seq_len`.
+
+    `max_windows` keeps only the first windows of each source (for quick runs; results say so); a chat
+    source scores every instruction (`max_documents` keeps the first). `chat`: the chat score
+    (`pipeline.chat`), null: on for a model with a chat template; true: on; false: off.
+    """
+
+    sources: list[TextSource] = field(default_factory=lambda: [TextSource(source="wikitext2")])
+    seq_len: int = 2048
+    max_windows: int | None = None
+    chat: bool | None = None
+
+
+@dataclass
+class TrainData:
+    """Distillation training windows: random windows (as calibration draws them), deterministic for
+    `seed`. `source: null` trains on the calibration windows themselves (LinearPatch's recipe).
+    Windows never overlap an evaluation window cut from the same text (checked; the run stops)."""
+
+    source: TextSource | None = None
+    num_samples: int = 128
+    seq_len: int = 2048
+    seed: int = 0
+
+
+@dataclass
+class ValidationData:
+    """Held-out windows that validation during distillation reads (KL to the teacher and perplexity
+    per method): the first `num_windows` non-overlapping windows of `source`, which must not overlap
+    the evaluation windows. `source: null` validates on nothing (only the final evaluation)."""
+
+    source: TextSource | None = None
+    num_windows: int = 8
+    seq_len: int = 2048
+
+
+@dataclass
+class SelectionData:
+    """Held-out windows on which the repair-aware plan criteria (`plan.criterion` ``repair``,
+    ``repair_greedy``) score every repaired candidate: the first `num_windows` non-overlapping windows of
+    `source`, which must share no text with the calibration or evaluation windows (checked; the run stops).
+    `source: null` with self-generated calibration text generates further windows with another seed; with
+    a text source it is an error naming the fix (take later documents of the same text).
+
+    Read only by those criteria."""
+
+    source: TextSource | None = None
+    num_windows: int = 8
+    seq_len: int = 512
+
+
+@dataclass
+class DataConfig:
+    """All of a run's data settings (the data module's arguments)."""
+
+    calibration: CalibrationData = field(default_factory=CalibrationData)
+    evaluation: EvaluationData = field(default_factory=EvaluationData)
+    train: TrainData = field(default_factory=TrainData)
+    validation: ValidationData = field(default_factory=ValidationData)
+    batch_size: int = 4
+    selection: SelectionData = field(default_factory=SelectionData)
+
+    def validate(self) -> None:
+        """What the values alone decide (before any tokenizer or model is loaded)."""
+        positive = {
+            "calibration.num_samples": self.calibration.num_samples,
+            "calibration.seq_len": self.calibration.seq_len,
+            "evaluation.seq_len": self.evaluation.seq_len,
+            "batch_size": self.batch_size,
+            "train.num_samples": self.train.num_samples,
+            "train.seq_len": self.train.seq_len,
+            "validation.num_windows": self.validation.num_windows,
+            "validation.seq_len": self.validation.seq_len,
+            "selection.num_windows": self.selection.num_windows,
+            "selection.seq_len": self.selection.seq_len,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ValueError(f"data.{name} must be a positive integer, got {value}")
+            if value < 2 and name in ("evaluation.seq_len", "validation.seq_len", "selection.seq_len"):
+                raise ValueError(f"data.{name} {value}: a scored window must hold at least 2 tokens; use 2 or more")
+        if self.evaluation.max_windows is not None and self.evaluation.max_windows < 1:
+            raise ValueError(f"data.evaluation.max_windows must be >= 1 or null, got {self.evaluation.max_windows}")
+        validate_source(self.calibration.source, "data.calibration.source")
+        for i, src in enumerate(self.evaluation.sources):
+            validate_source(src, f"data.evaluation.sources[{i}]", for_eval=True)
+        for what in ("train", "validation", "selection"):
+            src = getattr(self, what).source
+            if src is not None and src.chat is not None and what != "train":
+                raise ValueError(f"data.{what}.source: a chat source reads as calibration or training windows only")
+            if src is not None:
+                validate_source(src, f"data.{what}.source")
+        labels = [s.label for s in self.evaluation.sources]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"evaluation sources need distinct names; got {labels} (set `name:` on each)")
+
+    def describe(self) -> dict:
+        """The sections as results.json records them (records held in memory by their count, not their text)."""
+        sections = ("calibration", "evaluation", "train", "validation", "selection")
+        return {k: _brief(asdict(getattr(self, k))) for k in sections}
+
+
+def _brief(value):
+    if isinstance(value, dict):
+        return {k: f"{len(v)} in memory" if k == "records" and v else _brief(v) for k, v in value.items()}
+    return [_brief(v) for v in value] if isinstance(value, list) else value
+
+
+def section_settings(section) -> dict:
+    """A data section's settings as a dict, less its source's `chat` and `records` while they are unset: what
+    keys the statistics' fingerprint and the generated-text caches, so that those of a text source read as
+    they did before chat sources existed."""
+    out = asdict(section)
+    source = out.get("source")
+    if isinstance(source, dict):
+        for key in ("chat", "records"):
+            if source.get(key) is None:
+                source.pop(key, None)
+    return out
