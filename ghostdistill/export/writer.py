@@ -74,17 +74,7 @@ def export_view(
         raise FileExistsError(
             f"export folder {target} exists; pass overwrite (export.overwrite: true / --overwrite) to replace it"
         )
-    info = dict(info or {})
-    info.setdefault("view", view)
-    info.setdefault("method", method)
-    info.setdefault(
-        "plan",
-        {
-            "num_layers": pruned.plan.num_layers,
-            "removed": list(pruned.plan.removed),
-            "gaps": [g.key for g in pruned.plan.gaps],
-        },
-    )
+    info = view_info(pruned, view, method, info)
     target.parent.mkdir(parents=True, exist_ok=True)
     clean_orphans(target)
     # The process id in the name tells a later export whether the folder is still being written.
@@ -108,6 +98,19 @@ def export_view(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def view_info(pruned: PrunedModel, view: str, method: str | None, info: dict | None) -> dict:
+    """What config.json records under `ghostdistill`: `info`, with the view, its method and the plan where it
+    does not say."""
+    info = dict(info or {})
+    info.setdefault("view", view)
+    info.setdefault("method", method)
+    plan = pruned.plan
+    info.setdefault(
+        "plan", {"num_layers": plan.num_layers, "removed": list(plan.removed), "gaps": [g.key for g in plan.gaps]}
+    )
+    return info
 
 
 def view_state(pruned: PrunedModel, view: str, method: str | None, info: dict):

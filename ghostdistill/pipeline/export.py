@@ -2,6 +2,7 @@
 
     export_views(pruned, tokenizer, report, cfg, views, root)    an in-memory run (the end of `fit`)
     reload.export_run(run_dir, cfg, views)                         a run folder, without a Trainer
+    run_view_model(pruned, report, cfg, view)                      one view in memory, as its folder loads
 
 `formats` picks what is written per view: ``hf`` (the folder `<root>/<view>`, `export.writer`) and ``gguf``
 (`<root>/<view>.<type>.gguf` per type of `gguf_types`, `export.gguf`; plain views only, operator views are
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from ..core.views import DENSE, PRUNED, PrunedModel
 from ..distill.config import Student
-from ..export import export_view
+from ..export import export_view, view_model
 from ..export.gguf import DEFAULT_GGUF_TYPES, check_formats, check_gguf_types, check_gguf_views, export_gguf, gguf_path
 from .config import RunConfig
 
@@ -140,18 +141,13 @@ def export_views(
 ) -> list[Path]:
     """Write each of `views` of an in-memory run in `formats` under `root`; `report` is the run's results.
     Returns `export_targets`' paths."""
-    check_views(cfg, views, formats=formats, gguf_types=gguf_types)
-    specs = {s.name: s for s in cfg.distill.specs()}
-    missing = [v for v in views if v not in pruned.views]
-    if missing:
-        raise ValueError(f"cannot export {missing}: they were not built in this run (views: {pruned.views})")
+    check_built(pruned, cfg, views, formats, gguf_types)
     existing = [str(p) for p in export_targets(root, views, formats, gguf_types) if p.exists()]
     if existing and not overwrite:
         raise FileExistsError(f"export targets {existing} exist; pass overwrite (--overwrite / export.overwrite: true)")
     paths: list[Path] = []
     for view in views:
-        method = cfg.method_of(view)
-        info = provenance(report, view, method, seed, specs.get(view))
+        method, info = view_provenance(report, cfg, view, seed)
         if "hf" in formats:
             paths.append(
                 export_view(
@@ -170,3 +166,32 @@ def export_views(
                 overwrite=overwrite,
             )
     return paths
+
+
+def check_built(
+    pruned: PrunedModel,
+    cfg: RunConfig,
+    views: list[str],
+    formats: Sequence[str] = ("hf",),
+    gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
+) -> None:
+    """`check_views`, and that this in-memory run built every one of `views`."""
+    check_views(cfg, views, formats=formats, gguf_types=gguf_types)
+    missing = [v for v in views if v not in pruned.views]
+    if missing:
+        raise ValueError(f"cannot export {missing}: they were not built in this run (views: {pruned.views})")
+
+
+def view_provenance(report: dict, cfg: RunConfig, view: str, seed: int | None) -> tuple[str | None, dict]:
+    """(the method behind `view`, what its export records: `provenance`)."""
+    method = cfg.method_of(view)
+    student = next((s for s in cfg.distill.specs() if s.name == view), None)
+    return method, provenance(report, view, method, seed, student)
+
+
+def run_view_model(pruned: PrunedModel, report: dict, cfg: RunConfig, view: str, seed: int | None = None):
+    """`view` of an in-memory run as a `transformers` model: the model its `export_views` folder loads as
+    (`export.model.view_model`), with the same provenance in its config."""
+    check_built(pruned, cfg, [view])
+    method, info = view_provenance(report, cfg, view, seed)
+    return view_model(pruned, view, method=method, info=info)

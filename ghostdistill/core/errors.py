@@ -1,0 +1,31 @@
+"""What a user's mistake is, and how it reads: one line that names the bad value, what is valid and the fix.
+
+The command line prints such an error as `error: <line>` and exits 2 (`cli.entry`); the Python API
+(`ghostdistill.repair`, ...) raises it as one exception type, `GhostdistillError`. Both classify by
+`USER_ERRORS`: the exception types the checks raise for bad input (anything else is a bug and keeps its
+traceback).
+"""
+
+from __future__ import annotations
+
+# What bad input raises; anything else is a bug and keeps its traceback.
+USER_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+    ImportError,
+    RuntimeError,
+)
+
+
+class GhostdistillError(ValueError):
+    """A user mistake reported by the Python API: the command line's one-line message (the original
+    exception is its `__cause__`). A ValueError, so code that catches ValueError keeps working."""
+
+
+def one_line(err: BaseException) -> str:
+    """The error's message on one line (its type's name when it has none)."""
+    return " ".join(str(err).split()) or type(err).__name__
