@@ -176,11 +176,13 @@ def distill_student(
         recipe: the `DistillConfig` (what trains, learning rates, LoRA, loss, `val_every`, `keep`); default
             the operators of `method` with `fit`'s defaults. Its first student is returned.
         validation: held-out text validated during training (`keep: best` keeps the best step); None: none.
-        texts: evaluation text scored after training (as `evaluate`'s); None: none.
+        texts: evaluation text scored after training (as `evaluate`'s, in windows of `seq_len`; the table is
+            printed, and written with a `workdir`); None: none.
         trainer: further Trainer keywords, as a config file's `trainer` section (gradient_clip_val, precision,
             accumulate_grad_batches, ...).
         The rest as `repair`'s; `device` None is Lightning's ``accelerator: auto``. With a `workdir` the run
-        folder is `fit`'s: results.json, checkpoints/last.ckpt. Training LoRA or blocks of a model object
+        folder is `fit`'s: results.json, checkpoints/last.ckpt, which a call of the same settings resumes from
+        (`fit --ckpt_path last`). Training LoRA or blocks of a model object
         adds the adapters to it (off outside the student's view).
     """
     from ..lit.trainer import fit_run
@@ -199,7 +201,9 @@ def distill_student(
                 source=None if validation is None else text_source(validation, "validation", opts, folder),
                 seq_len=opts.seq_len,
             ),
-            evaluation=EvaluationData(sources=[] if texts is None else evaluation_sources(texts, opts, folder)),
+            evaluation=EvaluationData(
+                sources=[] if texts is None else evaluation_sources(texts, opts, folder), seq_len=opts.seq_len
+            ),
         )
         model_cfg, obj = model_source(model, opts)
         cfg = _config(model_cfg, opts, folder, num_layers, [recovery], calibration, distill=recipe, **data)
@@ -207,9 +211,8 @@ def distill_student(
         device = torch.device(opts.device).type if opts.device is not None else "auto"
         settings = {"accelerator": {"cuda": "gpu"}.get(device, device), **(trainer or {})}
         try:
-            fit_run(
-                run, Path(opts.workdir or folder), max_steps=steps, progress=opts.progress, seed=opts.seed, **settings
-            )
+            root, resume = Path(opts.workdir or folder), "last" if opts.workdir is not None else None
+            fit_run(run, root, max_steps=steps, progress=opts.progress, seed=opts.seed, ckpt_path=resume, **settings)
             return run_view_model(run.pruned, run.report.to_dict(), run.cfg, recipe.views()[0], opts.seed)
         finally:
             _release(run)

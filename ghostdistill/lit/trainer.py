@@ -17,7 +17,7 @@ from lightning.pytorch import Callback, Trainer
 
 from ..pipeline.run import Run
 from .callbacks import Calibration, Export, Report
-from .checkpoint import LastCheckpoint
+from .checkpoint import LastCheckpoint, resolve_ckpt_path
 from .datamodule import GhostDataModule
 from .module import GhostDistill
 
@@ -80,10 +80,18 @@ def fit_and_test(trainer: Trainer, module: GhostDistill, data: GhostDataModule, 
 
 
 def fit_run(
-    run: Run, root: Path, *, max_steps: int = 0, progress: bool = True, seed: int | None = 0, **trainer_options
+    run: Run,
+    root: Path,
+    *,
+    max_steps: int = 0,
+    progress: bool = True,
+    seed: int | None = 0,
+    ckpt_path: str | None = None,
+    **trainer_options,
 ) -> Run:
     """`run` through `fit`'s Trainer, in the run folder `root`: calibration, distillation of the students with
     `max_steps` > 0, evaluation, the report. `seed`: `seed_everything` first, as `fit`'s (None: not seeded).
+    `ckpt_path`: resume as `fit --ckpt_path` does (``last``: `<root>/checkpoints/last.ckpt`, when there is one).
     `trainer_options`: further Trainer keywords (e.g. `gradient_clip_val`, `precision`, `accelerator`), as a
     config file's `trainer` section."""
     from lightning.pytorch import seed_everything
@@ -96,5 +104,7 @@ def fit_run(
     options.update(default_root_dir=str(root), max_steps=max_steps)
     extra = [Calibration(progress=progress)]
     callbacks = run_callbacks(extra, root, max_steps, run.cfg.distill.checkpoint_every)
-    fit_and_test(Trainer(callbacks=callbacks, **options), module, data)
+    trainer = Trainer(callbacks=callbacks, **options)
+    ckpt = resolve_ckpt_path(ckpt_path, Path(root), trainer.is_global_zero) if max_steps else None
+    fit_and_test(trainer, module, data, ckpt)
     return run

@@ -11,7 +11,8 @@
     run.zeroshot(step), run.analyse(), run.write_report(), run.export(views, root)
 
 The Lightning layer (`ghostdistill.lit`) owns the loop, the devices and the checkpoints and calls these
-phases from its hooks; `frontier`, `export <run>` and `tests/test_phases.py` call them without a Trainer.
+phases from its hooks; `frontier`, `export <run>`, the Python API (`pipeline.direct`) and
+`tests/test_phases.py` call them without a Trainer.
 Why one object: the state a run builds (model, views, students, report) used to travel through
 attributes of the LightningModule and the callbacks, and the order of the phases was implicit in
 Lightning's hook order; here both are written down once.
