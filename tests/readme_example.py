@@ -39,7 +39,11 @@ def call_arguments(code: str, name: str) -> tuple[list, dict]:
 
 def prompt_text(code: str) -> str:
     """The text the example generates from (what `prompt = tokenizer(...)` encodes)."""
-    (node,) = [n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Assign) and n.targets[0].id == "prompt"]
+    (node,) = [
+        n
+        for n in ast.walk(ast.parse(code))
+        if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name) and n.targets[0].id == "prompt"
+    ]
     return ast.literal_eval(node.value.args[0])
 
 

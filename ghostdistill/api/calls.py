@@ -185,12 +185,13 @@ def distill_student(
         (`fit --ckpt_path last`). Training LoRA or blocks of a model object
         adds the adapters to it (off outside the student's view).
     """
-    from ..lit.trainer import fit_run
+    from ..lit.trainer import check_trainer_options, fit_run
 
     opts = Options.of(options, "distill_student")
     if steps < 1:
         raise GhostdistillError(f"steps {steps}: distillation takes at least one step; repair() is training-free")
     with user_errors(), console(opts), _folder(opts) as folder:
+        check_trainer_options(trainer or {})
         recovery = _recovery(method)
         recipe = recipe if recipe is not None else DistillConfig(methods=[recovery.name])
         data = dict(

@@ -154,6 +154,8 @@ def text_source(value, what: str, opts: Options, folder: Path, name: str | None 
         return value
     if isinstance(value, (str, os.PathLike)):
         return TextSource(source=str(value), name=name, text_field=opts.text_field)
+    if isinstance(value, Sequence) and value and all(is_conversation(t) for t in value):
+        return chat_source(value, what, folder, name)
     texts = in_memory_texts(value, what, opts.text_field)
     digest = hashlib.sha256()
     for text in texts:
@@ -185,8 +187,6 @@ def in_memory_texts(value, what: str, text_field: str) -> list[str]:
         return [str(t) for t in value[text_field]]
     if isinstance(value, Sequence) and value and all(isinstance(t, str) for t in value):
         return list(value)
-    if isinstance(value, Sequence) and value and all(is_conversation(t) for t in value):
-        return conversations(value, what)
     kind = (
         type(value).__name__ if not isinstance(value, Sequence) or not value else f"a list of {type(value[0]).__name__}"
     )
@@ -201,9 +201,12 @@ def is_conversation(value) -> bool:
     return isinstance(value, Sequence) and bool(value) and all(isinstance(m, Mapping) and "role" in m for m in value)
 
 
-def conversations(value, what: str) -> list[str]:
-    """The extension point for conversations (lists of messages): the chat calibration source of issue 43 §1
-    renders them through the tokenizer's chat template. Until it exists, they are refused with the way out."""
+def chat_source(value: Sequence, what: str, folder: Path, name: str | None) -> TextSource:
+    """Conversations (lists of messages) as a run's source: THE EXTENSION POINT for the chat sources of issue
+    43 §1 (branch i43, not merged here yet), which render conversations through the tokenizer's chat template.
+    With them, write each conversation as a JSON line ``{"messages": [...]}`` under `folder` (named by its
+    content, as `text_source` writes texts) and return ``TextSource(source=<that file>, name=name or what,
+    chat=ChatSettings())``: `fit`'s chat source of that file. Until then they are refused with the way out."""
     raise GhostdistillError(
         f"{what}: conversations (lists of messages) need the chat calibration source, which this version does "
         "not have; render them as text first: [tokenizer.apply_chat_template(m, tokenize=False) for m in conversations]"

@@ -22,8 +22,11 @@ USER_ERRORS = (
 
 
 class GhostdistillError(ValueError):
-    """A user mistake reported by the Python API: the command line's one-line message (the original
-    exception is its `__cause__`). A ValueError, so code that catches ValueError keeps working."""
+    """A user mistake reported by the Python API: the command line's one-line message. A ValueError, so code
+    that catches ValueError keeps working. `original`: the exception the check raised (None when the API's own
+    check raised this one); it is not chained, so that a notebook shows the one line, not the library's frames."""
+
+    original: BaseException | None = None
 
 
 def one_line(err: BaseException) -> str:

@@ -66,6 +66,23 @@ def run_callbacks(extra: list[Callback], root: Path, max_steps: int | None, chec
     return callbacks
 
 
+# What `fit_run` sets itself, and the argument of the caller's that sets it.
+OWNED = {"max_steps": "max_steps (the API's steps)", "default_root_dir": "the run folder (the API's workdir)"}
+
+
+def check_trainer_options(options: dict) -> None:
+    """`options` are Trainer keywords that `fit_run` leaves to its caller: a one-line error before any work
+    otherwise (a misspelt key would be a TypeError from deep inside Lightning)."""
+    import inspect
+
+    known = set(inspect.signature(Trainer.__init__).parameters) - {"self", "callbacks", *OWNED}
+    owned = [f"{k}: set by {OWNED[k]}" for k in options if k in OWNED]
+    unknown = sorted(k for k in options if k not in known and k not in OWNED)
+    if owned or unknown:
+        problem = "; ".join([*owned, *([f"{unknown} are not Trainer arguments"] if unknown else [])])
+        raise ValueError(f"trainer settings {sorted(options)}: {problem}; the others are {sorted(known)}")
+
+
 def fit_and_test(trainer: Trainer, module: GhostDistill, data: GhostDataModule, ckpt_path: str | None = None) -> None:
     """Distil when there are steps to take (resuming from `ckpt_path`), then evaluate every view (on the
     evaluation sources: a run without any, the Python API's `distill_student` of no `texts`, ends after training)."""
@@ -96,6 +113,7 @@ def fit_run(
     config file's `trainer` section."""
     from lightning.pytorch import seed_everything
 
+    check_trainer_options(trainer_options)
     if seed is not None:
         seed_everything(seed, verbose=False)
     module = GhostDistill.from_run(run)

@@ -59,7 +59,7 @@ def test_repair_saves_what_fit_plus_export_writes(fitted, tiny, text_files, tmp_
     repaired = ghostdistill.repair(model, tok, method=method, calibration=calibration_texts(text_files), **SMALL)
     stock = method == "rotation_anchored"
     assert isinstance(repaired, GhostPrunedForCausalLM) != stock
-    assert repaired.config.num_hidden_layers == 4 if stock else repaired.config.text_config.num_hidden_layers == 4
+    assert repaired.config.num_hidden_layers == 4
     ours, theirs = saved(repaired, tmp_path / "ours"), load_file(fitted / "export" / method / "model.safetensors")
     assert sorted(ours) == sorted(theirs)
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
@@ -131,13 +131,15 @@ def test_distill_student_is_fits_student(tiny_dir, tiny, text_files, tmp_path):
     assert not torch.equal(student.gap_operators[0].delta, repaired.gap_operators[0].delta)  # it trained
 
 
-def test_quiet_calls_print_nothing(tiny, text_files, capfd):
+def test_quiet_calls_print_nothing_and_bars_show_when_asked(tiny, text_files, capfd):
     model, tok = tiny
     ghostdistill.repair(model, tok, calibration=calibration_texts(text_files), **SMALL)
     out, err = capfd.readouterr()
     assert out == "" and "it/s" not in err, (out, err)
     ghostdistill.repair(model, tok, calibration=calibration_texts(text_files), **{**SMALL, "verbose": True})
     assert "remove layers [2, 3]" in capfd.readouterr().out
+    ghostdistill.repair(model, tok, calibration=calibration_texts(text_files), **{**SMALL, "progress": True})
+    assert "calibration statistics: 100%" in capfd.readouterr().err  # tqdm.auto's bar (a widget in a notebook)
 
 
 @pytest.mark.parametrize(
@@ -154,6 +156,8 @@ def test_quiet_calls_print_nothing(tiny, text_files, capfd):
         (lambda m, t: ghostdistill.repair(m, t, 2, calibration=["too short"]), "windows of 2048 tokens"),
         (lambda m, t: ghostdistill.repair(m, t, layers=[0, 1]), "removes the first or last layer"),
         (lambda m, t: ghostdistill.distill_student(m, t, steps=0), "at least one step"),
+        (lambda m, t: ghostdistill.distill_student(m, t, trainer={"gradient_clip": 1}), "['gradient_clip'] are not"),
+        (lambda m, t: ghostdistill.distill_student(m, t, trainer={"max_steps": 9}), "the API's steps"),
         (lambda m, t: ghostdistill.repair("/no/such/model", method="nope"), "recovery method 'nope'"),
     ],
 )

@@ -67,7 +67,7 @@ def test_the_readme_example_runs_and_equals_fit_plus_export(tmp_path):
     assert ghost_a == ghost_b
 
     # Both folders, reloaded where ghostdistill cannot be imported, generate and score alike.
-    tok, prompt = AutoTokenizer.from_pretrained(ours), prompt_text(code)
+    tok, prompt = AutoTokenizer.from_pretrained(ours, trust_remote_code=True), prompt_text(code)
     windows = torch.tensor(tok(WIKITEXT_HEAD.read_text()[:20_000]).input_ids[: 2 * 256]).view(2, 256)
     inputs = tmp_path / "inputs.pt"
     torch.save({"prompts": [tok(prompt).input_ids], "new": 16, "windows": windows, "batch_size": 2}, inputs)
