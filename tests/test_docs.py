@@ -180,3 +180,19 @@ def test_help_exits_0(sub: str, monkeypatch, capsys) -> None:
     code = exit_code(args)
     assert capsys.readouterr().out.strip(), f"{' '.join(args)} printed nothing"
     assert code in (0, None), f"{' '.join(args)} exited {code!r}"
+
+
+def test_the_readme_python_example_is_short_and_is_the_code_the_api_test_runs(monkeypatch, capsys) -> None:
+    """The README's Python API block is at most ten lines of Python, and it is what
+    tests/api/test_readme_example.py runs (it reads the block, `readme_example`, and runs it as it is); the
+    `fit` of its settings, which that test compares it with, parses."""
+    from readme_example import fit_arguments, readme_example
+
+    code = readme_example()
+    assert len(code.splitlines()) <= 10, code
+    compile(code, "README.md (Python API)", "exec")
+    test = (ROOT / "tests" / "api" / "test_readme_example.py").read_text()
+    assert "code = readme_example()" in test and '[sys.executable, "-c", code]' in test
+    monkeypatch.chdir(ROOT)
+    code_ = exit_code([*fit_arguments(code, ROOT / "runs" / "readme_example"), "--print_config"])
+    assert code_ in (0, None), capsys.readouterr().err[-2000:]

@@ -12,7 +12,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ghostdistill"
 
-# Lowest first. A module may import from its own layer's modules and from lower layers only.
+# Lowest first. A module may import from its own layer's modules and from lower layers only. `cli` and `api` are
+# both top layers (the command line, the Python functions), beside each other: neither imports the other.
 LAYERS = [
     "core",
     "methods",
@@ -27,6 +28,7 @@ LAYERS = [
     "pipeline",
     "lit",
     "cli",
+    "api",
 ]
 
 
@@ -132,6 +134,11 @@ def test_lower_layers_never_import_upper_ones():
             if other in LAYERS and LAYERS.index(other) > LAYERS.index(own):
                 bad.append(f"{module} imports {dep}")
     assert not bad, "\n".join(bad)
+
+
+def test_the_two_top_layers_never_import_each_other():
+    crossing = [f"{m} imports {d}" for m, deps in GRAPH.items() for d in deps if {layer(m), layer(d)} == {"cli", "api"}]
+    assert not crossing, crossing
 
 
 def test_every_layer_is_a_known_subpackage():

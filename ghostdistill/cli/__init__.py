@@ -19,9 +19,10 @@ from __future__ import annotations
 import os
 import sys
 
-from ..core.io import NoSpaceError
+from ..core.errors import USER_ERRORS, one_line
+from ..lit.trainer import quiet_console
 from .export import load_run_config, run_export
-from .fit import GhostDistillCLI, build_fit, check_strategy_config, quiet_console, run_fit
+from .fit import GhostDistillCLI, build_fit, check_strategy_config, run_fit
 from .runs import run_compare, run_frontier_command
 
 __all__ = [
@@ -78,21 +79,6 @@ def main(args: list[str] | None = None):
     raise SystemExit(2)
 
 
-# What bad input (or a full disk, a place another process holds) raises; anything else is a bug and keeps its
-# traceback.
-USER_ERRORS = (
-    NoSpaceError,
-    ValueError,
-    FileNotFoundError,
-    FileExistsError,
-    NotADirectoryError,
-    IsADirectoryError,
-    PermissionError,
-    ImportError,
-    RuntimeError,
-)
-
-
 def entry() -> None:
     """The `ghostdistill` script and `python -m ghostdistill`: bad input ends in one line `error: ...` and exit
     status 2; `GHOSTDISTILL_DEBUG=1` shows the traceback instead."""
@@ -111,6 +97,5 @@ def entry() -> None:
     except USER_ERRORS as err:
         if os.environ.get("GHOSTDISTILL_DEBUG"):
             raise
-        message = " ".join(str(err).split()) or type(err).__name__
-        print(f"error: {message}  (GHOSTDISTILL_DEBUG=1 shows the traceback)", file=sys.stderr)
+        print(f"error: {one_line(err)}  (GHOSTDISTILL_DEBUG=1 shows the traceback)", file=sys.stderr)
         raise SystemExit(2) from None

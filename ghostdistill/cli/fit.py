@@ -5,43 +5,22 @@ reuse."""
 
 from __future__ import annotations
 
-import inspect
 import json
-import logging
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Optional
 
 from lightning.pytorch.cli import LightningCLI
 
-from ..core.lock import hold_folder
-from ..lit.callbacks import Calibration, Export, Report
-from ..lit.checkpoint import LastCheckpoint, resolve_ckpt_path
+from ..lit.callbacks import Calibration, Export
+from ..lit.checkpoint import resolve_ckpt_path
 from ..lit.datamodule import GhostDataModule
 from ..lit.interrupts import terminate_on_sigterm
 from ..lit.module import GhostDistill, tensor_parallel_refusal
+from ..lit.trainer import TRAINER_DEFAULTS, fit_and_test, run_callbacks
 from ..methods import RecoveryConfig
 from ..reporting.report import result_settings
-
-
-class _DropTips(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("💡 Tip")
-
-
-def quiet_console() -> None:
-    """A run's console shows the plan, progress, the result table and where files went, not library chatter:
-    Lightning's advertising tip, a deprecation inside Lightning's own pytree helper, and LightningCLI's note on
-    `args` (calls of `main` from Python pass their own arguments on purpose)."""
-    # rank_zero_info logs through this logger (a filter on a logger sees only its own records).
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropTips())
-    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
-
-
-quiet_console()
 
 
 class GhostDistillCLI(LightningCLI):
@@ -58,13 +37,7 @@ class GhostDistillCLI(LightningCLI):
         )
         parser.set_defaults(
             {
-                "trainer.max_steps": 0,
-                "trainer.logger": False,
-                "trainer.enable_checkpointing": False,
-                "trainer.enable_model_summary": False,
-                "trainer.num_sanity_val_steps": 0,
-                "trainer.default_root_dir": "runs/default",
-                "trainer.devices": 1,
+                **{f"trainer.{key}": value for key, value in TRAINER_DEFAULTS.items()},
                 "model.recovery": [{"name": "ghost", "method": "ghost"}],
             }
         )
@@ -90,18 +63,13 @@ class GhostDistillCLI(LightningCLI):
         check_run_settings(trainer.get("max_steps"), trainer.get("default_root_dir"), self.config.get("ckpt_path"))
 
     def instantiate_trainer(self, **kwargs):
-        extra = kwargs.pop("callbacks", []) or []
-        # Export writes after the report, so a failed export never costs the results.
-        callbacks = [
-            *(c for c in extra if not isinstance(c, Export)),
-            Report(),
-            *(c for c in extra if isinstance(c, Export)),
-        ]
-        steps = self.config["trainer"].get("max_steps", 0)
-        if steps and steps > 0:
-            # `<run>/checkpoints/last.ckpt` every distill.checkpoint_every steps and at the end.
-            every = self.config["model"]["distill"]["checkpoint_every"] or steps
-            callbacks.append(LastCheckpoint(Path(self.config["trainer"]["default_root_dir"]) / "checkpoints", every))
+        trainer = self.config["trainer"]
+        callbacks = run_callbacks(
+            kwargs.pop("callbacks", []) or [],
+            Path(trainer["default_root_dir"]),
+            trainer.get("max_steps", 0),
+            self.config["model"]["distill"]["checkpoint_every"],
+        )
         return super().instantiate_trainer(callbacks=callbacks, **kwargs)
 
 
@@ -213,15 +181,11 @@ def run_fit(args: list[str]) -> GhostDistillCLI:
         cli = build_fit(args)
         trainer, model, data = cli.trainer, cli.model, cli.datamodule
         model.run.report.settings = settings_of(cli)  # results.json: what compare checks before reusing it
-        # One `fit` per run folder at a time (rank 0 of several holds it); the lock goes with the process.
-        root = Path(trainer.default_root_dir)
-        advice = "wait for it to finish, or choose another trainer.default_root_dir"
-        with hold_folder(root, f"ghostdistill fit into {root}", advice, trainer.is_global_zero):
-            if trainer.max_steps != 0:
-                ckpt = resolve_ckpt_path(cli.config.get("ckpt_path"), root, trainer.is_global_zero)
-                # weights_only (Lightning >= 2.6): tensors and plain data only; `resolve_ckpt_path` has already
-                # checked that `last` loads so, for older Lightning too.
-                safe = {"weights_only": True} if "weights_only" in inspect.signature(trainer.fit).parameters else {}
-                trainer.fit(model, datamodule=data, ckpt_path=ckpt, **safe)
-            trainer.test(model, datamodule=data, verbose=False)
+        ckpt = None
+        if trainer.max_steps != 0:
+            # `resolve_ckpt_path` checks that `last` loads with weights_only, for older Lightning too.
+            ckpt = resolve_ckpt_path(
+                cli.config.get("ckpt_path"), Path(trainer.default_root_dir), trainer.is_global_zero
+            )
+        fit_and_test(trainer, model, data, ckpt)
         return cli

@@ -232,8 +232,13 @@ def load_tokenizer(cfg: ModelConfig):
     name, kwargs = _from_pretrained(cfg)
     with _readable_gguf(name, kwargs):
         tok = AutoTokenizer.from_pretrained(name, **kwargs)
+    return padded(tok)
+
+
+def padded(tok):
+    """The tokenizer with a pad token (its EOS when it has none): padding is always masked out of every loss
+    and statistic, so any id will do."""
     if tok.pad_token_id is None:
-        # Padding is always masked out of every loss and statistic, so any id will do.
         tok.pad_token = tok.eos_token
     return tok
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -70,14 +71,23 @@ def calibration_windows(tokenizer, src: TextSource, seq_len: int, num_samples: i
 
 @torch.no_grad()
 def generate_windows(
-    model, tokenizer, seq_len: int, num_samples: int, seed: int, batch_size: int = 8, progress: bool = True
+    model,
+    tokenizer,
+    seq_len: int,
+    num_samples: int,
+    seed: int,
+    batch_size: int = 8,
+    progress: bool | Callable[[Iterable, str], Iterable] = True,
 ) -> torch.Tensor:
     """Data-free calibration: the dense model samples its own text from the start token.
 
     Plain ancestral sampling (temperature 1, no top-k/top-p) so the windows follow the model's own
-    distribution; EOS is suppressed so every window is full length.
+    distribution; EOS is suppressed so every window is full length. `progress`: a bar (tqdm's, or a run's
+    `(items, desc)` wrapper) or none.
     """
     from tqdm.auto import tqdm
+
+    bar = progress if callable(progress) else lambda items, desc: tqdm(items, desc=desc, disable=not progress)
 
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     if start is None:
@@ -92,7 +102,7 @@ def generate_windows(
     out = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        for lo in tqdm(range(0, num_samples, batch_size), desc="generating calibration text", disable=not progress):
+        for lo in bar(range(0, num_samples, batch_size), "generating calibration text"):
             n = min(batch_size, num_samples - lo)
             prompt = torch.full((n, 1), start, dtype=torch.long, device=device)
             seqs = model.generate(

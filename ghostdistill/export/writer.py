@@ -43,7 +43,7 @@ from .parts import WRAPPER_AUTO_MAP, exporting, save_parts, view_parts, view_sta
 # Inside a temporary folder: the view being written, and the folder it replaces, moved aside.
 NEW, OLD = "new", "old"
 
-__all__ = ["WRAPPER_AUTO_MAP", "check_target", "clean_orphans", "export_view", "view_state"]
+__all__ = ["WRAPPER_AUTO_MAP", "check_target", "clean_orphans", "export_view", "view_info", "view_state"]
 
 
 def export_view(
@@ -78,17 +78,7 @@ def export_view(
                 part.load()
         return target
     check_target(target, "folder", overwrite, "overwrite (export.overwrite: true / --overwrite)")
-    info = dict(info or {})
-    info.setdefault("view", view)
-    info.setdefault("method", method)
-    info.setdefault(
-        "plan",
-        {
-            "num_layers": pruned.plan.num_layers,
-            "removed": list(pruned.plan.removed),
-            "gaps": [g.key for g in pruned.plan.gaps],
-        },
-    )
+    info = view_info(pruned, view, method, info)
     target.parent.mkdir(parents=True, exist_ok=True)
     with (
         hold(lock_path(target), f"export of view {view} to {target}", "wait for that export to finish"),
@@ -149,6 +139,19 @@ def check_target(path: str | os.PathLike, kind: str, overwrite: bool, flag: str 
             f"export target {path} is a file where a model folder goes; move or remove it, or choose another dir "
             "(overwrite replaces folders, never files)"
         )
+
+
+def view_info(pruned: PrunedModel, view: str, method: str | None, info: dict | None) -> dict:
+    """What config.json records under `ghostdistill`: `info`, with the view, its method and the plan where it
+    does not say."""
+    info = dict(info or {})
+    info.setdefault("view", view)
+    info.setdefault("method", method)
+    plan = pruned.plan
+    info.setdefault(
+        "plan", {"num_layers": plan.num_layers, "removed": list(plan.removed), "gaps": [g.key for g in plan.gaps]}
+    )
+    return info
 
 
 def _tied_names(model: nn.Module, config, kind: str) -> set[str]:

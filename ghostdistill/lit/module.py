@@ -86,7 +86,19 @@ class GhostDistill(LightningModule):
         # `data` is the data module's settings, linked in by `cli.fit` when it is built: the run's config
         # is complete (and validated, by `Run`) before anything loads.
         cfg = RunConfig(model, plan, recovery, evaluation, distill, data if data is not None else DataConfig())
-        self.run = Run(cfg, log=rank_zero_info, warn=rank_zero_warn)
+        self._hold(Run(cfg, log=rank_zero_info, warn=rank_zero_warn))
+
+    @classmethod
+    def from_run(cls, run: Run) -> GhostDistill:
+        """The module around a run built elsewhere (`lit.trainer.fit_run`: a typed config, perhaps a model
+        object already loaded), instead of one it builds from its arguments."""
+        module = cls.__new__(cls)
+        LightningModule.__init__(module)
+        module._hold(run)
+        return module
+
+    def _hold(self, run: Run) -> None:
+        self.run, cfg = run, run.cfg
         self.save_hyperparameters(
             {k: asdict(v) if k != "recovery" else [asdict(r) for r in v] for k, v in vars(cfg).items() if k != "data"}
         )

@@ -14,7 +14,11 @@ views, students, report, fingerprint):
                     `finish_evaluation` (`evaluate.view_results`), or `Run.evaluate` in one process
 5. `Run.zeroshot`, `Run.analyse`  lm-eval accuracy; operator anatomy and alignment (`evaluate`)
 6. `Run.write_report`  `reporting.write_report(RunReport)`: results.json, results.md and the plots
-7. `Run.export`     `export.export_views`; a finished run folder: `reload.load_run` / `reload.export_run`
+7. `Run.export`     `export.export_views`; a finished run folder: `reload.load_run` / `reload.export_run`;
+                    one view as a model in memory: `export.run_view_model`
+
+`direct.run_training_free(Run(cfg), run_dir)` runs 1-6 training-free for a typed `RunConfig` (the Python
+API's runs); distillation goes through `fit`'s Trainer (`lit.trainer.fit_run`).
 
 Each phase's seconds and peak memory go to the run's `on_phase` observers (`run.observe`) and to
 results.json's `phases`. The Lightning layer (`ghostdistill.lit`) calls the same phases from its hooks

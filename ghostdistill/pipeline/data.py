@@ -48,7 +48,7 @@ class RunData:
         cfg: the data settings.
         tokenizer: the model's tokenizer.
         run_dir: where self-generated calibration text is cached (None: not cached).
-        dense: a context that gives the dense model, for self-generated text (entered only then).
+        dense: a context that gives the dense model, for self-generated text (entered only then; bar: `progress`).
         model_key: what identifies the model that generates (its token ids mean nothing to another one).
         write: whether this process writes the cache (rank 0 of several).
     """
@@ -61,9 +61,10 @@ class RunData:
         dense: Callable[[], AbstractContextManager[nn.Module]] | None = None,
         model_key: dict | None = None,
         write: bool = True,
+        progress: bool | Callable = True,
     ) -> None:
         self.cfg, self.tokenizer, self.run_dir = cfg, tokenizer, run_dir
-        self.dense, self.model_key, self.write = dense, model_key or {}, write
+        self.dense, self.model_key, self.write, self.progress = dense, model_key or {}, write, progress
         self._calibration: torch.Tensor | None = None
         self._answers: torch.Tensor | None = None  # a chat calibration's answer tokens
         self._chat: dict[str, ChatWindows] = {}
@@ -81,7 +82,7 @@ class RunData:
         if self.dense is None:
             raise ValueError("source: generate needs the dense model, which this run did not provide")
         with self.dense() as model:
-            return generate_windows(model, self.tokenizer, seq_len, n, seed, self.batch_size)
+            return generate_windows(model, self.tokenizer, seq_len, n, seed, self.batch_size, progress=self.progress)
 
     def generated_cache(self, what: str = "calibration") -> Path | None:
         """Where self-generated `what` (calibration, train) tokens are kept: keyed by the model that wrote them
@@ -204,9 +205,9 @@ class RunData:
         """What needs only the tokenizer, before minutes of calibration: every evaluation text (and, when
         distilling, the training and validation text) yields its windows, and a window longer than the
         model's position limit gets a warning."""
-        lengths = {"calibration": self.cfg.calibration.seq_len, "evaluation": self.cfg.evaluation.seq_len}
-        # A null source reads nothing at its length (training then reads the calibration windows), so only
-        # the lengths of sources that are set are checked.
+        # Lengths of set sources only: a null train source reads the calibration windows; `repair` reads no evaluation.
+        cal, ev = self.cfg.calibration, self.cfg.evaluation
+        lengths = {"calibration": cal.seq_len, **({"evaluation": ev.seq_len} if ev.sources else {})}
         if distilling and self.cfg.train.source is not None:
             lengths["train"] = self.cfg.train.seq_len
         if distilling and self.cfg.validation.source is not None:

