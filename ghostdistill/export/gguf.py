@@ -271,7 +271,15 @@ def export_gguf(
                 ours.insert(0, ("F32", source))
             for gguf_type, path in ours:
                 write_gguf(
-                    path, tensors, config, tokenizer, gguf_type, name=view, info=info, vocab_source=vocab_source, write=write
+                    path,
+                    tensors,
+                    config,
+                    tokenizer,
+                    gguf_type,
+                    name=view,
+                    info=info,
+                    vocab_source=vocab_source,
+                    write=write,
                 )
         del parts, tensors
         if quants and write:

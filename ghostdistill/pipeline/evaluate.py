@@ -84,7 +84,9 @@ def score_batches(
     masks = [b.get("attention_mask", torch.ones_like(b["input_ids"])) for b in batches]
     if not is_offloaded(pruned.model):
         return [
-            score_views(pruned, b["input_ids"], m, views, chunk=chunk, counted=b.get("counted"), answers=b.get("answers"))
+            score_views(
+                pruned, b["input_ids"], m, views, chunk=chunk, counted=b.get("counted"), answers=b.get("answers")
+            )
             for b, m in zip(batches, masks)
         ]
     # A pass holds every view's final hidden states of its windows: passes are cut to `PASS_BYTES` of them.
@@ -113,7 +115,6 @@ def _score_pass(pruned: PrunedModel, batches: list[dict], order: list[str], chun
         with pruned.use(view) as model:
             heads[view] = output_head(model)
             modules.append(model.get_output_embeddings())
-    vocab = pruned.model.get_output_embeddings().weight.shape[0]
     out = []
     with onloaded(*{id(m): m for m in modules}.values()):
         for b, (ids, mask) in enumerate(zip(windows.ids, windows.masks)):
