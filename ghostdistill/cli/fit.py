@@ -13,11 +13,12 @@ from typing import Optional
 
 from lightning.pytorch.cli import LightningCLI
 
+from ..distill.parallel import tensor_parallel_refusal
 from ..lit.callbacks import Calibration, Export
 from ..lit.checkpoint import resolve_ckpt_path
 from ..lit.datamodule import GhostDataModule
 from ..lit.interrupts import terminate_on_sigterm
-from ..lit.module import GhostDistill, tensor_parallel_refusal
+from ..lit.module import GhostDistill
 from ..lit.trainer import TRAINER_DEFAULTS, fit_and_test, run_callbacks
 from ..methods import RecoveryConfig
 from ..reporting.report import result_settings

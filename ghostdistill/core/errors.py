@@ -8,7 +8,11 @@ traceback).
 
 from __future__ import annotations
 
-from .io import NoSpaceError
+
+class NoSpaceError(OSError):
+    """A write failed because the disk is full (or the user's quota spent): one line naming the disk, what
+    could not be written and, where known, the space it needed (raised by `core.io`)."""
+
 
 # What bad input (or a full disk, a place another process holds) raises; anything else is a bug and keeps its
 # traceback.

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .errors import NoSpaceError
+
 
 def current_umask() -> int:
     """The process's umask (reading it means setting it; it is put straight back)."""
@@ -39,11 +41,6 @@ def publish_permissions(folder: str | os.PathLike) -> None:
             path = os.path.join(root, name)
             if not os.path.islink(path):
                 os.chmod(path, 0o666 & ~mask)
-
-
-class NoSpaceError(OSError):
-    """A write failed because the disk is full (or the user's quota spent): one line naming the disk, what
-    could not be written and, where known, the space it needed."""
 
 
 # What a full disk looks like when the writer hides errno: safetensors (Rust) and torch.save's zip writer.

@@ -97,3 +97,23 @@ def ranks_agree(params: list[torch.Tensor], reduce) -> bool:
     not noise); `reduce(tensor, reduce_op=...)` is the strategy's reduction."""
     check = torch.stack([full_tensor(p).detach().double().sum() for p in params])
     return bool(((reduce(check.clone(), reduce_op="max") - reduce(check.clone(), reduce_op="min")) == 0).all())
+
+
+def tensor_parallel_refusal(devices) -> str:
+    """The one-line fix for a `ModelParallelStrategy` that would split the processes into tensor-parallel ranks."""
+    n = devices if isinstance(devices, int) else "N"
+    return (
+        "ModelParallelStrategy: ghostdistill shards every phase with FSDP2 over all processes and runs no tensor "
+        f"parallelism: set init_args.data_parallel_size: {n} (the number of processes, trainer.devices × "
+        "num_nodes) and tensor_parallel_size: 1"
+    )
+
+
+def shard_mesh(device_mesh):
+    """The mesh FSDP2 shards over: the data-parallel dimension of `ModelParallelStrategy`'s mesh, which must
+    span every process (ghostdistill runs no tensor parallelism)."""
+    names = device_mesh.mesh_dim_names or ()
+    mesh = device_mesh["data_parallel"] if "data_parallel" in names else device_mesh
+    if mesh.size() != device_mesh.size():
+        raise ValueError(tensor_parallel_refusal(device_mesh.size()))
+    return mesh

@@ -23,7 +23,7 @@ from ..core.offload import is_offloaded
 from ..core.views import PrunedModel
 from ..distill.config import DistillConfig
 from ..distill.optim import clip_per_student, make_optimizer
-from ..distill.parallel import ranks_agree
+from ..distill.parallel import ranks_agree, shard_mesh
 from ..methods import RecoveryConfig
 from ..pipeline.calibrate import Dist
 from ..pipeline.config import EvalConfig, RunConfig
@@ -39,26 +39,6 @@ NO_DISTILL_METHODS = (
 
 # The model stays in eval mode while the students train (see `GhostDistill.train`): intended.
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
-
-
-def tensor_parallel_refusal(devices) -> str:
-    """The one-line fix for a `ModelParallelStrategy` that would split the processes into tensor-parallel ranks."""
-    n = devices if isinstance(devices, int) else "N"
-    return (
-        "ModelParallelStrategy: ghostdistill shards every phase with FSDP2 over all processes and runs no tensor "
-        f"parallelism: set init_args.data_parallel_size: {n} (the number of processes, trainer.devices × "
-        "num_nodes) and tensor_parallel_size: 1"
-    )
-
-
-def shard_mesh(device_mesh):
-    """The mesh FSDP2 shards over: the data-parallel dimension of `ModelParallelStrategy`'s mesh, which must
-    span every process (ghostdistill runs no tensor parallelism)."""
-    names = device_mesh.mesh_dim_names or ()
-    mesh = device_mesh["data_parallel"] if "data_parallel" in names else device_mesh
-    if mesh.size() != device_mesh.size():
-        raise ValueError(tensor_parallel_refusal(device_mesh.size()))
-    return mesh
 
 
 class GhostDistill(LightningModule):

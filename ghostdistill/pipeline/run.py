@@ -25,8 +25,8 @@ CLI) and to results.json's `phases`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -49,38 +49,14 @@ from .config import RunConfig
 from .data import RunData
 from .evaluate import analysis, evaluate, score_batches, view_digests, view_results, views_to_evaluate, zeroshot
 from .export import export_views
+from .phases import PhaseObserver as PhaseObserver
+from .phases import Phases
+from .phases import observe as observe
 from .state import STATE_FILE, open_state, run_key
 from .train import BestSteps, build_students, distill_step, validate
 
-GIB = 2**30
 
-
-class PhaseObserver:
-    """Told when each phase of a `Run` starts and how long it took (`info`: e.g. a step's tokens)."""
-
-    def start(self, name: str, run: Run) -> None:
-        pass
-
-    def on_phase(self, name: str, seconds: float, peak_bytes: int | None, run: Run, **info) -> None:
-        pass
-
-
-_OBSERVERS: list[PhaseObserver] = []
-
-
-@contextmanager
-def observe(*observers: PhaseObserver) -> Iterator[None]:
-    """Every `Run` of this process reports to `observers` while the block runs (a `fit` started through
-    the CLI, whose `Run` the caller never holds)."""
-    _OBSERVERS.extend(observers)
-    try:
-        yield
-    finally:
-        for o in observers:
-            _OBSERVERS.remove(o)
-
-
-class Run:
+class Run(Phases):
     """One run's state and phases. `log`/`warn`: where messages go (rank 0's logger under Lightning);
     `write`: whether this process writes files (rank 0 of several). `model`/`tokenizer`: objects already
     loaded (the Python API's), used instead of loading `cfg.model` (which then only names them); the model is
@@ -114,30 +90,6 @@ class Run:
         # The compute device an offloaded model's blocks are brought to (the strategy's, under Lightning).
         self.device: torch.device | None = None
         self._pending: list = []  # evaluation batches held for one block-by-block pass (offloaded weights)
-
-    # ------------------------------------------------------------------ phases
-    def begin(self, name: str) -> None:
-        for o in [*self.observers, *_OBSERVERS]:
-            o.start(name, self)
-        self._peak.start()
-        self._since[name] = time.perf_counter()
-
-    def end(self, name: str, **info) -> None:
-        seconds, peak = time.perf_counter() - self._since.pop(name), self._peak.stop()
-        row = self.report.phases.setdefault(name, {"seconds": 0.0, "count": 0, "peak_gib": None})
-        row["seconds"], row["count"] = round(row["seconds"] + seconds, 3), row["count"] + 1
-        if peak is not None:
-            row["peak_gib"] = max(row["peak_gib"] or 0.0, round(peak / GIB, 3))
-        for o in [*self.observers, *_OBSERVERS]:
-            o.on_phase(name, seconds, peak, self, **info)
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        self.begin(name)
-        try:
-            yield
-        finally:
-            self.end(name)
 
     # ------------------------------------------------------------------ setup
     def load(self, mesh=None, device=None) -> torch.nn.Module:

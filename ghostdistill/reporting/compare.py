@@ -18,14 +18,13 @@ seed, ...); otherwise it runs again, and the console says which settings differ 
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 from pathlib import Path
 
 from ..core.checks import check_unique
-from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text, read_mapping
-from .flags import flagged
+from ..core.io import atomic_write_json, atomic_write_text, read_mapping
+from .compare_tables import plot, to_csv
+from .compare_tables import to_markdown as to_markdown
 from .report import other_settings
 
 PLAN_KEYS = {
@@ -234,121 +233,6 @@ def gather(runs: list[tuple[dict, dict]], spec: dict) -> dict:
         "seed": first["calibration"].get("seed"),
         "rows": rows,
     }
-
-
-def to_csv(rows: list[dict]) -> str:
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
-    writer.writeheader()
-    for r in rows:
-        writer.writerow({**r, "removed": " ".join(map(str, r["removed"]))})
-    return buf.getvalue()
-
-
-def to_markdown(report: dict) -> str:
-    rows = report["rows"]
-    plans = list(dict.fromkeys(r["plan"] for r in rows))
-    views = list(dict.fromkeys(r["view"] for r in rows))
-    sources = list(dict.fromkeys(r["source"] for r in rows if not r["source"].startswith("zeroshot/")))
-    chat = [s for s in sources if any(r["prefix"] is not None for r in rows if r["source"] == s)]
-    cal, ev = report["calibration"], report["evaluation"]
-    lines = [
-        "# ghostdistill compare",
-        "",
-        f"- model: `{report['model']['source']}` ({report['model']['dtype']})",
-        f"- calibration: {cal['source']['source']} (documents {cal['source']['first_document']}–"
-        f"{'end' if cal['source']['max_documents'] is None else cal['source']['first_document'] + cal['source']['max_documents'] - 1}), "
-        f"{cal['windows']} × {cal['seq_len']} tokens, seed {cal['seed']}",
-        f"- evaluation: windows of {ev['seq_len']} tokens; "
-        + ", ".join(f"{k}: {v['windows']} windows of {v['source']}" for k, v in ev["sources"].items()),
-        "- removed layers: " + "; ".join(f"{p}: {next(r['removed'] for r in rows if r['plan'] == p)}" for p in plans),
-        "",
-    ]
-    for source in sources:
-        if source in chat:
-            lines += chat_table(rows, plans, views, source)
-            continue
-        lines.append(
-            f"Perplexity on {source} (KL to dense in parentheses; fit time in seconds, after the shared statistics pass):"
-        )
-        lines.append("")
-        lines.append("| method | " + " | ".join(plans) + " | fit time (s) |")
-        lines.append("|---|" + "---|" * (len(plans) + 1))
-        for view in views:
-            cells, times = [], []
-            for p in plans:
-                r = next((r for r in rows if r["plan"] == p and r["view"] == view and r["source"] == source), None)
-                if r is None:
-                    cells.append("–")
-                    continue
-                cells.append(f"{r['ppl']:.2f}" + (f" ({r['kl']:.3f})" if r["kl"] is not None else ""))
-                if r["fit_s"] is not None:
-                    times.append(f"{r['fit_s']:.1f}")
-            lines.append(f"| {view} | " + " | ".join(cells) + f" | {' / '.join(times) or '–'} |")
-        lines.append("")
-    if any(r["source"] == "zeroshot/average" for r in rows):
-        lines.append("Zero-shot average accuracy (lm-evaluation-harness):")
-        lines.append("")
-        lines.append("| method | " + " | ".join(plans) + " |")
-        lines.append("|---|" + "---|" * len(plans))
-        for view in views:
-            cells = []
-            for p in plans:
-                r = next(
-                    (r for r in rows if r["plan"] == p and r["view"] == view and r["source"] == "zeroshot/average"),
-                    None,
-                )
-                cells.append("–" if r is None else f"{r['acc']:.3f}")
-            lines.append(f"| {view} | " + " | ".join(cells) + " |")
-        lines.append("")
-    flags = flagged(rows)
-    if flags:
-        lines += ["Not to ship (flagged as under each run's table, `reporting.results.view_warnings`):", ""]
-        lines += [f"- {f}" for f in flags]
-        lines.append("")
-    stats = {p: next(r["statistics_s"] for r in rows if r["plan"] == p) for p in plans}
-    lines.append("Shared statistics pass (s): " + ", ".join(f"{p} {t}" for p, t in stats.items()))
-    lines.append("")
-    return "\n".join(lines)
-
-
-def chat_table(rows: list[dict], plans: list[str], views: list[str], source: str) -> list[str]:
-    """The chat score per view and plan: KL on the dense model's answers, top-1, shared prefix (`pipeline.chat`)."""
-    scored = [r for r in rows if r["source"] == source and r["kl"] is not None]
-    cells = {(r["plan"], r["view"]): f"{r['kl']:.3f} ({r['top1']:.3f}; {r['prefix']:.1f})" for r in scored}
-    return [
-        f"Chat score on {source}: KL to dense on the dense model's greedy answers (top-1 agreement; tokens the "
-        "view's greedy answer shares with the dense one before they differ, mean per instruction):",
-        "",
-        "| method | " + " | ".join(plans) + " |",
-        "|---|" + "---|" * len(plans),
-        *(f"| {view} | " + " | ".join(cells.get((p, view), "–") for p in plans) + " |" for view in views),
-        "",
-    ]
-
-
-def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in report["rows"] if r["ppl"] is not None]
-    source = rows[0]["source"]
-    criteria = list(dict.fromkeys(r["criterion"] for r in rows))
-    fig, axes = plt.subplots(1, len(criteria), figsize=(5.2 * len(criteria), 4), squeeze=False)
-    for ax, crit in zip(axes[0], criteria):
-        sub = [r for r in rows if r["criterion"] == crit and r["source"] == source]
-        for view in dict.fromkeys(r["view"] for r in sub):
-            pts = sorted((r["layers_removed"], r["ppl"]) for r in sub if r["view"] == view)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=view)
-        ax.set_yscale("log")
-        ax.set_xlabel("layers removed")
-        ax.set_ylabel(f"{source} perplexity (log scale)")
-        ax.set_title(f"criterion: {crit}", fontsize=9)
-        ax.legend(fontsize=7)
-    atomic_savefig(fig, path)
-    plt.close(fig)
 
 
 def write(root: Path, report: dict) -> None:
