@@ -23,7 +23,7 @@ import torch
 
 from ..core.errors import USER_ERRORS, GhostdistillError, one_line
 from ..core.model import DTYPES, ModelConfig
-from ..data import GENERATE, TextSource
+from ..data import GENERATE, ChatSettings, TextSource
 
 
 @dataclass
@@ -202,15 +202,18 @@ def is_conversation(value) -> bool:
 
 
 def chat_source(value: Sequence, what: str, folder: Path, name: str | None) -> TextSource:
-    """Conversations (lists of messages) as a run's source: THE EXTENSION POINT for the chat sources of issue
-    43 §1 (branch i43, not merged here yet), which render conversations through the tokenizer's chat template.
-    With them, write each conversation as a JSON line ``{"messages": [...]}`` under `folder` (named by its
-    content, as `text_source` writes texts) and return ``TextSource(source=<that file>, name=name or what,
-    chat=ChatSettings())``: `fit`'s chat source of that file. Until then they are refused with the way out."""
-    raise GhostdistillError(
-        f"{what}: conversations (lists of messages) need the chat calibration source, which this version does "
-        "not have; render them as text first: [tokenizer.apply_chat_template(m, tokenize=False) for m in conversations]"
-    )
+    """Conversations (lists of messages) as a run's chat source (`data.sources.ChatSettings`: rendered through
+    the tokenizer's chat template): written as JSON lines ``{"messages": [...]}`` to `folder`, named by their
+    content as `text_source` names texts."""
+    lines = [json.dumps({"messages": [dict(m) for m in conversation]}) for conversation in value]
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+    path = folder / f"{what}-chat-{digest}.jsonl"
+    if not path.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        os.replace(tmp, path)
+    return TextSource(source=str(path), name=name or what, chat=ChatSettings())
 
 
 def calibration_source(calibration, opts: Options, folder: Path) -> TextSource:

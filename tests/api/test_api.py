@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,10 +150,6 @@ def test_quiet_calls_print_nothing_and_bars_show_when_asked(tiny, text_files, ca
         (lambda m, t: ghostdistill.repair(m, t, method="nope"), "recovery method 'nope' is not known"),
         (lambda m, t: ghostdistill.repair(m, t, number_layers=2), "unknown keywords ['number_layers']"),
         (lambda m, t: ghostdistill.repair(m, t, calibration=[1, 2]), "a list of int is not text"),
-        (
-            lambda m, t: ghostdistill.repair(m, t, calibration=[[{"role": "user", "content": "hi"}]]),
-            "apply_chat_template",
-        ),
         (lambda m, t: ghostdistill.repair(m, t, 2, calibration=["too short"]), "windows of 2048 tokens"),
         (lambda m, t: ghostdistill.repair(m, t, layers=[0, 1]), "removes the first or last layer"),
         (lambda m, t: ghostdistill.distill_student(m, t, steps=0), "at least one step"),
@@ -176,3 +173,18 @@ def test_import_ghostdistill_stays_light():
     code = "import sys, ghostdistill; print('torch' in sys.modules); print(callable(ghostdistill.repair))"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["False", "True"]
+
+
+def test_conversations_are_a_chat_source(tmp_path):
+    """A list of conversations (lists of messages) becomes `fit`'s chat source of a JSONL file of them."""
+    from ghostdistill.api.options import Options, text_source
+
+    conversations = [
+        [{"role": "user", "content": "How do I boil an egg?"}, {"role": "assistant", "content": "In water."}],
+        [{"role": "user", "content": "Why is the sky blue?"}],
+    ]
+    source = text_source(conversations, "calibration", Options(), tmp_path)
+    assert source.chat is not None and source.name == "calibration"
+    lines = [json.loads(line) for line in Path(source.source).read_text().splitlines()]
+    assert [line["messages"] for line in lines] == conversations
+    assert text_source(conversations, "calibration", Options(), tmp_path).source == source.source  # by content
