@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 
 def load(folder: str, dtype: str, max_len: int, eager: bool, impl: str = "auto"):
@@ -115,12 +116,22 @@ def throughput(llms: dict, spec: dict) -> dict:
     } | {"spec": spec}
 
 
+def position_limit(folder: str) -> int:
+    """A folder's `max_position_embeddings` (its text config's in a nested config); 1024 when it has none."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    config = config.get("text_config") or config
+    return int(config.get("max_position_embeddings") or 1024)
+
+
 def main(request_path: str, out_path: str) -> None:
     import torch
 
     request = torch.load(request_path, weights_only=True)
     windows = request["windows"].tolist() if request.get("windows") is not None else []
-    max_len = max([len(p) + request["new"] for p in request["prompts"]] + [len(w) for w in windows] + [1024])
+    need = max([len(p) + request["new"] for p in request["prompts"]] + [len(w) for w in windows])
+    # At least 1024 positions, but never more than a folder's position limit (vLLM refuses a longer
+    # max_model_len: a tiny Gemma 3 of 512 positions).
+    max_len = max(need, min([1024, *(position_limit(f) for f in request["views"].values())]))
     eager = bool(request.get("eager", True))
     result: dict = {"vllm": __import__("vllm").__version__, "eager": eager, "views": {}}
     dtype = request.get("dtype", "float32")
