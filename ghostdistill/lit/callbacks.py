@@ -177,6 +177,8 @@ class Export(Callback):
         check_views(
             cfg, self.views, formats=self.format, gguf_types=self.gguf_types, imatrix=self.imatrix, schemes=self.schemes
         )
+        if not trainer.is_global_zero:
+            return  # rank 0 writes, and alone tries the folders (ranks probing one new folder at once race)
         check_targets(
             self.root(trainer),
             self.views,
