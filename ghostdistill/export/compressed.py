@@ -42,15 +42,15 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 
+from ..core.lock import marked_tmpdir
 from ..core.views import PrunedModel
 from . import compressed_oneshot
-from .writer import _replace, clean_orphans, export_view, publish_permissions
+from .writer import check_target, export_view, staged_folder
 
 FORMAT = "compressed-tensors"
 SCHEMES = ("W8A8", "W4A16", "W4A16-AWQ", "W8A16")
@@ -146,24 +146,22 @@ def export_compressed(
     targets and removed at the end."""
     python = quantize_python(python)
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     paths = [compressed_path(root, view, s) for s in schemes]
-    existing = [str(p) for p in paths if p.exists()]
-    if existing and not overwrite:
-        raise FileExistsError(f"export targets {existing} exist; pass overwrite (--overwrite / export.overwrite: true)")
     for path in paths:
-        clean_orphans(path)
-    work = Path(tempfile.mkdtemp(dir=root, prefix=f".{view}.tmp-{os.getpid()}-"))
+        check_target(path, "folder", overwrite, "overwrite (--overwrite / export.overwrite: true)")
+    # The float view and the calibration ids, once for every scheme, in a marked temporary folder (what a later
+    # export of the view cleans up if this one is killed) that goes at the end.
+    root.mkdir(parents=True, exist_ok=True)
+    work = marked_tmpdir(root, f".{view}.tmp-{os.getpid()}-", view)
     try:
         source = export_view(pruned, view, work / view, method=method, tokenizer=tokenizer, info=info)
         ids = work / "calibration_ids.pt"
         torch.save(calibration_ids.to(torch.long).cpu(), ids)
         for scheme, target in zip(schemes, paths):
-            out = work / f"{view}.{scheme}"
-            quantize_folder(python, source, ids, scheme, out, target.with_name(f"{target.name}.log"), group_size, log)
-            _provenance(out, source, scheme, calibration_ids.shape)
-            publish_permissions(out)
-            _replace(out, target)
+            with staged_folder(target, f"export of view {view} as {scheme} to {target}") as out:
+                log_path = target.with_name(f"{target.name}.log")
+                quantize_folder(python, source, ids, scheme, out, log_path, group_size, log)
+                _provenance(out, source, scheme, calibration_ids.shape)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return paths

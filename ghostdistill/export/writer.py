@@ -24,8 +24,10 @@ readable by its owner only).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -79,42 +81,52 @@ def export_view(
         return target
     check_target(target, "folder", overwrite, "overwrite (export.overwrite: true / --overwrite)")
     info = view_info(pruned, view, method, info)
-    target.parent.mkdir(parents=True, exist_ok=True)
     with (
-        hold(lock_path(target), f"export of view {view} to {target}", "wait for that export to finish"),
+        staged_folder(target, f"export of view {view} to {target}") as tmp,
         disk_space(f"export folder {target}", target.parent) as needed,
     ):
+        with exporting(pruned, view) as model:
+            if is_offloaded(model) or is_sharded(model):
+                # Weights off the device, or sharded over ranks (FSDP2): one shard per block, each written
+                # as it is made (`export.parts`), so no process holds the whole view.
+                needed["bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+                parts, config, kind = view_parts(pruned, view, method, info)
+                save_parts(parts, tmp, _tied_names(model, config, kind))
+            else:
+                state, config, kind = view_state(pruned, view, method, info)
+                needed["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
+                _save_weights(model, state, tmp)
+            config.save_pretrained(tmp)
+            generation = getattr(model, "generation_config", None)
+            if generation is not None:
+                generation.save_pretrained(tmp)
+        if kind == "operators":
+            shutil.copyfile(modeling_ghostdistill.__file__, tmp / "modeling_ghostdistill.py")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / "README.md").write_text(model_card(info, kind))
+    return target
+
+
+@contextlib.contextmanager
+def staged_folder(target: Path, what: str) -> Iterator[Path]:
+    """A new folder to fill for `target`, put in its place when the block ends without an error (the rest is
+    this module's docstring): under the target's lock, orphans of earlier exports cleaned, the folder in a
+    temporary folder marked as this tool's beside the target, given `save_pretrained`'s permissions, then
+    renamed over the target; on an error or a signal nothing new is left and an old folder stays."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with hold(lock_path(target), what, "wait for that export to finish"):
         clean_orphans(target)
         # The marker inside names this process: what lets a later export prove the folder is its to remove.
         work = marked_tmpdir(target.parent, f".{target.name}.tmp-{os.getpid()}-", target.name)
-        tmp = work / NEW
         try:
-            tmp.mkdir()
-            with exporting(pruned, view) as model:
-                if is_offloaded(model) or is_sharded(model):
-                    # Weights off the device, or sharded over ranks (FSDP2): one shard per block, each written
-                    # as it is made (`export.parts`), so no process holds the whole view.
-                    needed["bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
-                    parts, config, kind = view_parts(pruned, view, method, info)
-                    save_parts(parts, tmp, _tied_names(model, config, kind))
-                else:
-                    state, config, kind = view_state(pruned, view, method, info)
-                    needed["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
-                    _save_weights(model, state, tmp)
-                config.save_pretrained(tmp)
-                generation = getattr(model, "generation_config", None)
-                if generation is not None:
-                    generation.save_pretrained(tmp)
-            if kind == "operators":
-                shutil.copyfile(modeling_ghostdistill.__file__, tmp / "modeling_ghostdistill.py")
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-            (tmp / "README.md").write_text(model_card(info, kind))
-            publish_permissions(tmp)  # what save_pretrained gives in place; a serving user must read it
+            (work / NEW).mkdir()
+            yield work / NEW
+            publish_permissions(work / NEW)  # what save_pretrained gives in place; a serving user must read it
             _replace(work, target)
         finally:
             _discard(work, target)
-    return target
 
 
 def check_target(path: str | os.PathLike, kind: str, overwrite: bool, flag: str = "--overwrite") -> None:
