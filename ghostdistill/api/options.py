@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..core.errors import USER_ERRORS, GhostdistillError, one_line
+from ..core.io import atomic_write_text
 from ..core.model import DTYPES, ModelConfig
 from ..data import GENERATE, ChatSettings, TextSource
 
@@ -160,14 +161,15 @@ def text_source(value, what: str, opts: Options, folder: Path, name: str | None 
     digest = hashlib.sha256()
     for text in texts:
         digest.update(hashlib.sha256(text.encode()).digest())
-    path = folder / f"{what}-{digest.hexdigest()[:16]}.jsonl"
-    if not path.is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
-        os.replace(tmp, path)
+    path = records_file(folder / f"{what}-{digest.hexdigest()[:16]}.jsonl", ({"text": t} for t in texts))
     return TextSource(source=str(path), name=name or what)
+
+
+def records_file(path: Path, records) -> Path:
+    """`path`, written with `records` as JSON lines unless it exists (its name says its content), atomically."""
+    if not path.is_file():
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+    return path
 
 
 def in_memory_texts(value, what: str, text_field: str) -> list[str]:
@@ -205,14 +207,9 @@ def chat_source(value: Sequence, what: str, folder: Path, name: str | None) -> T
     """Conversations (lists of messages) as a run's chat source (`data.sources.ChatSettings`: rendered through
     the tokenizer's chat template): written as JSON lines ``{"messages": [...]}`` to `folder`, named by their
     content as `text_source` names texts."""
-    lines = [json.dumps({"messages": [dict(m) for m in conversation]}) for conversation in value]
-    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
-    path = folder / f"{what}-chat-{digest}.jsonl"
-    if not path.is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-        os.replace(tmp, path)
+    records = [{"messages": [dict(m) for m in conversation]} for conversation in value]
+    digest = hashlib.sha256("\n".join(json.dumps(r) for r in records).encode()).hexdigest()[:16]
+    path = records_file(folder / f"{what}-chat-{digest}.jsonl", records)
     return TextSource(source=str(path), name=name or what, chat=ChatSettings())
 
 

@@ -29,3 +29,13 @@ def check_unique(what: str, values: Iterable) -> list:
     if twice:
         raise ValueError(f"{what} {values} names {twice} more than once; name each once")
     return values
+
+
+def check_names(what: str, given: Iterable[str], valid: Iterable[str]) -> list[str]:
+    """`given` as a list when it is a non-empty list of `valid` names, each once; else a one-line error naming
+    the bad ones (or the repeated ones) and the valid ones."""
+    given, valid = list(given), list(valid)
+    bad = [g for g in given if g not in valid]
+    if bad or not given:
+        raise ValueError(f"{what} {bad or given} is not one of {valid}")
+    return check_unique(f"{what}s", given)

@@ -132,11 +132,12 @@ def _atomic(path: Path, write) -> None:
 def atomic_path(path: str | os.PathLike, needed: int | None = None) -> Iterator[Path]:
     """A temporary path beside `path` for a writer that opens the file itself (e.g. `gguf.GGUFWriter`):
     renamed onto `path` when the block ends (a link at `path` is replaced, never followed), removed if it
-    raises, so `path` is never half-written. `needed`: the bytes it will hold, named if the disk is full."""
+    raises, so `path` is never half-written; it has the permissions a file created in place would have. `needed`: the bytes it will hold, named if the disk is full."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with disk_space(str(path), path.parent, {"bytes": needed}):
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.fchmod(fd, 0o666 & ~current_umask())  # a plain file's permissions (mkstemp gives the owner only)
         os.close(fd)
         try:
             yield Path(tmp)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .model import ModelConfig, _from_pretrained, decoder_stack, load_model, resolve_torch_dtype
+from .offload import hook_memo, strip_hooks
 
 # Hook tables a copy does not carry over: the forward ones (FSDP2's gathers, the views' operator hooks,
 # which would act twice) of every module, and an FSDP2 unit's state-dict ones (bound to its process group).
@@ -103,13 +104,14 @@ def _fsdp_key(key: str) -> bool:
 
 
 def plain_copy(module: nn.Module) -> nn.Module:
-    """A deep copy of `module` with no hooks (FSDP2's, the views' operator hooks) and whole, plain tensors:
+    """A deep copy of `module` with no hooks (FSDP2's, accelerate's offload hooks, the views' operator hooks) and
+    whole, plain tensors (an offloaded module's as they are now: call it with the module onloaded):
     a sharded module's weights are gathered for the copy (collective: every rank calls it). FSDP2 refuses
     `copy.deepcopy` of its units, so the copy is made with their original classes and their FSDP2 state
     and hook tables mapped to nothing."""
     unit = _fsdp_module()
     with gathered(module):
-        memo: dict[int, object] = {}
+        memo: dict[int, object] = dict(hook_memo(module))  # an offloaded module's accelerate hooks stay out
         swapped = []
         for m in module.modules():
             is_unit = unit is not None and isinstance(m, unit)
@@ -131,6 +133,7 @@ def plain_copy(module: nn.Module) -> nn.Module:
     for m in clone.modules():
         for key in [k for k in m.__dict__ if _fsdp_key(k)]:
             del m.__dict__[key]
+    strip_hooks(clone)
     return clone
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from .model import DecoderStack, decoder_stack, mlp_module, text_config
 from .modeling_ghostdistill import attach
-from .offload import hook_memo, model_device, strip_hooks
+from .offload import model_device
 from .operator import GhostOperator
 from .plan import Gap, PruningPlan
 from .sharded import plain_copy
@@ -249,23 +249,7 @@ def copy_block(block: nn.Module) -> nn.Module:
     twice otherwise): what `substitute_blocks` expects. A sharded block (FSDP2) is gathered for the copy,
     which is whole and plain (`core.sharded.plain_copy`; every rank must call it); an offloaded block
     (`core.offload`) is copied with its tensors as they are now (onloaded), accelerate's hooks left out."""
-    memo = hook_memo(block)
-    if not memo:
-        return plain_copy(block)
-    import copy
-
-    clone = copy.deepcopy(block, memo)
-    strip_hooks(clone)
-    for module in clone.modules():
-        for hooks in (
-            "_forward_pre_hooks",
-            "_forward_hooks",
-            "_forward_pre_hooks_with_kwargs",
-            "_forward_hooks_with_kwargs",
-            "_forward_hooks_always_called",
-        ):
-            getattr(module, hooks).clear()
-    return clone
+    return plain_copy(block)
 
 
 @torch.no_grad()

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.checks import check_names
 from ..core.lock import marked_tmpdir
 from ..core.views import PrunedModel
 from . import compressed_oneshot
@@ -60,11 +61,7 @@ SETUP = "bash scripts/setup.sh --quantize"
 
 
 def check_schemes(schemes: Iterable[str]) -> list[str]:
-    schemes = list(schemes)
-    bad = [s for s in schemes if s not in SCHEMES]
-    if bad or not schemes:
-        raise ValueError(f"quantization scheme {bad or schemes} is not one of {list(SCHEMES)}")
-    return schemes
+    return check_names("quantization scheme", schemes, SCHEMES)
 
 
 def compressed_path(root: str | os.PathLike, view: str, scheme: str) -> Path:

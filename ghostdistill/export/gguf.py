@@ -45,8 +45,8 @@ import gguf
 import numpy as np
 import torch
 
-from ..core.checks import check_unique
-from ..core.io import atomic_path, current_umask
+from ..core.checks import check_names
+from ..core.io import atomic_path
 from ..core.lock import hold, lock_path
 from ..core.views import PrunedModel
 from ..methods import ships_stock
@@ -68,21 +68,12 @@ ALL_GGUF_TYPES = tuple(GGUF_TYPES) + QUANTIZE_TYPES  # the rest: llama.cpp's lla
 ARCHITECTURES = {t: f.arch for t, f in FAMILIES.items()}
 
 
-def _names(what: str, given: Iterable[str], valid) -> list[str]:
-    """`given` as a list when it is a non-empty list of `valid` names, else a one-line error naming both."""
-    given = list(given)
-    bad = [g for g in given if g not in valid]
-    if bad or not given:
-        raise ValueError(f"{what} {bad or given} is not one of {list(valid)}")
-    return check_unique(f"{what}s", given)
-
-
 def check_formats(formats: Iterable[str]) -> list[str]:
-    return _names("export format", formats, FORMATS)
+    return check_names("export format", formats, FORMATS)
 
 
 def check_gguf_types(types: Iterable[str]) -> list[str]:
-    return _names("GGUF type", types, ALL_GGUF_TYPES)
+    return check_names("GGUF type", types, ALL_GGUF_TYPES)
 
 
 def gguf_path(root: str | os.PathLike, view: str, gguf_type: str) -> Path:
@@ -161,7 +152,7 @@ def write_gguf(
     tensor as it is made. A tokenizer `gguf_vocab` does not read takes the vocabulary of `vocab_source`, the GGUF
     file the model came from, if any (`gguf_vocab.copy_vocab`). `write` false: every tensor is made (a sharded
     model's gathers, in rank 0's order), nothing written."""
-    _names("GGUF type written by ghostdistill", [gguf_type], GGUF_TYPES)
+    check_names("GGUF type written by ghostdistill", [gguf_type], GGUF_TYPES)
     if not write:
         if isinstance(tensors, TensorStream):
             for _ in tensors.arrays():
@@ -204,7 +195,6 @@ def write_gguf(
         for tensor_name, data in tensors.arrays():
             writer.write_tensor_data(_quantize(data, plan[tensor_name][0]))
         writer.close()
-        os.chmod(tmp, 0o666 & ~current_umask())
     return path
 
 

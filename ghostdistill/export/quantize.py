@@ -192,14 +192,7 @@ def quantize(tools: dict[str, Path], source: Path, target: Path, gguf_type: str,
     with atomic_path(target) as tmp:
         cmd = [tools["llama-quantize"]] + (["--imatrix", imatrix] if imatrix is not None else [])
         _run(cmd + [source, tmp, gguf_type, threads()], f"llama-quantize {gguf_type}")
-        os.chmod(tmp, 0o666 & ~_umask())
     return target
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def quantize_view(

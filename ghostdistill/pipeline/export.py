@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.checks import check_unique
+from ..core.checks import check_names, check_unique
 from ..core.io import check_writable
 from ..core.lock import hold, lock_path
 from ..core.model import resolve_source
@@ -46,11 +46,7 @@ FORMATS = (*GGUF_FORMATS, compressed.FORMAT)
 
 
 def check_formats(formats: Sequence[str]) -> list[str]:
-    formats = list(formats)
-    bad = [f for f in formats if f not in FORMATS]
-    if bad or not formats:
-        raise ValueError(f"export format {bad or formats} is not one of {list(FORMATS)}")
-    return check_unique("export formats", formats)
+    return check_names("export format", formats, FORMATS)
 
 
 def provenance(report: dict, view: str, method: str | None, seed: int | None, student: Student | None = None) -> dict:
