@@ -276,6 +276,23 @@ def evaluate_zeroshot(
             log_samples=log_samples,
             task_manager=manager,
         )
-    if raw is None:  # only on non-zero ranks of a distributed run
-        raise RuntimeError("lm-eval returned no results (not rank 0?)")
+    raw = _from_rank_zero(raw)
+    if raw is None:
+        raise RuntimeError("lm-eval returned no results")
     return _summarize(raw, names)
+
+
+def _from_rank_zero(raw: dict | None) -> dict | None:
+    """lm-eval's results on every rank of a distributed run (DDP, FSDP2).
+
+    Handed a model object, lm-eval takes itself for one process (rank 0 of 1): every rank scores every request
+    in the same order and batches, which is what a sharded model needs (each forward is collective). But
+    `simple_evaluate` builds its results only where the environment's LOCAL_RANK is 0 and returns None
+    elsewhere; rank 0's results are then everyone's (the same numbers, computed alike)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return raw
+    box = [raw if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

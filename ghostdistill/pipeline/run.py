@@ -104,12 +104,6 @@ class Run(Phases):
                         f"model.model.offload {self.cfg.model.offload!r} with FSDP2: the blocks are sharded over the "
                         "ranks instead; set model.model.offload: none, or run on one device without FSDP2"
                     )
-                elif self.cfg.evaluation.zeroshot.enabled:
-                    raise ValueError(
-                        "model.evaluation.zeroshot with FSDP2: lm-eval gathers its scores on rank 0 only, which a "
-                        "sharded run cannot use yet; score the exported view from one process (zeroshot.enabled: "
-                        "false here)"
-                    )
                 else:
                     self.llm = load_sharded(self.cfg.model, mesh, device)
                 self.llm.requires_grad_(False)

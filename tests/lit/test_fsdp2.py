@@ -1,6 +1,6 @@
 """FSDP2 in every phase: two CPU processes (gloo) whose model is sharded as it loads (`core.sharded`) choose the
 plan one process chooses (a repair-aware criterion), collect its statistics, solve its operators (a sequential
-fit included), score its perplexities and analyses and export a folded view (Hugging Face
+fit included), score its perplexities, zero-shot accuracies and analyses and export a folded view (Hugging Face
 and GGUF), within float64 round-off."""
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ RECOVERY = [
 ]
 
 
-def _args(tiny_dir, text_files, run, *extra):
+def _args(tiny_dir, text_files, run, shared_data, *extra):
     selection = {"source": str(text_files["jsonl_gz"]), "first_document": 150}
+    # lm-eval on every rank alike (each forward is collective), rank 0's scores broadcast to all.
+    zeroshot = {"enabled": True, "tasks": ["piqa"], "data_dir": str(shared_data), "limit": 6, "batch_size": 4}
     return tiny_run_args(
         tiny_dir,
         text_files,
@@ -56,6 +58,8 @@ def _args(tiny_dir, text_files, run, *extra):
         "[F32]",
         "--trainer.accelerator",
         "cpu",
+        "--model.evaluation.zeroshot",
+        json.dumps(zeroshot),
         *extra,
         layers=None,
         num_layers=2,
@@ -96,14 +100,14 @@ NEAR = 0.1
 
 
 @pytest.mark.slow  # one process in this one, two started (gloo)
-def test_two_sharded_processes_give_the_results_of_one(tiny_dir, text_files, tmp_path):
+def test_two_sharded_processes_give_the_results_of_one(tiny_dir, text_files, shared_data, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     tiny_dir = _two_gap_model(tiny_dir, tmp_path / "model")
-    main(_args(tiny_dir, text_files, one))
+    main(_args(tiny_dir, text_files, one, shared_data))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     extra = ("--trainer.devices", "2", "--trainer.strategy", FSDP2)
     out = subprocess.run(
-        [sys.executable, "-m", "ghostdistill", *_args(tiny_dir, text_files, two, *extra)],
+        [sys.executable, "-m", "ghostdistill", *_args(tiny_dir, text_files, two, shared_data, *extra)],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -134,6 +138,11 @@ def test_two_sharded_processes_give_the_results_of_one(tiny_dir, text_files, tmp
         if view != "dense":
             assert m2["kl"] == pytest.approx(m1["kl"], rel=1e-5, abs=1e-9), view
         assert r2["views"][view]["params"] == r1["views"][view]["params"], view
+    # Zero-shot accuracy of every view: the same items, the same answers.
+    for view in ("dense", "pruned", "ghost", "ra"):
+        z1, z2 = (r["views"][view]["zeroshot"]["piqa"] for r in (r1, r2))
+        assert z1["n"] == z2["n"] == 6, view
+        assert z2["acc"] == z1["acc"] and z2["acc_norm"] == z1["acc_norm"], view
     # The analyses (every rank runs them alike; rank 0 reports).
     assert r1["analysis"]["gaps"]
     _close(r2["analysis"], r1["analysis"], "analysis")
