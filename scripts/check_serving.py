@@ -209,7 +209,7 @@ def main() -> None:
                 export_views(
                     loaded.pruned, loaded.tokenizer, loaded.report, cfg, [view], Path(args.dir), overwrite=True,
                     seed=seed, formats=["compressed-tensors"], schemes=[scheme], quantize_python=args.quantize_python,
-                    calibration_ids=loaded.data.calibration_ids,
+                    calibration=loaded.data.calibration_ids,
                 )  # fmt: skip
             except RuntimeError as error:
                 not_quantized[f"{view}.{scheme}"] = str(error)
