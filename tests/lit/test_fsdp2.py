@@ -32,10 +32,10 @@ RECOVERY = [
 ]
 
 
-def _args(tiny_dir, text_files, run, shared_data, *extra):
+def _args(tiny_dir, text_files, run, piqa_dir, *extra):
     selection = {"source": str(text_files["jsonl_gz"]), "first_document": 150}
     # lm-eval on every rank alike (each forward is collective), rank 0's scores broadcast to all.
-    zeroshot = {"enabled": True, "tasks": ["piqa"], "data_dir": str(shared_data), "limit": 6, "batch_size": 4}
+    zeroshot = {"enabled": True, "tasks": ["piqa"], "data_dir": str(piqa_dir), "limit": 6, "batch_size": 4}
     return tiny_run_args(
         tiny_dir,
         text_files,
@@ -99,15 +99,29 @@ def _two_gap_model(tiny_dir: Path, folder: Path) -> Path:
 NEAR = 0.1
 
 
+def _piqa_folder(root: Path) -> Path:
+    """Six PIQA-shaped items written here (the layout of ../shared/data/piqa), so that the test runs on a clone
+    with nothing beside it."""
+    items = [
+        {"goal": f"How do I fix thing {i}?", "sol1": f"Use tool {i} with care.", "sol2": f"Throw thing {i} away."}
+        for i in range(6)
+    ]
+    (root / "piqa").mkdir(parents=True)
+    (root / "piqa" / "valid.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
+    (root / "piqa" / "valid-labels.lst").write_text("".join(f"{i % 2}\n" for i in range(6)))
+    return root
+
+
 @pytest.mark.slow  # one process in this one, two started (gloo)
-def test_two_sharded_processes_give_the_results_of_one(tiny_dir, text_files, shared_data, tmp_path):
+def test_two_sharded_processes_give_the_results_of_one(tiny_dir, text_files, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
+    piqa = _piqa_folder(tmp_path / "data")
     tiny_dir = _two_gap_model(tiny_dir, tmp_path / "model")
-    main(_args(tiny_dir, text_files, one, shared_data))
+    main(_args(tiny_dir, text_files, one, piqa))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     extra = ("--trainer.devices", "2", "--trainer.strategy", FSDP2)
     out = subprocess.run(
-        [sys.executable, "-m", "ghostdistill", *_args(tiny_dir, text_files, two, shared_data, *extra)],
+        [sys.executable, "-m", "ghostdistill", *_args(tiny_dir, text_files, two, piqa, *extra)],
         capture_output=True,
         text=True,
         cwd=ROOT,
