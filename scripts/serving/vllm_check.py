@@ -123,6 +123,37 @@ def position_limit(folder: str) -> int:
     return int(config.get("max_position_embeddings") or 1024)
 
 
+def missing_kernel(folder: str) -> str | None:
+    """Why this build of vLLM cannot run `folder`'s weight-only int4 layers, or None.
+
+    vLLM's CPU wheel carries one extension per instruction set and loads the one the CPU has. On a CPU with
+    AVX2 only it loads `_C_AVX2`, which has no `cpu_gemm_wna16`, the kernel its W4A16 (WNA16) linear layer
+    calls: the engine would load the folder and then die in the first forward with an `EngineDeadError`
+    whose cause is only in the worker's log. Asked before loading, the reason is reported per view instead.
+    """
+    import torch
+
+    config = json.loads((Path(folder) / "config.json").read_text()).get("quantization_config") or {}
+    groups = (config.get("config_groups") or {}).values()
+    weight_only_int4 = any(
+        (g.get("weights") or {}).get("num_bits") == 4 and not g.get("input_activations") for g in groups
+    )
+    if not weight_only_int4 or torch.cuda.is_available():
+        return None
+    import vllm._custom_ops  # noqa: F401  (loads the extension of this CPU's instruction set)
+
+    try:
+        torch.ops._C.cpu_gemm_wna16  # noqa: B018
+    except (AttributeError, RuntimeError):
+        flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+        isa = "with AVX-512" if "avx512f" in flags else "AVX2 without AVX-512"
+        return (
+            "this CPU build of vLLM has no cpu_gemm_wna16 kernel for weight-only int4 (W4A16) layers: its "
+            f"extension for this CPU ({isa}) lacks it; serve W4A16 on a CPU with AVX-512 or a GPU"
+        )
+    return None
+
+
 def main(request_path: str, out_path: str) -> None:
     import torch
 
@@ -138,6 +169,9 @@ def main(request_path: str, out_path: str) -> None:
     keep_going = set(request.get("keep_going") or [])
     for view, folder in request["views"].items():
         try:
+            missing = missing_kernel(folder)
+            if missing:
+                raise RuntimeError(missing)
             llm, load_s = load(folder, dtype, max_len, eager)
             entry = {"load_s": load_s, "tokens": greedy(llm, request["prompts"], request["new"])}
             if windows:

@@ -111,3 +111,37 @@ def test_vllm_serves_gemma_3_operator_and_plain_exports_token_for_token(tmp_path
         assert r["transformers"]["same_tokens_as_run"], f"{view}: the exported folder's tokens differ from the run's"
         assert r["vllm"]["same_tokens"], f"{view}: vLLM's greedy tokens differ from transformers'"
         assert r["vllm"]["within_tolerance"], (view, r["vllm"]["ppl"], r["transformers"]["ppl"])
+
+
+@pytest.mark.serving
+def test_a_w4a16_folder_this_cpu_build_cannot_run_is_named_before_loading(tmp_path):
+    """vLLM's CPU wheel loads the extension of the CPU's instruction set; the AVX2 one has no `cpu_gemm_wna16`,
+    so a W4A16 folder would load and its engine die in the first forward (`EngineDeadError`, the cause only in
+    the worker's log). `vllm_check.missing_kernel` asks the loaded extension first: a weight-only int4 folder
+    gets the reason exactly where the kernel is missing, and an int8 (W8A8) or unquantized folder never does."""
+    why = _has_vllm()
+    if why:
+        pytest.skip(why)
+    int4 = {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64}}
+    int8 = {"weights": {"num_bits": 8, "type": "int"}, "input_activations": {"num_bits": 8, "dynamic": True}}
+    for name, group in (("w4a16", int4), ("w8a8", int8), ("plain", None)):
+        config = {"quantization_config": {"config_groups": {"group_0": group}}} if group else {}
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    probe = (
+        "import json, sys, torch; sys.path.insert(0, sys.argv[1]); import vllm_check; "
+        "import vllm._custom_ops; has = hasattr(torch.ops._C, 'cpu_gemm_wna16') or torch.cuda.is_available(); "
+        "print(json.dumps({'has': has, **{n: vllm_check.missing_kernel(sys.argv[2] + '/' + n) "
+        "for n in ('w4a16', 'w8a8', 'plain')}}))"
+    )
+    done = subprocess.run(
+        [str(VLLM_PYTHON), "-c", probe, str(ROOT / "scripts" / "serving"), str(tmp_path)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["w8a8"] is None and out["plain"] is None, out
+    if out["has"]:
+        assert out["w4a16"] is None, out
+    else:
+        assert "cpu_gemm_wna16" in out["w4a16"] and "W4A16" in out["w4a16"], out
