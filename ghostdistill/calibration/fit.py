@@ -47,7 +47,8 @@ def fit_methods(
     student statistics of sequential fits are summed before each solve, like the shared ones."""
     gaps = pruned.plan.gaps
     methods = {cfg.name: get_method(cfg.method) for cfg in cfgs}
-    fits = {cfg.name: {g.key: methods[cfg.name].identity(cfg, hidden) for g in gaps} for cfg in cfgs}
+    typed = {cfg.name: cfg.method_config() for cfg in cfgs}
+    fits = {cfg.name: {g.key: methods[cfg.name].identity(typed[cfg.name], hidden) for g in gaps} for cfg in cfgs}
     seconds = dict.fromkeys(fits, 0.0)
     notes: dict[str, list[str]] = {cfg.name: [] for cfg in cfgs}
     for cfg in cfgs:
@@ -73,7 +74,7 @@ def fit_methods(
                     sum_collectors({cfg.method: collectors[cfg.name]}, reduce)
         for cfg in cfgs:
             start = time.perf_counter()
-            fits[cfg.name][gap.key] = methods[cfg.name].fit(cfg, gap, collectors[cfg.name], hidden)
+            fits[cfg.name][gap.key] = methods[cfg.name].fit(typed[cfg.name], gap, collectors[cfg.name], hidden)
             seconds[cfg.name] += time.perf_counter() - start
             if fits[cfg.name][gap.key].note:
                 notes[cfg.name].append(f"gap {gap.key}: {fits[cfg.name][gap.key].note}")

@@ -122,11 +122,23 @@ def check_run_settings(max_steps, root_dir, ckpt_path) -> None:
         )
 
 
+def forget_recovery_parser() -> None:
+    """jsonargparse keeps the parser it made for a dataclass (`_typehints._cached_class_parsers`, a private
+    cache). `methods.register` gives `RecoveryConfig` the keys of a method registered since, which that parser
+    would refuse: it is dropped, so that every parse sees the registered keys."""
+    from jsonargparse import _typehints
+
+    cache = getattr(_typehints, "_cached_class_parsers", {})
+    for key in [k for k in cache if isinstance(k, tuple) and k and k[0] is RecoveryConfig]:
+        del cache[key]
+
+
 def build_fit(
     args: list[str] | dict, cli_class: type = GhostDistillCLI, exit_on_error: bool = True, **kwargs
 ) -> GhostDistillCLI:
     """The `fit` parser and what it instantiates (module, data module, trainer); nothing runs yet.
     `exit_on_error=False`: a bad argument raises `jsonargparse.ArgumentError` instead of printing the usage."""
+    forget_recovery_parser()
     return cli_class(
         GhostDistill,
         GhostDataModule,

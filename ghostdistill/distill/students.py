@@ -118,10 +118,9 @@ class Students:
         for view, spec in self.specs.items():
             operators = {k: copy.deepcopy(op) for k, op in pruned.operators[spec.method].items()}
             method = self.methods.get(spec.method, spec.method)
-            student_operator = getattr(get_method(method), "student_operator", None) if method in registered() else None
-            if spec.trains("operators") and student_operator is not None:
+            if spec.trains("operators") and method in registered():
                 # A method whose operators fold trains within what folds (rotation: the scaled rotations).
-                operators = {k: student_operator(op) for k, op in operators.items()}
+                operators = {k: get_method(method).student_operator(op) for k, op in operators.items()}
             mlp_maps = {k: copy.deepcopy(op) for k, op in pruned.mlp_maps[spec.method].items()}
             pruned.add_method(view, operators, mlp_maps)
             has_maps = any(True for group in (pruned.operators[view], pruned.mlp_maps[view]) for _ in group.values())

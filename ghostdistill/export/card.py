@@ -3,15 +3,7 @@ measured, with the numbers of the run that produced it (from the `ghostdistill` 
 
 from __future__ import annotations
 
-REPAIR = {
-    None: "no repair (the pruned model)",
-    "none": "no repair (the pruned model)",
-    "ghost": "ghost operators: a closed-form least-squares map W = I + M on the residual stream at each gap "
-    "(first-position tokens get their own mean shift where the fit uses one)",
-    "linearpatch": "LinearPatch: W = H·diag(s)·Hᵀ at each gap (H an orthonormal Hadamard matrix)",
-    "replaceme": "ReplaceMe: a linear map on the MLP output of the block before each gap, folded into its down projection",
-    "magnitude": "magnitude compensation: one scale per gap, folded into the output projections of the later blocks",
-}
+from ..methods import get_method, registered
 
 
 def model_card(info: dict, kind: str) -> str:
@@ -31,7 +23,7 @@ def model_card(info: dict, kind: str) -> str:
         "",
         f"- **Removed blocks** (0-based, of the original {total}): {removed}"
         + (f", chosen by `{plan['chosen_by']}`" if plan.get("chosen_by") else ""),
-        f"- **Repair**: {REPAIR.get(method, f'method `{method}`')}",
+        f"- **Repair**: {repair(method)}",
     ]
     distill = info.get("distill")
     if distill:
@@ -107,3 +99,11 @@ def model_card(info: dict, kind: str) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def repair(method: str | None) -> str:
+    """What the repair is, as the method says (`Method.card`)."""
+    if method is None or method in ("dense", "pruned"):
+        return "no repair (the pruned model)"
+    card = get_method(method).card if method in registered() else ""
+    return card or f"method `{method}`"

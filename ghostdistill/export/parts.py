@@ -103,7 +103,7 @@ def view_parts(pruned: PrunedModel, view: str, method: str | None, info: dict) -
     own_head = view in pruned.modules_own and any(m is head for m in pruned.modules_own[view].values())
     if head is not None and getattr(text, "tie_word_embeddings", False) and own_head:
         text.tie_word_embeddings = False  # the view has its own head (a student that trains the tail)
-    fold_embedding = folds and getattr(get_method(method), "folds_embedding", False)
+    fold_embedding = folds and get_method(method).folds_embedding
     if fold_embedding and getattr(text, "tie_word_embeddings", False):
         text.tie_word_embeddings = False  # E·Q₁⋯Qₙ in, the original E stays the head's (`export.fold`)
     prefix = "pruned." if operators and not folds else ""

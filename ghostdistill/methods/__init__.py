@@ -12,33 +12,31 @@
 | `rotation_through` | W = c·Q for every token; folded into the weights at export (plain architecture) | `rotation.py` |
 | `rotation_anchored` | as `rotation_through`, Q fixing the first position's massive direction (u·Q = u) | `rotation.py` |
 
-Each method reads its own keys of `RecoveryConfig` (its `keys`, with their defaults, registered with
-it); a recovery entry setting a key its method does not read is rejected (`validate_recovery`):
+Each method has its own config class, registered with it (`Method.config`: a `MethodConfig` dataclass of the
+keys its fit reads, with their types, defaults and docs); a recovery entry setting a key its method does not
+read is rejected (`validate_recovery`):
 
-| method            | keys (defaults)                                                                      |
-|-------------------|--------------------------------------------------------------------------------------|
-| `none`            | none                                                                                 |
-| `ghost`           | fit (first_weighted), bias (false), scale (none), solver (ridge), ridge (1e-4), order (sequential) |
-| `ghost_symmetric` | as `ghost` but no `solver`                                                           |
-| `linearpatch`     | variant (rotate), order (sequential)                                                 |
-| `rotation`, `rotation_through`, `rotation_anchored` | order (sequential)                               |
-| `replaceme`       | solver (ridge), ridge (1e-4), order (sequential)                                     |
-| `magnitude`       | order (sequential)                                                                   |
+| method            | config class            | keys (defaults)                                                   |
+|-------------------|-------------------------|-------------------------------------------------------------------|
+| `none`            | `MethodConfig`          | none                                                              |
+| `ghost`           | `GhostConfig`           | fit (first_weighted), bias (false), scale (none), solver (ridge), ridge (1e-4), order (sequential) |
+| `ghost_symmetric` | `GhostSymmetricConfig`  | as `ghost` but no `solver`                                        |
+| `linearpatch`     | `LinearPatchConfig`     | variant (rotate), order (sequential)                              |
+| `replaceme`       | `Solved`                | solver (ridge), ridge (1e-4), order (sequential)                  |
+| `magnitude`, `rotation`, `rotation_through`, `rotation_anchored` | `Ordered` | order (sequential)      |
 
 The package's one public entry point is this module (`ghostdistill.methods`): the interface, the
 configuration and the registry (`interface.py`), and what a run does with them (`config.py`). Method
-modules import from `interface` only.
+modules import from `interface` only (and a family's shared module: `ghost_symmetric` reads `ghost`'s).
 
-Adding a method: a new module that calls `register(...)` on an object implementing `Method`,
-and its name in the import line below. The object's `keys` names the `RecoveryConfig` fields its fit
-reads, each with its default (e.g. ``keys = {"variant": "rotate", **ORDER_KEYS}``; without `keys` it
-reads `order` only); a setting no field holds yet is a new `RecoveryConfig` field defaulting to None
-(unset), documented there with the methods that read it.
+Adding a method: one module (in this package, or your own) that subclasses `Method` and `MethodConfig` and
+calls `register(...)`; a shipped one is also named in the import line below. Its config class's fields are
+its keys (they become keys of every recovery entry the CLI parses), its class attributes its capabilities
+(docs/development.md, "How to add a method").
 """
 
 from . import ghost, ghost_symmetric, linearpatch, magnitude, none, replaceme, rotation  # noqa: F401  (the registry)
 from .config import (
-    FLAT_DEFAULTS,
     FT_SUFFIX,
     RESERVED_NAMES,
     drop_flat_defaults,
@@ -50,15 +48,19 @@ from .config import (
     statistics_layout,
     validate_recovery,
 )
+from .ghost import GhostConfig, GhostSymmetricConfig
 from .interface import (
-    ORDER_KEYS,
-    SOLVE_KEYS,
+    FLAT_DEFAULTS,
     Collector,
     GapFit,
     GapTaps,
     Method,
+    MethodConfig,
     NoFold,
+    Ordered,
     RecoveryConfig,
+    Ridge,
+    Solved,
     get_method,
     method_keys,
     register,
@@ -68,6 +70,7 @@ from .interface import (
     ships_stock,
     unregister,
 )
+from .linearpatch import LinearPatchConfig
 
 __all__ = [
     "Collector",
@@ -75,12 +78,17 @@ __all__ = [
     "FT_SUFFIX",
     "GapFit",
     "GapTaps",
+    "GhostConfig",
+    "GhostSymmetricConfig",
+    "LinearPatchConfig",
     "Method",
+    "MethodConfig",
     "NoFold",
-    "ORDER_KEYS",
+    "Ordered",
     "RESERVED_NAMES",
     "RecoveryConfig",
-    "SOLVE_KEYS",
+    "Ridge",
+    "Solved",
     "drop_flat_defaults",
     "fit_gap",
     "flat_settings",

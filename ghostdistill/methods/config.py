@@ -6,33 +6,35 @@ flat settings of older run folders, fitting a gap (`fit_gap`) and sizing the sta
 from __future__ import annotations
 
 import types
-from dataclasses import asdict
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import torch
 
 from ..core.plan import Gap
-from .interface import Collector, GapFit, Method, RecoveryConfig, get_method, method_keys, registered, setting_keys
-
-# The defaults of the flat config, before each method read only its own keys: every entry carried every
-# key. Run folders written then hold them all in their config.yaml, and digests were made of them.
-FLAT_DEFAULTS: dict[str, Any] = {
-    "fit": "first_weighted",
-    "bias": False,
-    "scale": "none",
-    "solver": "ridge",
-    "ridge": 1e-4,
-    "variant": "rotate",
-    "order": "sequential",
-}
+from .interface import (
+    FLAT_DEFAULTS,
+    Collector,
+    GapFit,
+    Method,
+    RecoveryConfig,
+    get_method,
+    method_keys,
+    registered,
+    setting_keys,
+)
 
 
 def flat_settings(cfg: RecoveryConfig) -> dict[str, Any]:
-    """Every key with a value, as the flat config had them: the method's resolved keys and the flat
-    defaults for the others. What `asdict(cfg)` gave before the split, so a digest of it (the keys of saved
-    zero-shot scores) comes out as it did then."""
-    resolved = asdict(cfg.resolved())
-    return {k: FLAT_DEFAULTS[k] if k in FLAT_DEFAULTS and v is None else v for k, v in resolved.items()}
+    """Every key with a value, as the flat config had them: the flat keys (the method's resolved values, the
+    flat defaults for the others) and the method's own later keys. What `asdict(cfg)` gave before the split,
+    so a digest of it (the keys of saved zero-shot scores) comes out as it did then."""
+    resolved = cfg.resolved()
+    own = method_keys(get_method(cfg.method)) if cfg.method in registered() else {}
+    out: dict[str, Any] = {"name": cfg.name, "method": cfg.method}
+    for key, default in FLAT_DEFAULTS.items():
+        value = getattr(resolved, key, None)
+        out[key] = default if value is None else value
+    return out | {k: getattr(resolved, k) for k in own if k not in FLAT_DEFAULTS}
 
 
 def drop_flat_defaults(entry: dict[str, Any]) -> dict[str, Any]:
@@ -48,22 +50,22 @@ def drop_flat_defaults(entry: dict[str, Any]) -> dict[str, Any]:
 
 def fit_gap(cfg: RecoveryConfig, gap: Gap, stats: Collector | None, hidden_size: int) -> GapFit:
     """Solve one gap for one recovery entry with its registered method."""
-    return get_method(cfg.method).fit(cfg, gap, stats, hidden_size)
+    return get_method(cfg.method).fit(cfg.method_config(), gap, stats, hidden_size)
 
 
 def identity_fit(cfg: RecoveryConfig, hidden_size: int) -> GapFit:
     """The method's map at a gap, doing nothing (a gap of a sequential fit not yet solved)."""
-    return get_method(cfg.method).identity(cfg, hidden_size)
+    return get_method(cfg.method).identity(cfg.method_config(), hidden_size)
 
 
 def _parts(method: Method, name: str, recovery: list[RecoveryConfig] | None) -> tuple[str, ...] | None:
     """The parts of `method`'s statistics that its entries of `recovery` read, or None for all of them
     (no `recovery`, no entry of the method, or a method that cannot size its collector)."""
-    cfgs = [c for c in recovery or () if c.method == name]
-    if not cfgs or getattr(method, "parts", None) is None:
+    cfgs = [c.method_config() for c in recovery or () if c.method == name]
+    parts = method.parts(cfgs) if cfgs else None
+    if parts is None:
         return None
-    parts = tuple(method.parts(cfgs))
-    return None if set(parts) == set(getattr(method, "all_parts", ())) else parts
+    return None if set(parts) == set(method.all_parts) else tuple(parts)
 
 
 def make_collectors(
@@ -105,28 +107,37 @@ def statistics_layout(methods: set[str], recovery: list[RecoveryConfig] | None) 
 
 
 def needs_mlp(collectors: dict[str, Collector]) -> bool:
-    return any(getattr(c, "needs_mlp", False) for c in collectors.values())
+    """Whether a method of these collectors (keyed by method name) reads the MLP output before the gap."""
+    return any(name in registered() and get_method(name).needs_mlp for name in collectors)
 
 
 RESERVED_NAMES = ("dense", "pruned")
 FT_SUFFIX = "_ft"  # `distill.ft_view`: the fine-tuned view of recovery `x` is `x_ft`
 
 
-def _choices(hint: Any) -> tuple | None:
-    """The values a ``Literal[...] | None`` hint allows (None left out), or None for other hints."""
+def _check_type(key: str, value: Any, hint: Any) -> None:
+    """`value` has the type `hint` allows for the shapes a config key takes: a choice (``Literal``), a bool, a
+    number or a string; a value outside it is one line naming the key, the value and what is valid."""
     if get_origin(hint) in (Union, types.UnionType):
         hint = next((a for a in get_args(hint) if a is not type(None)), hint)
-    return get_args(hint) if get_origin(hint) is Literal else None
+    if get_origin(hint) is Literal:
+        if value not in get_args(hint):
+            raise ValueError(f"{key} {value!r} is not known; choose one of {get_args(hint)}")
+    elif hint is bool and not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    elif hint in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ValueError(f"{key} must be a number, got {value!r}")
+    elif hint is str and not isinstance(value, str):
+        raise ValueError(f"{key} must be a string, got {value!r}")
 
 
 def validate_recovery(configs: list[RecoveryConfig]) -> None:
     """Names unique and usable as view names; every method registered, setting only keys it reads, with
-    valid values; and the method's own checks."""
+    values of their types; and the method's config's own checks (`MethodConfig.validate`)."""
     names = [c.name for c in configs]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ValueError(f"recovery names must be unique; repeated: {dupes}")
-    hints = get_type_hints(RecoveryConfig)
     for i, c in enumerate(configs):
         where = f"recovery[{i}] {c.name!r}"
         if not c.name or not c.name.replace("-", "_").isidentifier():
@@ -148,14 +159,11 @@ def validate_recovery(configs: list[RecoveryConfig]) -> None:
             if key not in keys and getattr(c, key) is not None:
                 its = f"its keys are: {', '.join(keys)}" if keys else "it reads no key but name and method"
                 raise ValueError(f"{where}: key {key!r} is not read by method {c.method!r}; {its}")
-        c = c.resolved()
-        for key in keys:
-            value = getattr(c, key)
-            valid = _choices(hints[key])
-            if valid and value not in valid:
-                raise ValueError(f"{where}: {key} {value!r} is not known; choose one of {valid}")
-        if "bias" in keys and not isinstance(c.bias, bool):
-            raise ValueError(f"{where}: bias must be true or false, got {c.bias!r}")
-        if "ridge" in keys and not (isinstance(c.ridge, (int, float)) and c.ridge >= 0):
-            raise ValueError(f"{where}: ridge must be a number >= 0, got {c.ridge!r}")
-        method.validate(c)
+        typed = c.method_config()
+        hints = get_type_hints(method.config)
+        try:
+            for key in keys:
+                _check_type(key, getattr(typed, key), hints[key])
+            typed.validate()
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None

@@ -35,13 +35,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from ..core.operator import GhostOperator
 from ..core.plan import Gap
 from ..core.solver import solve, solve_symmetric
-from .interface import ORDER_KEYS, SOLVE_KEYS, GapFit, GapTaps, NoFold, RecoveryConfig, register, residual_identity
+from .interface import GapFit, GapTaps, Method, Ridge, Solved, register
 
 
 @dataclass
@@ -195,8 +196,26 @@ def objective(
     return max(err, 0.0), dd
 
 
-# What every ghost fit reads (`ghost_symmetric` all but `solver`), with the defaults.
-GHOST_KEYS = {"fit": "first_weighted", "bias": False, "scale": "none", **SOLVE_KEYS, **ORDER_KEYS}
+@dataclass
+class GhostSymmetricConfig(Ridge):
+    """`ghost_symmetric`'s keys: `ghost`'s but `solver` (it always solves its Lyapunov equation).
+
+    Args:
+        fit: token groups and weighting: ``first_weighted`` (default), ``first_normed``, ``first``, ``plain``
+            (the paper) or ``weighted`` (the table of `ghostdistill.methods.ghost`).
+        bias: fit an affine map x + x·M + c for ordinary tokens (C more parameters); default false.
+        scale: ``none`` (default), or ``norm``: rescale W so that the fitted tokens' mean ‖x·W‖² equals their
+            mean ‖x_post‖² (undoes least squares' shrinkage).
+    """
+
+    fit: Literal["first", "plain", "weighted", "first_weighted", "first_normed"] = "first_weighted"
+    bias: bool = False
+    scale: Literal["none", "norm"] = "none"
+
+
+@dataclass
+class GhostConfig(Solved, GhostSymmetricConfig):
+    """`ghost`'s keys: fit, bias, scale, solver, ridge, order."""
 
 
 FIT_WEIGHTING = {
@@ -208,13 +227,12 @@ FIT_WEIGHTING = {
 }
 
 
-def fit_groups(cfgs: Iterable[RecoveryConfig]) -> tuple[str, ...]:
-    """The `GhostStatistics` groups that fitting `cfgs` (ghost or ghost_symmetric entries) reads, in
+def fit_groups(cfgs: Iterable[GhostSymmetricConfig]) -> tuple[str, ...]:
+    """The `GhostStatistics` groups that fitting `cfgs` (ghost or ghost_symmetric configs) reads, in
     `GROUPS` order: the fit's weighting over the ordinary tokens, and over the first position too for the
     fits that do not map it apart (`plain`, `weighted`). `bias` and `scale` read the same groups' moments."""
     wanted = set()
     for cfg in cfgs:
-        cfg = cfg.resolved()
         wanted.update(_keys(FIT_WEIGHTING[cfg.fit], include_first=not cfg.fit.startswith("first")))
     return tuple(g for g in GhostStatistics.GROUPS if g in wanted)
 
@@ -224,20 +242,24 @@ def _keys(weighting: str, include_first: bool) -> list[str]:
 
 
 # The groups some fit reads (all but `normed_first`: `first_normed` maps the first position apart).
-READ_GROUPS = fit_groups(RecoveryConfig(fit=f) for f in FIT_WEIGHTING)
+READ_GROUPS = fit_groups(GhostConfig(fit=f) for f in FIT_WEIGHTING)
 
 
-class GhostCollectorMixin:
+class GhostCollectorMixin(Method):
     """The statistics of `ghost` and `ghost_symmetric`: every group (`parts=None`), or the given ones."""
 
     all_parts = GhostStatistics.GROUPS
+
+    def token_groups(self, stats: GhostStatistics) -> dict:
+        """A gap's token counts: first positions, the others, and the massive activations after the gap."""
+        return vars(stats.counts)
 
     def collector(
         self, hidden_size: int, device: torch.device | str, parts: Iterable[str] | None = None
     ) -> GhostStatistics:
         return GhostStatistics(hidden_size, device=device, groups=parts)
 
-    def parts(self, cfgs: Iterable[RecoveryConfig]) -> tuple[str, ...]:
+    def parts(self, cfgs: Iterable[GhostSymmetricConfig]) -> tuple[str, ...]:
         """What fitting `cfgs` reads (`make_collectors(..., recovery=...)` sizes the collector to it); every
         group when `cfgs` read every group some fit reads (`normed_first` is read by none), so a run of every
         variant keeps the layout (and the saved states) of the all-variants collector."""
@@ -245,24 +267,21 @@ class GhostCollectorMixin:
         return GhostStatistics.GROUPS if groups == READ_GROUPS else groups
 
 
-class Ghost(GhostCollectorMixin, NoFold):
+class Ghost(GhostCollectorMixin):
     name = "ghost"
-    keys = GHOST_KEYS
+    config = GhostConfig
+    card = (
+        "ghost operators: a closed-form least-squares map W = I + M on the residual stream at each gap "
+        "(first-position tokens get their own mean shift where the fit uses one)"
+    )
 
-    def validate(self, cfg: RecoveryConfig) -> None:
-        pass  # its `keys` are checked with every recovery entry (`validate_recovery`)
-
-    def fit(self, cfg: RecoveryConfig, gap: Gap, stats: GhostStatistics, hidden_size: int) -> GapFit:
+    def fit(self, cfg: GhostConfig, gap: Gap, stats: GhostStatistics, hidden_size: int) -> GapFit:
         return GapFit(operator=fit_ghost(cfg, gap, stats))
 
-    def identity(self, cfg: RecoveryConfig, hidden_size: int) -> GapFit:
-        return residual_identity(cfg, hidden_size)
 
-
-def fit_ghost(cfg: RecoveryConfig, gap: Gap, stats: GhostStatistics, *, symmetric: bool = False) -> GhostOperator:
+def fit_ghost(cfg: GhostSymmetricConfig, gap: Gap, stats: GhostStatistics, *, symmetric: bool = False) -> GhostOperator:
     """Solve one gap's operator for the fit variant `cfg.fit` with `cfg.bias` and `cfg.scale` (float64
     solve, stored in float32); `symmetric` constrains M = Mᵀ (`solve_symmetric`, which reads no `solver`)."""
-    cfg = cfg.resolved()
     separate_first = cfg.fit.startswith("first")
     weighting = FIT_WEIGHTING[cfg.fit]
     include_first = not separate_first

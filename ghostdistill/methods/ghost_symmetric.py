@@ -12,22 +12,17 @@ read, and so rejected (the ridge applies, 0 gives the minimum-norm symmetric sol
 from __future__ import annotations
 
 from ..core.plan import Gap
-from .ghost import GHOST_KEYS, GhostCollectorMixin, GhostStatistics, fit_ghost
-from .interface import GapFit, NoFold, RecoveryConfig, register, residual_identity
+from .ghost import GhostCollectorMixin, GhostStatistics, GhostSymmetricConfig, fit_ghost
+from .interface import GapFit, register
 
 
-class GhostSymmetric(GhostCollectorMixin, NoFold):
+class GhostSymmetric(GhostCollectorMixin):
     name = "ghost_symmetric"
-    keys = {k: v for k, v in GHOST_KEYS.items() if k != "solver"}
+    config = GhostSymmetricConfig
+    card = "the best symmetric W = I + M (M = Mᵀ) at each gap, in closed form (the paper's control for ghost)"
 
-    def validate(self, cfg: RecoveryConfig) -> None:
-        pass  # its `keys` are checked with every recovery entry (`validate_recovery`)
-
-    def fit(self, cfg: RecoveryConfig, gap: Gap, stats: GhostStatistics, hidden_size: int) -> GapFit:
+    def fit(self, cfg: GhostSymmetricConfig, gap: Gap, stats: GhostStatistics, hidden_size: int) -> GapFit:
         return GapFit(operator=fit_ghost(cfg, gap, stats, symmetric=True))
-
-    def identity(self, cfg: RecoveryConfig, hidden_size: int) -> GapFit:
-        return residual_identity(cfg, hidden_size)
 
 
 register(GhostSymmetric())

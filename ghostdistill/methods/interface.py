@@ -1,45 +1,49 @@
 """The interface every recovery method implements, its configuration, and the registry.
 
-A method turns what one calibration pass shows of a gap into something that repairs that gap:
+A method is a `Method` subclass with its own config class, a `MethodConfig` dataclass whose fields are the
+keys its fit reads (types, defaults, documented under ``Args:``), registered together by
+``register(MyMethod())`` with ``MyMethod.config = MyConfig`` (peft's pattern: one config class and one model
+class per method). A recovery entry of a config file (`RecoveryConfig`) stays one flat mapping,
+``{name: g, method: ghost, fit: plain}``: `register` gives `RecoveryConfig` a field for every key a
+registered config class declares, so the CLI parses, checks and prints every method's keys, and an entry is
+turned into its method's config (`RecoveryConfig.method_config`) before a fit reads it.
 
-1. `collector(hidden_size, device)` makes its statistics collector for one gap (fixed-size float64
-   sums, fed `GapTaps` batch by batch, saved and restored for resumable runs), or None when it reads
-   nothing; a method may also declare `all_parts` and `parts(cfgs)` (the parts of its statistics the
-   fits of `cfgs` read) and take `collector(..., parts=...)`, so a run holds only what it fits
-   (`make_collectors(..., recovery=...)`);
-2. `fit(cfg, gap, stats, hidden_size)` solves the gap (float64) into a `GapFit`: a `GhostOperator` on
-   the residual stream entering the next surviving block, and/or a map on the MLP output of the block
+What a method is, each member with a default on `Method` (a method overrides what it does differently):
+
+1. `collector(hidden_size, device)`: its statistics for one gap (fixed-size float64 sums fed `GapTaps` batch
+   by batch, saved and restored for resumable runs), or None (it reads nothing). `all_parts` and
+   `parts(cfgs)` name the parts of them the fits of `cfgs` read, for a `collector(..., parts=...)` that holds
+   only those (`make_collectors(..., recovery=...)`); `needs_mlp`: its taps carry the MLP output of the block
    before the gap;
-3. `identity(cfg, hidden_size)` is the same shape doing nothing (a gap of a sequential fit not yet
-   solved);
-4. `fold(blocks, gap, fit)` writes the fit into existing weights where the method can (ReplaceMe,
-   magnitude), so an exported model needs no extra module; `folds` says whether it can;
-5. `student_operator(operator)` (optional): what a fine-tuned student trains in place of a fitted operator,
-   for a method whose fold needs the operator's form (rotation: a scaled rotation; magnitude: a scale);
-   without it a student trains the operator's W = I + M freely;
-6. `keys`: the `RecoveryConfig` keys it reads, with their defaults. Its own configuration is those keys
-   and nothing else: a config is resolved to their defaults when made, and `validate_recovery` rejects a
-   key the method does not read, naming the key and the method's keys.
+2. `fit(cfg, gap, stats, hidden_size)`: the gap solved (float64) into a `GapFit`, a `GhostOperator` on the
+   residual stream entering the next surviving block and/or a map on the MLP output of the block before the
+   gap; `cfg` is an instance of its `config`;
+3. `identity(cfg, hidden_size)`: the same shape doing nothing (a gap of a sequential fit not yet solved);
+4. `folds` and `fold(blocks, gap, fit)`: it writes the fit into existing weights (ReplaceMe, magnitude, the
+   folding rotations), so an exported model needs no extra module; `folds_embedding`: the fold also turns
+   the embedding (`export.fold`);
+5. `ships_stock`: its training-free view exports as the model's own architecture (default: `folds`);
+6. `student_operator(operator)`: what a fine-tuned student trains in place of a fitted operator (default:
+   the operator, W = I + M freely; rotation: a scaled rotation, so that the student still folds);
+7. `token_groups(stats)`: the token counts of a gap the report shows (first position, massive activations);
+8. `card`: what the repair is, in a phrase, for the exported model card.
 
-A method is one module in this package that defines such an object and passes it to `register`, plus
-one import line in `methods/__init__.py`.
-
-This module is the bottom of the package: the protocols, `RecoveryConfig` and the registry live together
-because a config resolves its defaults from the registered method's `keys` and the protocols take a
-config. `methods.config` (flat settings, validation, collectors) builds on it; `ghostdistill.methods` is
-the one public entry point and re-exports both.
+`register` refuses a taken name (`core.registry`), a config class that is not a `MethodConfig` dataclass
+with a default for every key, and a key that another method declares with another type.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from typing import Any, Literal, Protocol, runtime_checkable
+import dataclasses
+from dataclasses import MISSING, dataclass, fields, replace
+from typing import Any, Literal, Optional, Protocol, get_type_hints, runtime_checkable
 
 import torch
 from torch import nn
 
 from ..core.operator import GhostOperator
 from ..core.plan import Gap
+from ..core.registry import Registry, origin
 from ..core.solver import SolverName
 
 
@@ -47,7 +51,7 @@ from ..core.solver import SolverName
 class GapTaps:
     """What one batch shows of one gap: the residual stream entering the gap (`x_pre`) and the one the
     next surviving block should see (`x_post`), the padding mask, the first-position mask, and the MLP
-    output of the last block before the gap (only captured when a collector asks, `needs_mlp`)."""
+    output of the last block before the gap (only captured for a method that `needs_mlp`)."""
 
     x_pre: torch.Tensor
     x_post: torch.Tensor
@@ -68,7 +72,7 @@ class GapFit:
 
 @runtime_checkable
 class Collector(Protocol):
-    """Per-gap statistics. `needs_mlp` (optional attribute, default False) asks for `GapTaps.mlp_out`."""
+    """Per-gap statistics: sums fed batch by batch, saved and restored."""
 
     def update(self, taps: GapTaps) -> None: ...
 
@@ -77,57 +81,120 @@ class Collector(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-@runtime_checkable
-class Method(Protocol):
-    """A recovery method; see the module docstring for what each member does.
+@dataclass
+class MethodConfig:
+    """A method's configuration: the keys its fit reads. A method's config class adds them as fields, each
+    with a default, documented under ``Args:``; `validate` checks what their types do not say.
 
-    Besides these members a method declares `keys`: the `RecoveryConfig` keys its fit reads, each with
-    its default (e.g. ``{"variant": "rotate", "order": "sequential"}``); every other key is rejected for
-    it. Without `keys` a method reads `order` only. (`keys` is not a Protocol member, so methods written
-    before it still register.)
+    Args:
+        name: the recovery entry's name (what messages name).
     """
 
-    name: str
-    folds: bool
+    name: str = ""
 
-    def collector(self, hidden_size: int, device: torch.device | str) -> Collector | None: ...
-
-    def validate(self, cfg: RecoveryConfig) -> None: ...
-
-    def fit(self, cfg: RecoveryConfig, gap: Gap, stats: Collector | None, hidden_size: int) -> GapFit: ...
-
-    def identity(self, cfg: RecoveryConfig, hidden_size: int) -> GapFit: ...
-
-    def fold(self, blocks: list[nn.Module], gap: Gap, fit: GapFit) -> None: ...
+    def validate(self) -> None:
+        """Raise ValueError for a bad value (types and choices are checked before, from the fields' types)."""
 
 
-class NoFold:
-    """Mixin for methods whose maps stay as inserted modules."""
+@dataclass
+class Ordered(MethodConfig):
+    """The key of every method with statistics (what a method without a config class of its own reads).
 
-    folds = False
+    Args:
+        order: with several gaps, ``sequential`` (default) fits each gap on the activations the repaired
+            student really feeds it (earlier gaps already repaired); ``independent`` fits every gap on the
+            dense model's activations.
+    """
 
-    def fold(self, blocks: list[nn.Module], gap: Gap, fit: GapFit) -> None:
-        raise NotImplementedError(f"{type(self).__name__} inserts an operator; it cannot be folded into weights")
+    order: Literal["sequential", "independent"] = "sequential"
 
 
-def residual_identity(cfg: RecoveryConfig, hidden_size: int, *, fused: bool = False) -> GapFit:
+@dataclass
+class Ridge(Ordered):
+    """Args: ridge: relative regulariser of the solve; ε = ridge · tr(XᵀX)/C."""
+
+    ridge: float = 1e-4
+
+    def validate(self) -> None:
+        if isinstance(self.ridge, bool) or not (isinstance(self.ridge, (int, float)) and self.ridge >= 0):
+            raise ValueError(f"ridge must be a number >= 0, got {self.ridge!r}")
+
+
+@dataclass
+class Solved(Ridge):
+    """Args: solver: ``ridge`` (regularised normal equations; default) or ``lstsq`` (minimum norm)."""
+
+    solver: SolverName = "ridge"
+
+
+def residual_identity(cfg: MethodConfig | None, hidden_size: int, *, fused: bool = False) -> GapFit:
     """A do-nothing operator on the residual stream at the gap."""
     return GapFit(operator=GhostOperator(hidden_size, fused=fused))
 
 
-# The keys of `RecoveryConfig` beyond `name` and `method`: each method reads some of them (its `keys`).
-ORDER_KEYS: dict[str, Any] = {"order": "sequential"}
-SOLVE_KEYS: dict[str, Any] = {"solver": "ridge", "ridge": 1e-4}
+class Method:
+    """A recovery method; the module docstring says what each member does. Subclasses set `name` and
+    `config` and override what differs from these defaults."""
+
+    name: str = ""
+    config: type[MethodConfig] = Ordered
+    folds: bool = False
+    folds_embedding: bool = False
+    needs_mlp: bool = False
+    all_parts: tuple[str, ...] = ()
+    card: str = ""
+
+    @property
+    def ships_stock(self) -> bool:
+        return self.folds
+
+    def collector(self, hidden_size: int, device: torch.device | str) -> Collector | None:
+        return None
+
+    def parts(self, cfgs: list[MethodConfig]) -> tuple[str, ...] | None:
+        """The parts of the statistics the fits of `cfgs` read; None: the collector cannot be sized."""
+        return None
+
+    def fit(self, cfg: MethodConfig, gap: Gap, stats: Collector | None, hidden_size: int) -> GapFit:
+        raise NotImplementedError(f"method {self.name!r} defines no fit")
+
+    def identity(self, cfg: MethodConfig, hidden_size: int) -> GapFit:
+        return residual_identity(cfg, hidden_size)
+
+    def fold(self, blocks: list[nn.Module], gap: Gap, fit: GapFit) -> None:
+        raise NotImplementedError(f"{type(self).__name__} inserts an operator; it cannot be folded into weights")
+
+    def student_operator(self, operator: GhostOperator) -> nn.Module:
+        return operator
+
+    def token_groups(self, stats: Collector | None) -> dict | None:
+        return None
+
+
+NoFold = Method  # the name methods whose maps stay modules were written against (Method's defaults)
+
+# The defaults of the flat config, before each method read only its own keys: every entry carried every
+# key. Run folders written then hold them all in their config.yaml, and digests were made of them
+# (`methods.config.flat_settings`); `RecoveryConfig` lists these keys first, in this order.
+FLAT_DEFAULTS: dict[str, Any] = {
+    "fit": "first_weighted",
+    "bias": False,
+    "scale": "none",
+    "solver": "ridge",
+    "ridge": 1e-4,
+    "variant": "rotate",
+    "order": "sequential",
+}
 
 
 @dataclass
 class RecoveryConfig:
-    """One recovery method, evaluated (and later fine-tuned) beside the others.
+    """One recovery method, evaluated (and later fine-tuned) beside the others: an entry of `recovery`.
 
-    Every key but `name` and `method` belongs to the methods that read it (in parentheses below; each
-    method lists them, with their defaults, in its `keys`). Unset (None) means the method's default, filled
-    in when the config is made (`resolved`); a key the chosen method does not read stays None, and setting
-    it is an error (`validate_recovery`) that names the key and the method's keys.
+    Besides `name` and `method` it has a field for every key a registered method's config class declares
+    (added by `register`; unset: None). An entry sets only its method's keys (`method_keys`), documented on
+    that class (`GhostConfig`, `LinearPatchConfig`, ...), and they are resolved to their defaults when it is
+    made; setting another key is an error (`validate_recovery`) naming the key and the method's keys.
 
     Args:
         name: label in results; also the view name (`dense`, `pruned` and names ending in ``_ft``, the
@@ -135,30 +202,10 @@ class RecoveryConfig:
         method: a registered method: ``none`` (reads no other key), ``ghost``, ``ghost_symmetric``,
             ``linearpatch``, ``replaceme``, ``magnitude``, ``rotation``, ``rotation_through``,
             ``rotation_anchored``.
-        fit: (ghost, ghost_symmetric) token groups and weighting: ``first_weighted`` (default),
-            ``first_normed``, ``first``, ``plain`` (the paper) or ``weighted``; see `ghostdistill.methods.ghost`.
-        bias: (ghost, ghost_symmetric) fit an affine map x + x·M + c for ordinary tokens (C more
-            parameters); default false.
-        scale: (ghost, ghost_symmetric) ``none`` (default), or ``norm``: rescale W so that the fitted
-            tokens' mean ‖x·W‖² equals their mean ‖x_post‖² (undoes least squares' shrinkage).
-        solver: (ghost, replaceme) ``ridge`` (regularised normal equations; default) or ``lstsq``
-            (minimum norm). ``ghost_symmetric`` always solves its Lyapunov equation and does not read it.
-        ridge: (ghost, ghost_symmetric, replaceme) relative regulariser; ε = ridge · tr(XᵀX)/C; default 1e-4.
-        variant: (linearpatch) ``rotate`` (Hadamard; default) or ``diag`` (per-channel scaling only).
-        order: (every method with statistics: all but ``none``) with several gaps, ``sequential``
-            (default) fits each gap on the activations the repaired student really feeds it (earlier gaps
-            already repaired); ``independent`` fits every gap on the dense model's activations.
     """
 
     name: str = "ghost"
     method: str = "ghost"
-    fit: Literal["first", "plain", "weighted", "first_weighted", "first_normed"] | None = None
-    bias: bool | None = None
-    scale: Literal["none", "norm"] | None = None
-    solver: SolverName | None = None
-    ridge: float | None = None
-    variant: Literal["rotate", "diag"] | None = None
-    order: Literal["sequential", "independent"] | None = None
 
     def __post_init__(self) -> None:
         _fill_defaults(self)
@@ -176,65 +223,115 @@ class RecoveryConfig:
         keys = method_keys(get_method(self.method))
         return {"name": cfg.name, "method": cfg.method, **{k: getattr(cfg, k) for k in keys}}
 
+    def method_config(self) -> MethodConfig:
+        """This entry as its method's config (its keys only, resolved)."""
+        method = get_method(self.method)
+        cfg = self.resolved()
+        return method.config(name=self.name, **{k: getattr(cfg, k) for k in method_keys(method)})
+
+
+_OWN_FIELDS = ("name", "method")
+
 
 def setting_keys() -> tuple[str, ...]:
     """The method-specific keys of `RecoveryConfig`, in field order."""
-    return tuple(f.name for f in fields(RecoveryConfig) if f.name not in ("name", "method"))
+    return tuple(f.name for f in fields(RecoveryConfig) if f.name not in _OWN_FIELDS)
+
+
+def _defaults(config: type[MethodConfig]) -> dict[str, Any]:
+    out = {}
+    for f in fields(config):
+        if f.name != "name":
+            out[f.name] = f.default if f.default is not MISSING else f.default_factory()
+    return out
 
 
 def method_keys(method: Method) -> dict[str, Any]:
-    """The `RecoveryConfig` keys `method` reads, with their defaults, in field order. A method that
-    declares no `keys` reads `order` only (every method with statistics can be fitted sequentially)."""
-    keys = getattr(method, "keys", None)
-    keys = dict(ORDER_KEYS) if keys is None else keys
+    """The keys `method` reads (its config class's fields), with their defaults, in `RecoveryConfig`'s order."""
+    keys = _defaults(method.config)
     return {k: keys[k] for k in setting_keys() if k in keys}
 
 
 def _fill_defaults(cfg: RecoveryConfig) -> None:
-    method = _REGISTRY.get(cfg.method)
-    if method is None:
+    if cfg.method not in _METHODS:
         return  # `validate_recovery` names the unknown method
-    for key, default in method_keys(method).items():
+    for key, default in method_keys(_METHODS.get(cfg.method)).items():
         if getattr(cfg, key) is None:
             setattr(cfg, key, default)
 
 
-_REGISTRY: dict[str, Method] = {}
+_METHODS: Registry[Method] = Registry("recovery method", "recovery method")
+
+
+def _check_config(method: Method) -> dict[str, Any]:
+    """The config class's keys and their types, refused when the class is not a `MethodConfig` dataclass,
+    a key has no default or another registered method declares it with another type."""
+    config = method.config
+    where = f"method {method.name!r} ({origin(method)})"
+    if not (isinstance(config, type) and issubclass(config, MethodConfig) and dataclasses.is_dataclass(config)):
+        raise TypeError(f"{where}: config {config!r} must be a dataclass subclassing ghostdistill.methods.MethodConfig")
+    hints = get_type_hints(config)
+    keys = {f.name: hints[f.name] for f in fields(config) if f.name != "name"}
+    unset = [f.name for f in fields(config) if f.default is MISSING and f.default_factory is MISSING]
+    if unset:
+        raise ValueError(
+            f"{where}: keys {unset} of {config.__name__} need a default (what an entry that omits them gets)"
+        )
+    if "method" in keys:
+        raise ValueError(f"{where}: {config.__name__} declares a key 'method', which names the method; rename it")
+    for other in _METHODS:
+        theirs = get_type_hints(other.config)
+        clash = [k for k in keys if k in theirs and other.name != method.name and theirs[k] != keys[k]]
+        if clash:
+            raise ValueError(
+                f"{where}: key {clash[0]!r} is {keys[clash[0]]} here and {theirs[clash[0]]} in method {other.name!r} "
+                f"({origin(other)}); one key, one type: name it differently"
+            )
+    return keys
 
 
 def register(method: Method) -> Method:
-    """Make `method` available as `recovery[].method: <method.name>`; returns it (usable as a decorator
-    on an instance-making class call)."""
+    """Make `method` available as `recovery[].method: <method.name>`, with its config class's keys; returns it."""
     if not isinstance(method, Method):
-        raise TypeError(f"{method!r} does not implement ghostdistill.methods.Method")
-    if not method.name or not method.name.isidentifier():
-        raise ValueError(f"method name {method.name!r} must be a Python identifier")
-    keys = getattr(method, "keys", None)
-    if keys is not None:
-        unknown = [k for k in keys if k not in setting_keys()]
-        if unknown:
-            raise ValueError(
-                f"method {method.name!r}: keys {unknown} are not RecoveryConfig keys; choose from {list(setting_keys())}"
-            )
-        unset = [k for k, v in keys.items() if v is None]
-        if unset:
-            raise ValueError(f"method {method.name!r}: keys {unset} need a default (None means 'unset')")
-    _REGISTRY[method.name] = method
+        raise TypeError(f"{method!r} does not implement ghostdistill.methods.Method (subclass it)")
+    _check_config(method)
+    _METHODS.add(method.name, method)
+    _sync_keys()
     return method
 
 
 def unregister(name: str) -> None:
-    _REGISTRY.pop(name, None)
+    _METHODS.remove(name)
+    _sync_keys()
 
 
 def registered() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
+    return _METHODS.names()
 
 
 def get_method(name: str) -> Method:
-    if name not in _REGISTRY:
-        raise ValueError(f"recovery method {name!r} is not known; choose one of {list(_REGISTRY)}")
-    return _REGISTRY[name]
+    return _METHODS.get(name)
+
+
+def _sync_keys() -> None:
+    """`RecoveryConfig`'s fields: `name`, `method` and every registered method's keys (the flat config's keys
+    first, in its order; the others as they were registered), each typed as its config class says, unset
+    (None) by default. The dataclass is rebuilt in place, so every holder of the class sees the keys."""
+    hints: dict[str, Any] = {}
+    for method in _METHODS:
+        hints.update({k: h for k, h in _check_config(method).items() if k not in hints})
+    order = [k for k in FLAT_DEFAULTS if k in hints] + [k for k in hints if k not in FLAT_DEFAULTS]
+    cls = RecoveryConfig
+    own = {k: v for k, v in cls.__annotations__.items() if k in _OWN_FIELDS}
+    for key in set(cls.__annotations__) - set(own) - set(order):
+        delattr(cls, key)
+    for attr in ("__init__", "__repr__", "__eq__", "__match_args__"):
+        if attr in cls.__dict__:
+            delattr(cls, attr)
+    cls.__annotations__ = {**own, **{k: Optional[hints[k]] for k in order}}
+    for key in order:
+        setattr(cls, key, None)
+    dataclass(cls)
 
 
 # What a view that is not a method's names as its method: the dense model and the pruned one (`core.views`).
@@ -243,11 +340,10 @@ _PLAIN_VIEWS = ("dense", "pruned")
 
 def ships_stock(method: str | None) -> bool:
     """Whether a training-free view of `method` exports as the model's own architecture, which every serving
-    stack runs (no operator module, no remote code): the dense and pruned models (`None`, ``none``,
-    ``dense``, ``pruned``) and the methods that fold into the weights. A student of such a method stays
-    stock whatever it trains: LoRA, norms, the tail and blocks are merged at export, and operators train
-    within what folds (the method's `student_operator`: scaled rotations, a residual scale)."""
+    stack runs (no operator module, no remote code): the dense and pruned models (`None`, ``dense``,
+    ``pruned``) and the methods that declare it (`Method.ships_stock`: ``none`` and those that fold). A
+    student of such a method stays stock whatever it trains: LoRA, norms, the tail and blocks are merged at
+    export, and operators train within what folds (the method's `student_operator`)."""
     if method is None or method in _PLAIN_VIEWS:
         return True
-    spec = get_method(method)
-    return bool(spec.folds) or spec.name == "none"
+    return bool(get_method(method).ships_stock)

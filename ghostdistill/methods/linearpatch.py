@@ -9,13 +9,15 @@ W is symmetric by construction, which is exactly what the ghost operator is not 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from ..core.operator import GhostOperator
 from ..core.plan import Gap
 from .hadamard import hadamard_matrix, has_hadamard
-from .interface import ORDER_KEYS, GapFit, GapTaps, NoFold, RecoveryConfig, register, residual_identity
+from .interface import GapFit, GapTaps, Method, Ordered, register
 
 
 @functools.lru_cache(maxsize=2)
@@ -66,35 +68,39 @@ class LinearPatchStatistics:
         self.tokens = state["tokens"]
 
 
-class LinearPatch(NoFold):
+@dataclass
+class LinearPatchConfig(Ordered):
+    """`linearpatch`'s keys (a hidden size without a Hadamard matrix fails at fit time, naming it).
+
+    Args:
+        variant: ``rotate`` (Hadamard; default) or ``diag`` (per-channel scaling only).
+    """
+
+    variant: Literal["rotate", "diag"] = "rotate"
+
+
+class LinearPatch(Method):
     name = "linearpatch"
-    keys = {"variant": "rotate", **ORDER_KEYS}
+    config = LinearPatchConfig
+    card = "LinearPatch: W = H·diag(s)·Hᵀ at each gap (H an orthonormal Hadamard matrix)"
 
     def collector(self, hidden_size: int, device: torch.device | str) -> LinearPatchStatistics:
         return LinearPatchStatistics(hidden_size, device=device)
 
-    def validate(self, cfg: RecoveryConfig) -> None:
-        pass  # `variant` is checked with every recovery entry; a size without a Hadamard matrix at fit time
-
-    def fit(self, cfg: RecoveryConfig, gap: Gap, stats: LinearPatchStatistics, hidden_size: int) -> GapFit:
+    def fit(self, cfg: LinearPatchConfig, gap: Gap, stats: LinearPatchStatistics, hidden_size: int) -> GapFit:
         return GapFit(operator=fit_linearpatch(cfg, stats, hidden_size))
 
-    def identity(self, cfg: RecoveryConfig, hidden_size: int) -> GapFit:
-        return residual_identity(cfg, hidden_size)
 
-
-def channel_scales(cfg: RecoveryConfig, stats: LinearPatchStatistics) -> torch.Tensor:
+def channel_scales(cfg: LinearPatchConfig, stats: LinearPatchStatistics) -> torch.Tensor:
     """s_j = mean|X_post|_j / mean|X_pre|_j, in the rotated basis for ``rotate``, the plain one for ``diag``."""
-    cfg = cfg.resolved()
     if cfg.variant == "rotate":
         stats.hadamard()  # raises for a hidden size with no known Hadamard matrix, naming it
         return stats.sums["post_rot"] / stats.sums["pre_rot"].clamp_min(1e-12)
     return stats.sums["post"] / stats.sums["pre"].clamp_min(1e-12)
 
 
-def fit_linearpatch(cfg: RecoveryConfig, stats: LinearPatchStatistics, hidden_size: int) -> GhostOperator:
+def fit_linearpatch(cfg: LinearPatchConfig, stats: LinearPatchStatistics, hidden_size: int) -> GhostOperator:
     """W = H·diag(s)·Hᵀ (H = I for `diag`), stored as M = W − I."""
-    cfg = cfg.resolved()
     scale = channel_scales(cfg, stats)
     if cfg.variant == "rotate":
         h = stats.hadamard()

@@ -20,7 +20,7 @@ from torch import nn
 from ..core.model import ATTN_OUT, MLP_OUT, last_linear, mlp_module
 from ..core.operator import GhostOperator, ReparametrisedOperator
 from ..core.plan import Gap
-from .interface import ORDER_KEYS, GapFit, GapTaps, RecoveryConfig, register, residual_identity
+from .interface import GapFit, GapTaps, Method, Ordered, register, residual_identity
 
 
 class MagnitudeStatistics:
@@ -46,24 +46,21 @@ class MagnitudeStatistics:
         self.tokens = state["tokens"]
 
 
-class Magnitude:
+class Magnitude(Method):
     name = "magnitude"
     folds = True
-    keys = dict(ORDER_KEYS)
+    card = "magnitude compensation: one scale per gap, folded into the output projections of the later blocks"
 
     def collector(self, hidden_size: int, device: torch.device | str) -> MagnitudeStatistics:
         return MagnitudeStatistics(hidden_size, device=device)
 
-    def validate(self, cfg: RecoveryConfig) -> None:
-        pass
-
-    def fit(self, cfg: RecoveryConfig, gap: Gap, stats: MagnitudeStatistics, hidden_size: int) -> GapFit:
+    def fit(self, cfg: Ordered, gap: Gap, stats: MagnitudeStatistics, hidden_size: int) -> GapFit:
         s = stats.norm_post / stats.norm_pre.clamp_min(1e-12)
         op = GhostOperator(hidden_size, fused=True)
         op.load_solution((s - 1.0) * torch.eye(hidden_size, dtype=torch.float64, device=s.device))
         return GapFit(operator=op)
 
-    def identity(self, cfg: RecoveryConfig, hidden_size: int) -> GapFit:
+    def identity(self, cfg: Ordered, hidden_size: int) -> GapFit:
         return residual_identity(cfg, hidden_size, fused=True)
 
     def student_operator(self, operator: GhostOperator) -> ResidualScaleOperator:

@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import torch
-
 from ..core.plan import Gap
-from .interface import GapFit, NoFold, RecoveryConfig, register
+from .interface import GapFit, Method, MethodConfig, register
 
 
-class NoRecovery(NoFold):
+class NoRecovery(Method):
     name = "none"
-    keys: dict = {}  # nothing to fit, so not even `order`
+    config = MethodConfig  # nothing to fit, so not even `order`
+    ships_stock = True  # no map at any gap: the pruned model's own architecture
+    card = "no repair (the pruned model)"
 
-    def collector(self, hidden_size: int, device: torch.device | str) -> None:
-        return None
-
-    def validate(self, cfg: RecoveryConfig) -> None:
-        pass
-
-    def fit(self, cfg: RecoveryConfig, gap: Gap, stats: None, hidden_size: int) -> GapFit:
+    def fit(self, cfg: MethodConfig, gap: Gap, stats: None, hidden_size: int) -> GapFit:
         return GapFit()
 
-    def identity(self, cfg: RecoveryConfig, hidden_size: int) -> GapFit:
+    def identity(self, cfg: MethodConfig, hidden_size: int) -> GapFit:
         return GapFit()
 
 

@@ -15,15 +15,13 @@ from ..core.model import MLP_OUT, last_linear, mlp_module
 from ..core.operator import GhostOperator
 from ..core.plan import Gap
 from ..core.solver import solve
-from .interface import ORDER_KEYS, SOLVE_KEYS, GapFit, GapTaps, RecoveryConfig, register
+from .interface import GapFit, GapTaps, Method, Solved, register
 
 
 class ReplaceMeStatistics:
     """Normal equations of ReplaceMe (Shopkhoev et al. 2025): with M the MLP output of the last block
     before the gap and Y = X_pre − M its residual input, min_T ‖M T − (X_post − Y)‖²; T is then fused
     into that block's down_proj."""
-
-    needs_mlp = True
 
     def __init__(self, hidden_size: int, device: torch.device | str = "cpu") -> None:
         c = hidden_size
@@ -50,21 +48,19 @@ class ReplaceMeStatistics:
         self.mtm, self.mtr, self.tokens = state["mtm"].double(), state["mtr"].double(), state["tokens"]
 
 
-class ReplaceMe:
+class ReplaceMe(Method):
     name = "replaceme"
+    config = Solved  # solver, ridge, order
     folds = True
-    keys = {**SOLVE_KEYS, **ORDER_KEYS}
+    needs_mlp = True
+    card = "ReplaceMe: a linear map on the MLP output of the block before each gap, folded into its down projection"
 
     def collector(self, hidden_size: int, device: torch.device | str) -> ReplaceMeStatistics:
         return ReplaceMeStatistics(hidden_size, device=device)
 
-    def validate(self, cfg: RecoveryConfig) -> None:
-        pass
-
-    def fit(self, cfg: RecoveryConfig, gap: Gap, stats: ReplaceMeStatistics, hidden_size: int) -> GapFit:
+    def fit(self, cfg: Solved, gap: Gap, stats: ReplaceMeStatistics, hidden_size: int) -> GapFit:
         if gap.start == 0:
             raise ValueError(f"replaceme: gap {gap.key} starts at block 0, there is no MLP before it")
-        cfg = cfg.resolved()
         t = solve(
             stats.mtm,
             stats.mtr,
@@ -77,7 +73,7 @@ class ReplaceMe:
         op.load_solution(t - torch.eye(t.shape[0], dtype=t.dtype, device=t.device))
         return GapFit(mlp_map=op)
 
-    def identity(self, cfg: RecoveryConfig, hidden_size: int) -> GapFit:
+    def identity(self, cfg: Solved, hidden_size: int) -> GapFit:
         return GapFit(mlp_map=GhostOperator(hidden_size, fused=True))
 
     def fold(self, blocks: list[nn.Module], gap: Gap, fit: GapFit) -> None:

@@ -53,7 +53,7 @@ from torch import nn
 from ..core.operator import GhostOperator, ReparametrisedOperator
 from ..core.plan import Gap
 from .ghost import GhostStatistics
-from .interface import ORDER_KEYS, GapFit, NoFold, RecoveryConfig, register, residual_identity
+from .interface import GapFit, Method, Ordered, register, residual_identity
 from .magnitude import fold_residual_scale
 
 
@@ -110,15 +110,14 @@ def first_direction(stats: GhostStatistics) -> torch.Tensor:
     return mean / norm
 
 
-class _Rotation:
-    keys = dict(ORDER_KEYS)
+class _Rotation(Method):
     through = False
 
     @property
     def all_parts(self) -> tuple[str, ...]:
         return ("weighted_rest", "weighted_first") if self.through else ("weighted_rest",)
 
-    def parts(self, cfgs: Iterable[RecoveryConfig]) -> tuple[str, ...]:
+    def parts(self, cfgs: Iterable[Ordered]) -> tuple[str, ...]:
         return self.all_parts
 
     def collector(
@@ -126,14 +125,14 @@ class _Rotation:
     ) -> GhostStatistics:
         return GhostStatistics(hidden_size, device=device, groups=self.all_parts if parts is None else parts)
 
-    def validate(self, cfg: RecoveryConfig) -> None:
-        pass  # `order` is checked with every recovery entry (`validate_recovery`)
+    def token_groups(self, stats: GhostStatistics) -> dict:
+        return vars(stats.counts)
 
     def solve(self, xtx: torch.Tensor, xty: torch.Tensor, stats: GhostStatistics) -> tuple[float, torch.Tensor]:
         """(c, Q) from A = Σ w² xᵀx and M = Σ w² xᵀy: the free Procrustes (`rotation_anchored` constrains it)."""
         return procrustes(xtx, xty)
 
-    def fit(self, cfg: RecoveryConfig, gap: Gap, stats: GhostStatistics, hidden_size: int) -> GapFit:
+    def fit(self, cfg: Ordered, gap: Gap, stats: GhostStatistics, hidden_size: int) -> GapFit:
         tokens = stats.counts.regular + (stats.counts.first if self.through else 0)
         if tokens == 0:
             raise ValueError(f"gap {gap.key}: no calibration tokens to fit on")
@@ -157,10 +156,11 @@ class _Rotation:
         return None
 
 
-class Rotation(_Rotation, NoFold):
+class Rotation(_Rotation):
     name = "rotation"
+    card = "rotation: W = c·Q at each gap (weighted Procrustes), first-position tokens shifted apart"
 
-    def identity(self, cfg: RecoveryConfig, hidden_size: int) -> GapFit:
+    def identity(self, cfg: Ordered, hidden_size: int) -> GapFit:
         return GapFit(operator=GhostOperator(hidden_size, separate_first=True))
 
 
@@ -168,10 +168,10 @@ class RotationThrough(_Rotation):
     name = "rotation_through"
     through = True
     folds = True
-    # The export writes the product of the gaps' rotations into the embedding too (`export.fold`).
-    folds_embedding = True
+    folds_embedding = True  # the export writes the product of the gaps' rotations into the embedding (`export.fold`)
+    card = "rotation_through: W = c·Q at each gap (weighted Procrustes) for every token, folded into the weights"
 
-    def identity(self, cfg: RecoveryConfig, hidden_size: int) -> GapFit:
+    def identity(self, cfg: Ordered, hidden_size: int) -> GapFit:
         return residual_identity(cfg, hidden_size, fused=True)
 
     def student_operator(self, operator: GhostOperator) -> ScaledRotationOperator:
@@ -191,10 +191,11 @@ ANCHOR_SHARE = 0.5  # the share of first-position tokens counted massive (`Token
 
 class RotationAnchored(RotationThrough):
     """`rotation_through` with Q fixing the first position's massive direction u (module docstring). Where the first
-    position carries no massive activation (issue 39: another family, 17.6× the pruned model's perplexity), nothing
-    is anchored: the gap is fitted as `rotation_through` and its note says so (log, results.json, results.md)."""
+    position carries no massive activation (issue 39: another family, 17.6× the pruned model's perplexity), the
+    gap is fitted as `rotation_through` and its note says so (log, results.json, results.md)."""
 
     name = "rotation_anchored"
+    card = "rotation_anchored: W = c·Q at each gap, Q fixing the first position's massive direction, folded"
 
     def solve(self, xtx: torch.Tensor, xty: torch.Tensor, stats: GhostStatistics) -> tuple[float, torch.Tensor]:
         return anchored_procrustes(xtx, xty, first_direction(stats))
@@ -202,7 +203,7 @@ class RotationAnchored(RotationThrough):
     def anchor(self, stats: GhostStatistics) -> torch.Tensor:
         return first_direction(stats)
 
-    def fit(self, cfg: RecoveryConfig, gap: Gap, stats: GhostStatistics, hidden_size: int) -> GapFit:
+    def fit(self, cfg: Ordered, gap: Gap, stats: GhostStatistics, hidden_size: int) -> GapFit:
         counts = stats.counts
         if counts.first > 0 and counts.massive_first >= ANCHOR_SHARE * counts.first:
             return super().fit(cfg, gap, stats, hidden_size)

@@ -28,7 +28,7 @@ from ..core.model import hidden_size
 from ..core.offload import is_offloaded, model_device
 from ..core.plan import PruningPlan
 from ..core.views import PrunedModel
-from ..methods import RecoveryConfig, make_collectors
+from ..methods import Collector, RecoveryConfig, get_method, make_collectors
 from ..planning import PlanConfig, Progress, choose, no_progress
 from .state import SavedState, Statistics, save_state, to_device
 
@@ -214,5 +214,15 @@ def calibration_summary(cal: Calibrated, data: dict, fingerprint: str, windows: 
         "windows": windows,
         "tokens": cal.tokens,
         # Tokens given their own map (first position) and massive activations seen, per gap.
-        "token_groups": {k: vars(s["ghost"].counts) for k, s in cal.stats.items() if "ghost" in s},
+        "token_groups": {k: groups for k, s in cal.stats.items() if (groups := token_groups(s)) is not None},
     }
+
+
+def token_groups(collectors: dict[str, Collector]) -> dict | None:
+    """A gap's token counts as the first method (by name) whose statistics count them reports them
+    (`Method.token_groups`: ghost's and the rotations'), or None."""
+    for name, collector in collectors.items():
+        groups = get_method(name).token_groups(collector)
+        if groups is not None:
+            return groups
+    return None

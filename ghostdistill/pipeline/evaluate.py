@@ -149,7 +149,7 @@ def inference_parameters(pruned: PrunedModel, view: str, method: str | None = No
     """What the view needs at inference (`core.views.view_parameter_count`), plus the embedding a fold of
     the residual stream into the weights unties from the head (`rotation_through` on a tied model)."""
     total = view_parameter_count(pruned, view)
-    if method is not None and getattr(get_method(method), "folds_embedding", False):
+    if method is not None and get_method(method).folds_embedding:
         embedding, head = pruned.model.get_input_embeddings().weight, pruned.model.get_output_embeddings().weight
         if "meta" in (embedding.device.type, head.device.type):  # offloaded: the config says whether they are one
             tied = bool(getattr(pruned.config, "tie_word_embeddings", False))

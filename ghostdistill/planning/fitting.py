@@ -80,6 +80,7 @@ class RepairFitter:
     ) -> None:
         self.model, self.cfgs, self.batches, self.progress = model, list(cfgs), batches, progress
         self.methods = {c.name: get_method(c.method) for c in self.cfgs}
+        self.typed = {c.name: c.method_config() for c in self.cfgs}
         self.hidden = hidden_size(model)
         self.device = model_device(model)
         self.dense: dict[tuple[int, int], dict[str, Collector]] = {}
@@ -123,7 +124,10 @@ class RepairFitter:
         fits are kept for later plans that share their gaps. The caller removes its hooks (`remove_hooks`)."""
         pruned = PrunedModel(self.model, plan)
         gaps = plan.gaps
-        fits = {c.name: {g.key: self.methods[c.name].identity(c, self.hidden) for g in gaps} for c in self.cfgs}
+        fits = {
+            c.name: {g.key: self.methods[c.name].identity(self.typed[c.name], self.hidden) for g in gaps}
+            for c in self.cfgs
+        }
         for name, f in fits.items():
             register_view(pruned, name, f)
         for k, gap in enumerate(gaps):
@@ -158,7 +162,7 @@ class RepairFitter:
                     stats = self.dense[(gap.start, gap.stop)].get(c.method)
                 else:
                     raise KeyError(f"gap {gap.key}: dense statistics were not collected (call collect_dense first)")
-                fits[c.name][gap.key] = self.methods[c.name].fit(c, gap, stats, self.hidden)
+                fits[c.name][gap.key] = self.methods[c.name].fit(self.typed[c.name], gap, stats, self.hidden)
                 if cache:
                     self.fits[(c.name, keys[c.name])] = fits[c.name][gap.key]
         for name, f in fits.items():

@@ -67,7 +67,7 @@ def _folds_embedding(report: dict, view: str) -> bool:
     recovery = report.get("recovery") or {}
     name = ((report.get("distill") or {}).get("resolved") or {}).get(view, {}).get("method", view)
     try:
-        return bool(getattr(get_method(recovery.get(name, {}).get("method", name)), "folds_embedding", False))
+        return get_method(recovery.get(name, {}).get("method", name)).folds_embedding
     except ValueError:  # not a registered method (dense, pruned, a method this version no longer has)
         return False
 

@@ -1,10 +1,10 @@
-"""Per-method configuration: each method reads its own keys of `RecoveryConfig` (its `keys`, with their
-defaults); a key it does not read is rejected naming the key and the method's keys, unset keys resolve to
+"""Per-method configuration: each method reads its own keys of `RecoveryConfig` (its config class's fields,
+with their defaults); a key it does not read is rejected naming the key and the method's keys, unset keys resolve to
 the defaults every fit saw before the keys were split, and every shipped config still validates."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,8 @@ from ghostdistill.core.views import PrunedModel
 from ghostdistill.distill.config import DistillConfig
 from ghostdistill.methods import (
     FLAT_DEFAULTS,
+    Method,
+    Ordered,
     RecoveryConfig,
     drop_flat_defaults,
     flat_settings,
@@ -174,30 +176,29 @@ def test_ft_inside_a_name_is_fine():
     validate_recovery([RecoveryConfig(name="ghost_ftw"), RecoveryConfig(name="ft_ghost")])
 
 
-class _NoKeys:
-    """A method written before `keys`: it reads `order` only (every method with statistics can be
-    fitted sequentially), as every method could before."""
+class _NoKeys(Method):
+    """A method that declares no config class of its own: it reads `order` only (every method with
+    statistics can be fitted sequentially)."""
 
     name = "no_keys"
-    folds = False
-
-    def collector(self, hidden_size, device):
-        return None
-
-    def validate(self, cfg):
-        pass
-
-    def fit(self, cfg, gap, stats, hidden_size):
-        raise NotImplementedError
-
-    def identity(self, cfg, hidden_size):
-        raise NotImplementedError
-
-    def fold(self, blocks, gap, fit):
-        raise NotImplementedError
 
 
-def test_a_method_without_keys_reads_order_only_and_bad_keys_fail_at_registration():
+@dataclass
+class _RankConfig(Ordered):
+    rank: int = 8
+
+
+@dataclass
+class _BadRidge(Ordered):
+    ridge: str = "high"
+
+
+@dataclass(kw_only=True)
+class _NoDefault(Ordered):
+    depth: int
+
+
+def test_a_method_without_a_config_reads_order_only_and_a_new_key_joins_the_recovery_entries():
     method = register(_NoKeys())
     try:
         assert RecoveryConfig(name="n", method="no_keys").settings() == {
@@ -209,14 +210,47 @@ def test_a_method_without_keys_reads_order_only_and_bad_keys_fail_at_registratio
             validate_recovery([RecoveryConfig(name="n", method="no_keys", fit="plain")])
     finally:
         unregister(method.name)
+    ranked = _NoKeys()
+    ranked.name, ranked.config = "ranked", _RankConfig
+    register(ranked)
+    try:
+        assert "rank" in setting_keys() and RecoveryConfig(name="r", method="ranked").rank == 8
+        cfg = RecoveryConfig(name="r", method="ranked", rank=4)
+        validate_recovery([cfg])
+        assert cfg.method_config() == _RankConfig(name="r", rank=4)
+        assert RecoveryConfig().rank is None and "rank" not in flat_settings(RecoveryConfig())
+        with pytest.raises(ValueError, match="key 'rank' is not read by method 'ghost'"):
+            validate_recovery([RecoveryConfig(name="g", rank=4)])
+        with pytest.raises(ValueError, match="rank must be a number, got 'four'"):
+            validate_recovery([RecoveryConfig(name="r", method="ranked", rank="four")])
+    finally:
+        unregister("ranked")
+    assert "rank" not in setting_keys() and "ranked" not in registered()
+
+
+def test_bad_config_classes_fail_at_registration_naming_the_method():
     bad = _NoKeys()
-    bad.keys = {"rank": 8}
-    with pytest.raises(ValueError, match=r"keys \['rank'\] are not RecoveryConfig keys; choose from \['fit'"):
+    bad.config = _BadRidge
+    with pytest.raises(ValueError, match=r"key 'ridge' is <class 'str'> here and <class 'float'> in method 'ghost'"):
         register(bad)
-    bad.keys = {"ridge": None}
-    with pytest.raises(ValueError, match=r"keys \['ridge'\] need a default"):
+    bad.config = _NoDefault
+    with pytest.raises(ValueError, match=r"keys \['depth'\] of _NoDefault need a default"):
+        register(bad)
+    bad.config = dict
+    with pytest.raises(TypeError, match="must be a dataclass subclassing ghostdistill.methods.MethodConfig"):
         register(bad)
     assert "no_keys" not in registered()
+
+
+def test_a_taken_name_is_refused_naming_both_registrants():
+    impostor = _NoKeys()
+    impostor.name = "ghost"
+    with pytest.raises(
+        ValueError, match=r"'ghost' is registered by ghostdistill.methods.ghost.Ghost; test_config._NoKeys"
+    ):
+        register(impostor)
+    assert get_method("ghost").config.__name__ == "GhostConfig"
+    register(get_method("ghost"))  # the same object again: nothing changes
 
 
 @pytest.mark.parametrize("path", FIT_CONFIGS, ids=lambda p: p.name)
