@@ -1,5 +1,5 @@
 """Planning: which blocks to remove. One package, one registry of criteria (`interface.py`: `PlanConfig`,
-`PlanInputs`, the `Criterion` protocol, `register`), one module per family of criteria:
+`PlanInputs`, the `Criterion` base class, `register`), one module per family of criteria:
 
 | criterion | removes | module |
 |---|---|---|
@@ -15,8 +15,8 @@
     greedy_steps(cfg, fingerprint_at)     `plan.greedy_from`'s steps, checked by fingerprint
     choose(cfg, model, batches, ...)      the plan: the explicit list, or the criterion's choice
 
-Adding a criterion: one module defining an object with the `Criterion` members, passed to `register`,
-and its name in the import line below (`PerBlock` in `candidates.py` makes a per-block one from a score
+Adding a criterion: one module defining a `Criterion` (its members, defaults on the base class), passed to
+`register` (a taken name is refused, naming both), and for a shipped one its name in the import line below (`PerBlock` in `candidates.py` makes a per-block one from a score
 function). A run's `plan.criterion` is checked against the registry when the config is made.
 
 The pre-repair criteria

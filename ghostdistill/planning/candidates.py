@@ -11,7 +11,7 @@ from torch import nn
 
 from ..core.model import DecoderStack
 from ..core.plan import PruningPlan
-from .interface import Batch, PlanConfig, PlanInputs
+from .interface import Batch, Criterion, PlanConfig, PlanInputs
 
 
 def _edge_counts(allow_edges: bool, keep_first: int | None, keep_last: int | None) -> tuple[int, int]:
@@ -103,7 +103,7 @@ def lowest(scores: dict[int, float], n: int) -> list[int]:
 
 
 @dataclass(frozen=True)
-class PerBlock:
+class PerBlock(Criterion):
     """A criterion that scores every removable block on its own (`score(model, stack, batches, blocks)`:
     {block: score}, lower is less important) and removes the `num_layers` lowest, wherever they are.
     `costly`: `plan.criterion_samples` caps the windows it reads."""
@@ -111,8 +111,6 @@ class PerBlock:
     name: str
     score: Callable[[nn.Module, DecoderStack, Iterable[Batch], list[int]], dict[int, float]]
     costly: bool = False
-    contiguous = False
-    repair_aware = False
 
     def choose(self, cfg: PlanConfig, inputs: PlanInputs) -> PruningPlan:
         n, num_layers = cfg.num_layers, len(inputs.stack.layers)

@@ -35,7 +35,7 @@ from ..core.plan import PruningPlan
 from ..methods import RecoveryConfig
 from .candidates import candidate_blocks, protected_edges
 from .fitting import RepairFitter, repair_inputs
-from .interface import Batch, PlanConfig, PlanInputs, register
+from .interface import Batch, Criterion, PlanConfig, PlanInputs, register
 from .scoring import SelectionScorer
 
 
@@ -148,12 +148,11 @@ def greedy_steps(plan_cfg: PlanConfig, fingerprint_at: Callable[[int], str]) -> 
     return [steps[f"step {t}"] for t in range(1, len(steps) + 1)]
 
 
-class RepairGreedy:
+class RepairGreedy(Criterion):
     """``criterion: repair_greedy``: one block at a time, any block, each step keeping the removal whose
     repaired model is closest to the dense one on the selection windows."""
 
     name = "repair_greedy"
-    contiguous = False
     costly = True
     repair_aware = True
 

@@ -1,7 +1,7 @@
 """The configuration of a plan (`PlanConfig`), what a criterion is given (`PlanInputs`), the `Criterion`
-protocol and the registry of criteria.
+base class and the registry of criteria.
 
-A criterion chooses which `num_layers` blocks go. It is an object with
+A criterion chooses which `num_layers` blocks go. It is a `Criterion` with (defaults on the base class)
 
 - `name`: what `plan.criterion` names it by;
 - `contiguous`: it removes one run of `num_layers` blocks (its candidates are the runs' first blocks), or
@@ -14,10 +14,11 @@ A criterion chooses which `num_layers` blocks go. It is an object with
 - `choose(cfg, inputs) -> PruningPlan`: the plan, with its scores (and for the repair-aware ones, the
   candidates' rows and the costs).
 
-Adding a criterion: one module in this package that defines such an object and passes it to `register`,
-and its name in the import line of `planning/__init__.py`.
+Adding a criterion: one module (in this package, or your own) that defines such an object and passes it to
+`register` (a taken name is refused, naming both); a shipped one is also named in the import line of
+`planning/__init__.py`.
 
-The config, the protocol and the registry share this module because a config is checked against the
+The config, the base class and the registry share this module because a config is checked against the
 registry (`PlanConfig.validate`, `repair_aware`) and a criterion takes a config.
 """
 
@@ -25,13 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from ..core.model import DecoderStack
 from ..core.plan import PruningPlan
+from ..core.registry import Registry
 from ..methods import RecoveryConfig
 
 Batch = dict[str, torch.Tensor]
@@ -117,8 +118,8 @@ class PlanConfig:
                 "removes exactly its layers; set plan.num_layers to null (--model.plan.num_layers null), or drop "
                 "plan.layers to let plan.criterion choose num_layers layers"
             )
-        if self.layers is None and self.criterion not in _REGISTRY:
-            raise ValueError(f"plan.criterion {self.criterion!r} is not known; choose one of {', '.join(_REGISTRY)}")
+        if self.layers is None:
+            get_criterion(self.criterion)  # an unknown one is named with the registered ones
         if self.layers is None and self.num_layers is None:
             raise ValueError("plan needs either layers (explicit list) or num_layers (for the criterion)")
         if self.layers is not None:
@@ -185,7 +186,7 @@ class PlanConfig:
 
     def repair_aware(self) -> bool:
         """Whether a repair-aware criterion chooses the plan (it reads `data.selection`)."""
-        return self.layers is None and self.criterion in _REGISTRY and _REGISTRY[self.criterion].repair_aware
+        return self.layers is None and self.criterion in _CRITERIA and _CRITERIA.get(self.criterion).repair_aware
 
     def digest_dict(self) -> dict:
         """The settings that decide the plan, for a fingerprint: `repair_chunk` and `greedy_from` change only
@@ -211,41 +212,36 @@ class PlanInputs:
     taken: Sequence[dict] = field(default_factory=tuple)
 
 
-@runtime_checkable
-class Criterion(Protocol):
-    """A way of choosing the blocks to remove; see the module docstring for each member."""
+class Criterion:
+    """A way of choosing the blocks to remove; the module docstring says what each member means."""
 
-    name: str
-    contiguous: bool
-    costly: bool
-    repair_aware: bool
+    name: str  # set by every criterion (a dataclass criterion takes it as a field)
+    contiguous: bool = False
+    costly: bool = False
+    repair_aware: bool = False
 
-    def choose(self, cfg: PlanConfig, inputs: PlanInputs) -> PruningPlan: ...
+    def choose(self, cfg: PlanConfig, inputs: PlanInputs) -> PruningPlan:
+        raise NotImplementedError(f"criterion {self.name!r} defines no choose")
 
 
-_REGISTRY: dict[str, Criterion] = {}
+_CRITERIA: Registry[Criterion] = Registry("criterion", "plan.criterion")
 
 
 def register(criterion: Criterion) -> Criterion:
     """Make `criterion` available as `plan.criterion: <criterion.name>`; returns it."""
     if not isinstance(criterion, Criterion):
-        raise TypeError(f"{criterion!r} does not implement ghostdistill.planning.Criterion")
-    if not criterion.name or not criterion.name.isidentifier():
-        raise ValueError(f"criterion name {criterion.name!r} must be a Python identifier")
-    _REGISTRY[criterion.name] = criterion
-    return criterion
+        raise TypeError(f"{criterion!r} does not implement ghostdistill.planning.Criterion (subclass it)")
+    return _CRITERIA.add(criterion.name, criterion)
 
 
 def unregister(name: str) -> None:
-    _REGISTRY.pop(name, None)
+    _CRITERIA.remove(name)
 
 
 def criteria() -> tuple[str, ...]:
     """The registered criteria's names, in registration order."""
-    return tuple(_REGISTRY)
+    return _CRITERIA.names()
 
 
 def get_criterion(name: str) -> Criterion:
-    if name not in _REGISTRY:
-        raise ValueError(f"plan.criterion {name!r} is not known; choose one of {', '.join(_REGISTRY)}")
-    return _REGISTRY[name]
+    return _CRITERIA.get(name)

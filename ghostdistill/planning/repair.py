@@ -30,7 +30,7 @@ from ..core.views import PRUNED
 from ..methods import GapFit, RecoveryConfig
 from .candidates import protected_edges
 from .fitting import RepairFitter, repair_inputs
-from .interface import Batch, PlanConfig, PlanInputs, register
+from .interface import Batch, Criterion, PlanConfig, PlanInputs, register
 from .scoring import SelectionScorer
 from .similarity import block_similarity
 
@@ -162,7 +162,7 @@ def repair_plan(
     )
 
 
-class Repair:
+class Repair(Criterion):
     """``criterion: repair``: every contiguous run of `num_layers` blocks, repaired from one dense pass and
     scored on the selection windows; the run with the lowest KL goes."""
 

@@ -19,7 +19,7 @@ from ..core.offload import is_offloaded
 from ..core.plan import PruningPlan
 from ..core.sequential import dense_sweep
 from .candidates import PerBlock, candidate_starts, protected_edges
-from .interface import Batch, PlanConfig, PlanInputs, register
+from .interface import Batch, Criterion, PlanConfig, PlanInputs, register
 
 
 def _token_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -107,7 +107,7 @@ def block_influence(
 
 
 @dataclass(frozen=True)
-class RunSimilarity:
+class RunSimilarity(Criterion):
     """A contiguous criterion: the run of `num_layers` blocks whose input and output are most alike, by
     the highest mean cosine (``streamline``) or the lowest angular distance (``angular``, and
     ``angular_last`` on each sequence's last token only; Gromov et al. 2024)."""
@@ -116,8 +116,6 @@ class RunSimilarity:
     measure: str  # "cosine" (highest wins) or "angular" (lowest wins)
     last_token_only: bool = False
     contiguous = True
-    costly = False
-    repair_aware = False
 
     def choose(self, cfg: PlanConfig, inputs: PlanInputs) -> PruningPlan:
         n, num_layers = cfg.num_layers, len(inputs.stack.layers)

@@ -259,6 +259,8 @@ def test_a_new_criterion_is_one_object_and_one_register_call():
         assert check_plan(cfg, 6) is None
         plan = choose(cfg, tiny_model("llama", num_layers=6), _batches())
         assert plan.removed == (3, 4) and plan.chosen_by == "latest"  # keep_last = 1 protects block 5
+        with pytest.raises(ValueError, match=r"criterion 'latest' is registered by .*PerBlock; .*PerBlock cannot"):
+            register(PerBlock("latest", lambda *args: {}))
     finally:
         unregister("latest")
     with pytest.raises(ValueError, match="plan.criterion 'latest' is not known; choose one of streamline"):
