@@ -15,10 +15,9 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from ..core.checks import check_unique
+from .interface import get_part, parts
 from .loss import LossConfig
 
-Trainable = Literal["operators", "lora", "blocks", "tail", "norms"]
-TRAINABLE: tuple[str, ...] = ("operators", "lora", "blocks", "tail", "norms")
 FT_SUFFIX = "_ft"
 
 
@@ -61,7 +60,7 @@ class StudentConfig:
 
     name: str = ""
     method: str = ""
-    train: list[Trainable] | None = None
+    train: list[str] | None = None
     lr: float | None = None
     block_lr: float | None = None
     norm_lr: float | None = None
@@ -97,8 +96,8 @@ class DistillConfig:
         methods: recovery names to fine-tune (e.g. ``[ghost, linearpatch]``), one student ``<name>_ft``
             each with the recipe below; every student sees the same batches in the same order.
         students: further students, each with its own name, method and recipe (`StudentConfig`).
-        train: what trains: ``operators`` (the gap operators, first-position shift included; the
-            default), ``lora`` (adapters on the surviving blocks), ``blocks`` (the surviving blocks next
+        train: what trains, of the registered parts (`distill.parts`): ``operators`` (the gap operators,
+            first-position shift included; the default), ``lora`` (adapters on the surviving blocks), ``blocks`` (the surviving blocks next
             to each gap), ``tail`` (the output head, the final norm and the last `tail_blocks` surviving
             blocks) and/or ``norms`` (the norm gains of the surviving blocks); what a student trains
             besides operators and adapters is its own copy, so the teacher and the other students keep
@@ -123,7 +122,7 @@ class DistillConfig:
 
     methods: list[str] = field(default_factory=list)
     students: list[StudentConfig] = field(default_factory=list)
-    train: list[Trainable] = field(default_factory=lambda: ["operators"])
+    train: list[str] = field(default_factory=lambda: ["operators"])
     lr: float = 1e-4
     block_lr: float = 1e-5
     norm_lr: float = 1e-4
@@ -221,28 +220,30 @@ class DistillConfig:
             raise ValueError(f"distill.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.keep not in ("best", "last"):
             raise ValueError(f"distill.keep {self.keep!r} is not known; choose best or last")
-        bad = [t for t in self.train if t not in TRAINABLE]
+        bad = [t for t in self.train if t not in parts()]
         if bad or not self.train:
-            raise ValueError(f"distill.train {self.train} must be a non-empty subset of {list(TRAINABLE)}")
+            raise ValueError(f"distill.train {self.train} must be a non-empty subset of {list(parts())}")
         for s in self.specs():
             self._validate_student(s)
 
     def _validate_student(self, s: Student) -> None:
+        known = parts()
         where = f"distill (student {s.name})"
-        bad = [t for t in s.train if t not in TRAINABLE]
+        bad = [t for t in s.train if t not in known]
         if bad or not s.train:
-            raise ValueError(f"{where}: train {list(s.train)} must be a non-empty subset of {list(TRAINABLE)}")
+            raise ValueError(f"{where}: train {list(s.train)} must be a non-empty subset of {list(known)}")
         if len(set(s.train)) != len(s.train):
             raise ValueError(f"{where}: train {list(s.train)} lists a kind twice")
-        whole = [t for t in ("lora", "blocks", "tail") if t in s.train]
+        whole = [t for t in s.train if get_part(t).adapts_blocks]
         if len(whole) > 1:
             raise ValueError(
                 f"{where}: train {whole} adapt the same blocks (lora adapts them, blocks and tail train copies "
                 "of them); choose one of them"
             )
-        for name, value in (("lr", s.lr), ("block_lr", s.block_lr), ("norm_lr", s.norm_lr), ("lora.lr", s.lora.lr)):
+        for key in dict.fromkeys(get_part(t).lr_key for t in known):
+            value = next(get_part(t).lr(s) for t in known if get_part(t).lr_key == key)
             if not value > 0:
-                raise ValueError(f"{where}: {name} must be > 0, got {value}")
+                raise ValueError(f"{where}: {key} must be > 0, got {value}")
         if s.tail_blocks < 0:
             raise ValueError(f"{where}: tail_blocks must be >= 0 (the last k surviving blocks), got {s.tail_blocks}")
         if s.lora.rank < 1 or not s.lora.alpha > 0 or not 0 <= s.lora.dropout < 1 or not s.lora.target_modules:

@@ -1,4 +1,4 @@
-"""AdamW over every student's parameters, one group per (student, kind) so that each kind has its
+"""AdamW over every student's parameters, one group per (student, part) so that each part has its
 learning rate and each student can be clipped on its own (`clip_per_student`), and a warm-up + cosine
 schedule over optimizer steps ``step = 0, 1, …``:
 
@@ -18,23 +18,20 @@ import math
 import torch
 
 from .config import DistillConfig
+from .interface import get_part
 from .students import StudentParams
 
 
 def param_groups(params: dict[str, StudentParams], cfg: DistillConfig) -> list[dict]:
-    """One group per (student, kind), at that student's learning rate for the kind."""
+    """One group per (student, part), at that student's learning rate for the part (`Part.lr_key`)."""
     groups = []
     for view, p in params.items():
         s = cfg.recipe(view)
-        for kind, lr, tensors in (
-            ("operators", s.lr, p.operators),
-            ("lora", s.lora.lr, p.lora),
-            ("blocks", s.block_lr, p.blocks),
-            ("tail", s.block_lr, p.tail),
-            ("norms", s.norm_lr, p.norms),
-        ):
+        for kind, tensors in p.items():
             if tensors:
-                groups.append({"params": tensors, "lr": lr, "name": f"{view}/{kind}", "student": view})
+                groups.append(
+                    {"params": tensors, "lr": get_part(kind).lr(s), "name": f"{view}/{kind}", "student": view}
+                )
     if not groups:
         raise ValueError("distillation has nothing to train: check distill.methods, distill.students and their train")
     return groups

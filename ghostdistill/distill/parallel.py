@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from ..core.sharded import is_sharded
 from ..core.views import PrunedModel
+from .interface import get_part
 
 
 def shard_students(pruned: PrunedModel, views: list[str], mesh, replicated: list[nn.Parameter] = ()) -> int:
@@ -77,13 +78,20 @@ def average_replicated_grads(params: list[nn.Parameter], group=None) -> int:
 
 
 def shard_for_fsdp2(students, mesh) -> tuple[list[nn.Parameter], object, int]:
-    """Shard what `students` (a `distill.students.Students`) add over `mesh`; returns the replicated LoRA
-    parameters and their process group (for `average_replicated_grads`) and the number of units sharded.
-    The students' parameter lists are refreshed: sharding replaced the parameter objects."""
-    lora = [p for view in students.views for p in students.params[view].lora]
-    units = shard_students(students.pruned, students.views, mesh, replicated=lora)
+    """Shard what `students` (a `distill.students.Students`) add over `mesh`; returns the replicated parameters
+    (the parts FSDP2 replicates, `Part.fsdp`: LoRA) and their process group (for `average_replicated_grads`) and
+    the number of units sharded. The students' parameter lists are refreshed: sharding replaced the parameter
+    objects."""
+    whole = [
+        p
+        for view in students.views
+        for kind, ps in students.params[view].items()
+        if get_part(kind).fsdp == "replicate"
+        for p in ps
+    ]
+    units = shard_students(students.pruned, students.views, mesh, replicated=whole)
     students.refresh_params()
-    return lora, mesh.get_group(), units
+    return whole, mesh.get_group(), units
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:

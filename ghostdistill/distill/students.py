@@ -1,18 +1,13 @@
 """The students of fine-tuned recovery and the teacher they learn from, over one set of blocks.
 
 Each student (`DistillConfig.specs`: ``<method>_ft`` for each of `distill.methods`, plus every entry of
-`distill.students`) is a view whose trainable parts start from its method's closed-form fit:
-
-- ``operators``: copies of the method's gap operators (and ReplaceMe's MLP maps), trained; the
-  training-free view keeps the frozen originals. A method with a `student_operator` trains what that
-  gives instead (rotation: the scaled rotations around its fit, so the student still folds);
-- ``lora``: a peft LoRA adapter named after the view on the surviving blocks, active only while that
-  view runs (every other view, the teacher first, runs with adapters off, so its output is bit for bit
-  the base model's);
-- ``blocks``: per-view copies of the surviving blocks next to each gap (`PrunedModel.substitute_blocks`);
-- ``tail``: per-view copies of the output head, the final norm (`PrunedModel.substitute_modules`) and the
-  last k surviving blocks ("Reassessing Layer Pruning", arXiv 2411.15558, trains these after pruning);
-- ``norms``: per-view copies of the norm modules of the surviving blocks it runs from the shared ones.
+`distill.students`) is a view that starts as a copy of its method's fitted view (its operators and MLP maps
+copied; the training-free view keeps the frozen originals), and each part it trains (`distill.train`: one
+registered `Part` each, `distill.parts`) makes its own copies or adapters and names its parameters:
+``operators`` (what the method's `student_operator` gives: rotation trains the scaled rotations around its
+fit, so the student still folds), ``lora`` (a peft adapter named after the view, active only while that view
+runs: every other view, the teacher first, runs with adapters off, so its output is bit for bit the base
+model's), ``blocks``, ``tail`` ("Reassessing Layer Pruning", arXiv 2411.15558) and ``norms``.
 
 Every student's copies are its own, so two students of one method with different recipes train
 independently, and the teacher and the training-free views keep the originals.
@@ -30,31 +25,24 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..core.head import decoder_of, output_head
 from ..core.model import model_inputs
-from ..core.views import DENSE, PrunedModel, copy_block
-from ..methods import get_method, registered
+from ..core.views import DENSE, PrunedModel
 from .config import DistillConfig, Student
-from .parts import add_lora, adjacent_blocks, norm_modules, stream_sites, tail_blocks, tail_modules
+from .interface import get_part, parts
+from .parts import stream_sites
 
 
-@dataclass
-class StudentParams:
-    """A student's trainable parameters by kind (each kind has its own learning rate)."""
-
-    operators: list[nn.Parameter]
-    lora: list[nn.Parameter]
-    blocks: list[nn.Parameter]
-    tail: list[nn.Parameter] = field(default_factory=list)
-    norms: list[nn.Parameter] = field(default_factory=list)
+class StudentParams(dict):
+    """A student's trainable parameters by part (`distill.parts`: each part has its own learning rate)."""
 
     def all(self) -> list[nn.Parameter]:
-        return [*self.operators, *self.lora, *self.blocks, *self.tail, *self.norms]
+        return [p for params in self.values() for p in params]
 
 
 @dataclass
@@ -87,8 +75,8 @@ class Students:
         self.views = list(self.specs)
         self.params: dict[str, StudentParams] = {}
         self.named: dict[str, dict[str, nn.Parameter]] = {}
-        self._lora_layers: list[nn.Module] = []
-        self._lora_views = [v for v, s in self.specs.items() if s.trains("lora")]
+        # What a part keeps of its own between building and collecting its parameters (`Part.build`).
+        self.state: dict[str, object] = {}
         # Per student, the first block whose input differs from the teacher's: 0 runs the whole forward.
         self.starts = {v: self._first_trained_block(s) for v, s in self.specs.items()}
         self.share_prefix = False
@@ -100,125 +88,39 @@ class Students:
     # ---------------------------------------------------------------- building
     def _first_trained_block(self, spec: Student) -> int:
         plan = self.pruned.plan
-        first = min(g.start for g in plan.gaps)
-        if spec.trains("blocks"):
-            first = min([first, *adjacent_blocks(plan)])
-        if spec.trains("tail"):
-            first = min([first, *tail_blocks(plan, spec.tail_blocks)])
-        if spec.trains("norms") or spec.trains("lora"):
-            first = min(first, plan.kept[0]) if plan.kept else first
-        return first
+        firsts = [get_part(kind).first_block(plan, spec) for kind in spec.train]
+        return min([min(g.start for g in plan.gaps), *(b for b in firsts if b is not None)])
 
     def build(self) -> None:
-        """Create every fine-tuned view from its method's fitted view; freeze everything else."""
+        """Create every fine-tuned view from its method's fitted view, then each part it trains; freeze
+        everything else."""
         pruned = self.pruned
         pruned.model.requires_grad_(False)
         pruned.operators.requires_grad_(False)
         pruned.mlp_maps.requires_grad_(False)
         for view, spec in self.specs.items():
             operators = {k: copy.deepcopy(op) for k, op in pruned.operators[spec.method].items()}
-            method = self.methods.get(spec.method, spec.method)
-            if spec.trains("operators") and method in registered():
-                # A method whose operators fold trains within what folds (rotation: the scaled rotations).
-                operators = {k: get_method(method).student_operator(op) for k, op in operators.items()}
             mlp_maps = {k: copy.deepcopy(op) for k, op in pruned.mlp_maps[spec.method].items()}
             pruned.add_method(view, operators, mlp_maps)
-            has_maps = any(True for group in (pruned.operators[view], pruned.mlp_maps[view]) for _ in group.values())
-            if set(spec.train) == {"operators"} and not has_maps:
-                raise ValueError(
-                    f"distill: student {view!r} (method {spec.method!r}) has no operators to train (e.g. `none`); "
-                    "train lora, blocks, tail or norms as well"
-                )
-            copies = []
-            if spec.trains("blocks"):
-                copies = adjacent_blocks(pruned.plan)
-            elif spec.trains("tail"):
-                copies = tail_blocks(pruned.plan, spec.tail_blocks)
-            if copies:
-                pruned.substitute_blocks(view, {i: copy_block(pruned.dense_layers[i]) for i in copies})
-            if spec.trains("tail"):
-                pruned.substitute_modules(
-                    view, {path: copy.deepcopy(m) for path, m in tail_modules(pruned.model).items()}
-                )
-            if spec.trains("norms"):
-                pruned.substitute_modules(
-                    view, {path: copy.deepcopy(m) for path, m in norm_modules(pruned, view).items()}
-                )
-        if self._lora_views:
-            self._lora_layers = add_lora(pruned, {v: self.specs[v] for v in self._lora_views})
+        for kind in sorted(parts(), key=lambda k: get_part(k).build_last):
+            views = [v for v, s in self.specs.items() if s.trains(kind)]
+            if views:
+                get_part(kind).build(self, views)
         self.refresh_params()
         self.share_prefix = self.cfg.share_prefix and any(i > 0 for i in self.starts.values())
         if not self.share_prefix:
             self.starts = dict.fromkeys(self.views, 0)
-        pruned.listeners.append(self._on_view)
-        self._on_view(pruned.view)
+        for listener in pruned.listeners:
+            listener(pruned.view)
 
     def refresh_params(self) -> None:
-        """Collect each student's trainable parameters from its modules, by name, and mark them trainable.
-        Run again after anything replaces parameter objects (FSDP2 sharding does)."""
-        pruned = self.pruned
-        # Adapters are named by the dense index of their block, whatever view is active.
-        lora_names = {
-            id(m): f"lora.{i}.{name}"
-            for i, block in enumerate(pruned.dense_layers)
-            for name, m in block.named_modules()
-        }
+        """Collect each student's trainable parameters, part by part, by name, and mark them trainable. Run
+        again after anything replaces parameter objects (FSDP2 sharding does)."""
         for view, spec in self.specs.items():
-            # The gap operators (with the first-position shift where the fit uses one) and MLP maps.
-            operators = (
-                {
-                    f"{kind}.{view}.{key}.{name}": p
-                    for kind, group in (("operators", pruned.operators[view]), ("mlp_maps", pruned.mlp_maps[view]))
-                    for key, op in group.items()
-                    for name, p in op.named_parameters()
-                    if name != "first_shift" or op.separate_first
-                }
-                if spec.trains("operators")
-                else {}
-            )
-            lora = {
-                f"{lora_names.get(id(layer), '?')}.{name}": p
-                for layer in self._lora_layers
-                for name, p in layer.named_parameters()
-                if f".{view}." in f".{name}."
-            }
-            blocks = {
-                f"blocks.{view}.{index}.{name}": p
-                for index, m in (pruned.blocks[view].items() if view in pruned.blocks else ())
-                for name, p in m.named_parameters()
-            }
-            own = pruned.modules_own[view] if view in pruned.modules_own else {}
-            tail_paths = set(tail_modules(pruned.model)) if spec.trains("tail") else set()
-            tail, norms = {}, {}
-            for key, m in own.items():
-                group = tail if key.replace("/", ".") in tail_paths else norms
-                group |= {f"modules.{view}.{key}.{name}": p for name, p in m.named_parameters()}
-            self.named[view] = {**operators, **lora, **blocks, **tail, **norms}
-            self.params[view] = StudentParams(
-                operators=list(operators.values()),
-                lora=list(lora.values()),
-                blocks=list(blocks.values()),
-                tail=list(tail.values()),
-                norms=list(norms.values()),
-            )
+            by_part = {kind: get_part(kind).params(self, view, spec) for kind in parts()}
+            self.named[view] = {name: p for params in by_part.values() for name, p in params.items()}
+            self.params[view] = StudentParams({kind: list(params.values()) for kind, params in by_part.items()})
             for p in self.params[view].all():
-                p.requires_grad_(True)
-
-    def _on_view(self, view: str) -> None:
-        """A student's own adapter on while it runs, every adapter off for every other view (the teacher
-        first).
-
-        peft's switches also flip `requires_grad`; the trainable flags are put back, since a leaf whose
-        flag is off at backward time receives no gradient."""
-        if not self._lora_layers:
-            return
-        active = view in self._lora_views
-        for layer in self._lora_layers:
-            layer.enable_adapters(active)
-            if active:
-                layer.set_adapter(view)
-        for params in self.params.values():
-            for p in params.lora:
                 p.requires_grad_(True)
 
     # ---------------------------------------------------------------- forwards

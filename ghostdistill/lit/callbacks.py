@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from tqdm.auto import tqdm
 
 from ..distill.config import DistillConfig
+from ..distill.interface import get_part
 from ..export.compressed import DEFAULT_SCHEMES
 from ..export.gguf import DEFAULT_GGUF_TYPES
 from ..pipeline.calibrate import OFFLOAD_ONE_DEVICE
@@ -89,7 +90,7 @@ def check_before_run(trainer: Trainer, pl_module: GhostDistill) -> None:
 
 def check_strategy(trainer: Trainer, distill: DistillConfig | None = None) -> None:
     """Strategies the views work with: single device, DDP, FSDP2 (`ModelParallelStrategy`; not for students
-    that train their own head or norms)."""
+    that train a part FSDP2 does not shard, `Part.fsdp`: their own head or norms)."""
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
     strategy = trainer.strategy
@@ -104,12 +105,15 @@ def check_strategy(trainer: Trainer, distill: DistillConfig | None = None) -> No
         raise ValueError(
             "DeepSpeed ZeRO-3 with the teacher inside the module crashes in Lightning; use ZeRO-2, ddp or FSDP2"
         )
-    own = [s.name for s in (distill.specs() if distill else []) if s.trains("tail") or s.trains("norms")]
+    refused = {
+        s.name: [k for k in s.train if get_part(k).fsdp == "refuse"] for s in (distill.specs() if distill else [])
+    }
+    own = {name: kinds for name, kinds in refused.items() if kinds}
     if isinstance(strategy, ModelParallelStrategy) and own and trainer.max_steps != 0:
         raise ValueError(
-            f"students {own} train their own output head, final norm or norm gains (distill.train tail or "
-            "norms), which FSDP2 (ModelParallelStrategy) does not shard here yet: train them with ddp or on one "
-            "device"
+            f"students {list(own)} train their own output head, final norm or norm gains (distill.train "
+            f"{', '.join(sorted({k for kinds in own.values() for k in kinds}))}), which FSDP2 (ModelParallelStrategy) "
+            "does not shard here yet: train them with ddp or on one device"
         )
 
 

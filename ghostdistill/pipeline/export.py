@@ -35,6 +35,7 @@ from ..core.lock import hold, lock_path
 from ..core.model import resolve_source
 from ..core.views import DENSE, PRUNED, PrunedModel
 from ..distill.config import Student
+from ..distill.interface import get_part
 from ..export import compressed, export_view, view_model
 from ..export.gguf import DEFAULT_GGUF_TYPES, check_gguf_types, check_gguf_views, export_gguf, gguf_path
 from ..export.gguf import FORMATS as GGUF_FORMATS
@@ -79,11 +80,11 @@ def provenance(report: dict, view: str, method: str | None, seed: int | None, st
             "student": student.name,
             "method": student.method,
             "train": list(student.train),
-            "lr": {"operators": student.lr, "blocks": student.block_lr, "norms": student.norm_lr},
+            "lr": {kind: get_part(kind).lr(student) for kind in student.train},
             "loss": asdict(student.loss),
         }
-        if student.trains("tail"):
-            info["distill"]["tail_blocks"] = student.tail_blocks
+        for kind in student.train:
+            info["distill"].update(get_part(kind).settings(student))
     return info
 
 

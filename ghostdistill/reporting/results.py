@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text
+from ..distill.interface import get_part
+from ..distill.interface import parts as part_names
 from .analysis import analysis_section, plot_analysis
 from .flags import view_warnings
 from .planning import plan_section, plot_plan
@@ -125,8 +127,8 @@ def distill_section(report: dict) -> str:
         f"Fine-tuned views, each from its method's closed form, distilled against the dense teacher on the same "
         f"batches; AdamW (warm-up {d['warmup_steps']}, cosine to ×{d['min_lr_ratio']}); {budget}.",
         "",
-        "| student | from | trains | lr (operators / blocks, tail / norms / LoRA) | loss | trainable params |",
-        "|---|---|---|---|---|---|",
+        "| student | from | trains (learning rate) | loss | trainable params |",
+        "|---|---|---|---|---|",
     ]
     for view, s in (d.get("resolved") or {}).items():
         loss = s["loss"]
@@ -134,12 +136,9 @@ def distill_section(report: dict) -> str:
         text += f", teacher top-{loss['top_k']}" if loss.get("top_k") else ""
         text += f", CE {loss['ce_weight']}" if loss.get("ce_weight") else ""
         text += f", + {loss['hidden_weight']} × hidden {loss['hidden_kind']}" if loss.get("hidden_weight") else ""
-        trains = ", ".join(s["train"]) + (f" (k = {s['tail_blocks']})" if "tail" in s["train"] else "")
-        lrs = f"{s['lr']:g} / {s['block_lr']:g} / {s['norm_lr']:g} / {s['lora']['lr']:g}"
+        trains = ", ".join(_part_cell(kind, s) for kind in s["train"])
         count = s.get("trainable_params")
-        lines.append(
-            f"| {view} | {s['method']} | {trains} | {lrs} | {text} | {'-' if count is None else f'{count:,}'} |"
-        )
+        lines.append(f"| {view} | {s['method']} | {trains} | {text} | {'-' if count is None else f'{count:,}'} |")
     lines.append("")
     best = d.get("best", {})
     if best:
@@ -150,6 +149,15 @@ def distill_section(report: dict) -> str:
             lines.append(f"- {view}: best validation KL {b['val_kl']:.4f} at step {b['step']}")
         lines.append("")
     return "\n".join(lines)
+
+
+def _part_cell(kind: str, student: dict) -> str:
+    """A trained part with its learning rate and its own settings (``tail (1e-05, k = 3)``)."""
+    if kind not in part_names():
+        return kind  # a part of a plug-in this process has not registered
+    part = get_part(kind)
+    extra = "".join(f", {k} = {v}" for k, v in part.settings(student).items())
+    return f"{kind} ({part.lr(student):g}{extra})"
 
 
 def render_markdown(report: dict) -> str:

@@ -115,7 +115,7 @@ def test_students_train_and_the_teacher_stays_exact(train, tiny_dir, text_files,
     ids_g = {id(p) for p in params["ghost_ft"].all()}
     assert ids_g and not ids_g & {id(p) for p in params["linearpatch_ft"].all()}
     if train == "lora":
-        assert params["ghost_ft"].lora and not params["ghost_ft"].operators
+        assert params["ghost_ft"]["lora"] and not params["ghost_ft"]["operators"]
     # Only trainable tensors in the checkpoint: no base weight.
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
     assert ckpt["global_step"] == 3

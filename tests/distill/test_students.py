@@ -109,9 +109,11 @@ def test_students_of_one_method_train_independently_and_as_they_would_alone(tiny
         for b in views:
             if a != b:
                 assert not {id(p) for p in params[a].all()} & {id(p) for p in params[b].all()}, (a, b)
-    assert params["ghost_tail_ft"].tail and params["ghost_tail_ft"].blocks and params["ghost_tail_ft"].operators
-    assert params["ghost_norms_ft"].norms and not params["ghost_norms_ft"].operators
-    assert not params["ghost_ft"].tail and not params["ghost_ft"].norms
+    assert (
+        params["ghost_tail_ft"]["tail"] and params["ghost_tail_ft"]["blocks"] and params["ghost_tail_ft"]["operators"]
+    )
+    assert params["ghost_norms_ft"]["norms"] and not params["ghost_norms_ft"]["operators"]
+    assert not params["ghost_ft"]["tail"] and not params["ghost_ft"]["norms"]
     # The tail student's head and final norm are its own and moved; the teacher's are the fresh model's.
     with pruned.use("ghost_tail_ft") as model:
         tail_head = model.get_output_embeddings().weight
@@ -289,7 +291,7 @@ def test_a_tail_student_of_a_tied_model_exports_untied_and_reloads_to_its_logits
     cfg.validate([method])
     students = build_students(pm, cfg)
     with torch.no_grad():
-        for p in students.params["t_ft"].tail:
+        for p in students.params["t_ft"]["tail"]:
             p.add_(0.05 * torch.randn_like(p))
     embedding = model.get_input_embeddings().weight.detach().clone()
     ids = torch.arange(3, 30).view(1, 27)

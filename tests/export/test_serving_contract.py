@@ -132,7 +132,7 @@ def test_a_stock_student_exports_as_the_plain_architecture(train, tmp_path):
     spec = StudentConfig(name="ra_ft", method="ra", train=train, **({"tail_blocks": 1} if train == ["tail"] else {}))
     students = build_students(pm, DistillConfig(methods=[], students=[spec]), methods={"ra": "rotation_anchored"})
     params = students.params["ra_ft"].all()
-    assert params and bool(students.params["ra_ft"].operators) == ("operators" in train)
+    assert params and bool(students.params["ra_ft"]["operators"]) == ("operators" in train)
     with torch.no_grad():
         for p in params:
             p.add_(torch.randn_like(p) * 0.05)  # a student that moved off the closed form
@@ -170,7 +170,7 @@ def test_a_freely_trained_operator_of_a_folding_method_is_refused_at_export(tmp_
     )
     students = build_students(pm, DistillConfig(methods=[], students=[StudentConfig(name="ra_ft", method="ra")]))
     with torch.no_grad():
-        for p in students.params["ra_ft"].operators:
+        for p in students.params["ra_ft"]["operators"]:
             p.add_(torch.randn_like(p) * 0.05)
     with pytest.raises(ValueError, match="not a scaled rotation"):
         export_view(pm, "ra_ft", tmp_path / "ra_ft", method="rotation_anchored")
@@ -189,15 +189,15 @@ def test_a_magnitude_student_trains_its_scale_and_folds(tmp_path):
         tiny_model("llama"), PruningPlan.from_layers([2, 3], 6), [RecoveryConfig(name="magnitude", method="magnitude")]
     )
     students = build_students(pm, DistillConfig(methods=["magnitude"]))
-    assert [p.shape for p in students.params["magnitude_ft"].operators] == [torch.Size([1])]  # the scale alone
+    assert [p.shape for p in students.params["magnitude_ft"]["operators"]] == [torch.Size([1])]  # the scale alone
     with torch.no_grad():
-        students.params["magnitude_ft"].operators[0].fill_(0.3)
+        students.params["magnitude_ft"]["operators"][0].fill_(0.3)
     # A state saved when the scale was a 0-dim tensor (runs before FSDP2 needed it 1-D) loads to the same scale.
     state = students.trainable_state("magnitude_ft")
     (name,) = state
-    students.params["magnitude_ft"].operators[0].detach().zero_()
+    students.params["magnitude_ft"]["operators"][0].detach().zero_()
     students.load_trainable_state("magnitude_ft", {name: state[name].reshape(())})
-    assert float(students.params["magnitude_ft"].operators[0]) == pytest.approx(0.3)
+    assert float(students.params["magnitude_ft"]["operators"][0]) == pytest.approx(0.3)
     _exports_the_student_stock(pm, "magnitude_ft", "magnitude", "magnitude", tmp_path)
     with torch.no_grad():
         pm.operators["magnitude"][pm.plan.gaps[0].key].delta[0, 1] = 0.1
