@@ -43,7 +43,7 @@ import torch
 
 from ghostdistill.cli import load_run_config
 from ghostdistill.export.compressed import SCHEMES, compressed_path
-from ghostdistill.pipeline.export import export_views
+from ghostdistill.pipeline.export import ExportOptions, export_views
 from ghostdistill.pipeline.reload import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,8 +197,14 @@ def main() -> None:
         zip(
             views,
             export_views(
-                loaded.pruned, loaded.tokenizer, loaded.report, cfg, views, Path(args.dir), overwrite=True, seed=seed
-            ),
+                loaded.pruned,
+                loaded.tokenizer,
+                loaded.report,
+                cfg,
+                Path(args.dir),
+                ExportOptions(views, overwrite=True),
+                seed=seed,
+            ),  # fmt: skip
         )
     )
     not_quantized: dict[str, str] = {}
@@ -206,9 +212,12 @@ def main() -> None:
         for scheme in args.schemes:
             # One folder at a time, so that a scheme llm-compressor cannot apply to a view is reported, not fatal.
             try:
+                options = ExportOptions(
+                    [view], overwrite=True, format=["compressed-tensors"], schemes=[scheme],
+                    quantize_python=args.quantize_python,
+                )  # fmt: skip
                 export_views(
-                    loaded.pruned, loaded.tokenizer, loaded.report, cfg, [view], Path(args.dir), overwrite=True,
-                    seed=seed, formats=["compressed-tensors"], schemes=[scheme], quantize_python=args.quantize_python,
+                    loaded.pruned, loaded.tokenizer, loaded.report, cfg, Path(args.dir), options, seed=seed,
                     calibration=loaded.data.calibration_ids,
                 )  # fmt: skip
             except RuntimeError as error:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ghostdistill.cli import load_run_config
-from ghostdistill.pipeline.export import export_views
+from ghostdistill.pipeline.export import ExportOptions, export_views
 from ghostdistill.pipeline.reload import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,9 +48,8 @@ def main() -> None:
     run = Path(args.run)
     cfg, seed = load_run_config(run)
     loaded = load_run(run, cfg, args.views)
-    paths = export_views(
-        loaded.pruned, loaded.tokenizer, loaded.report, cfg, args.views, Path(args.dir), overwrite=True, seed=seed
-    )
+    options = ExportOptions(args.views, overwrite=True)
+    paths = export_views(loaded.pruned, loaded.tokenizer, loaded.report, cfg, Path(args.dir), options, seed=seed)
     results = loaded.report
     tok = loaded.tokenizer
     tok.padding_side = "left"

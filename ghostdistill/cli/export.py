@@ -4,6 +4,7 @@ Trainer."""
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from ..lit.interrupts import terminate_on_sigterm
@@ -45,31 +46,24 @@ def run_export(argv: list[str]) -> list[Path]:
     without a Trainer. A run folder's config runs none of its author's code unless you pass
     --trust-remote-code. SIGTERM and SIGINT stop it with one line and leave no folder behind (each view is
     written in a temporary folder and renamed)."""
-    from ..export.compressed import DEFAULT_SCHEMES, FORMAT, SCHEMES, SETUP, check_schemes, quantize_python
-    from ..export.gguf import DEFAULT_GGUF_TYPES, GGUF_TYPES, check_gguf_types
-    from ..export.quantize import QUANTIZE_TYPES, check_quantize
-    from ..pipeline.export import FORMATS, check_formats
+    from ..export.compressed import SETUP
+    from ..pipeline.export import ExportOptions, check_options
     from ..pipeline.reload import export_run
     from ..pipeline.trust import FLAG
 
     parser = argparse.ArgumentParser(prog="ghostdistill export", description=run_export.__doc__)
     parser.add_argument("run", help="the run folder (trainer.default_root_dir of a finished fit)")
-    parser.add_argument("--views", nargs="+", required=True, help="views to export, e.g. ghost ghost_ft")
-    parser.add_argument("--dir", default=None, help="parent folder of the exported views (default <run>/export)")
-    parser.add_argument("--overwrite", action="store_true", help="replace existing folders and files")
-    formats, types = ", ".join(FORMATS), " ".join(DEFAULT_GGUF_TYPES)
-    parser.add_argument(
-        "--format",
-        nargs="+",
-        default=["hf"],
-        help=f"of {formats} (default hf); gguf: plain views only; compressed-tensors: quantized for vLLM",
-    )
+    # The options are the `export` section's of a fit config (`ExportOptions`): its defaults and its help.
+    default, helps = ExportOptions(), _option_help(ExportOptions)
+    parser.add_argument("--views", nargs="+", required=True, help=helps["views"])
+    parser.add_argument("--dir", default=default.dir, help=helps["dir"])
+    parser.add_argument("--overwrite", action="store_true", help=helps["overwrite"])
+    parser.add_argument("--format", nargs="+", default=default.format, help=helps["format"])
     parser.add_argument(
         "--gguf-types",
         nargs="+",
-        default=list(DEFAULT_GGUF_TYPES),
-        help=f"default {types}; of {' '.join(GGUF_TYPES)} (written by ghostdistill) and {' '.join(QUANTIZE_TYPES)} "
-        "(llama.cpp's llama-quantize, from .serve/llama.cpp or $GHOSTDISTILL_LLAMA_CPP)",
+        default=default.gguf_types,
+        help=helps["gguf_types"] + " (llama-quantize from .serve/llama.cpp or $GHOSTDISTILL_LLAMA_CPP)",
     )
     parser.add_argument(
         "--no-imatrix",
@@ -78,17 +72,8 @@ def run_export(argv: list[str]) -> list[Path]:
         help="k-quants without the importance matrix over the run's calibration windows (llama-quantize's "
         "round-to-nearest)",
     )
-    parser.add_argument(
-        "--schemes",
-        nargs="+",
-        default=list(DEFAULT_SCHEMES),
-        help=f"compressed-tensors schemes, of {' '.join(SCHEMES)} (default {' '.join(DEFAULT_SCHEMES)})",
-    )
-    parser.add_argument(
-        "--quantize-python",
-        default=None,
-        help=f"the Python of the environment with llm-compressor (default .venv-quantize/bin/python: `{SETUP}`)",
-    )
+    parser.add_argument("--schemes", nargs="+", default=default.schemes, help=helps["schemes"])
+    parser.add_argument("--quantize-python", default=None, help=helps["quantize_python"] + f": `{SETUP}`")
     parser.add_argument(
         FLAG,
         action="store_true",
@@ -96,32 +81,28 @@ def run_export(argv: list[str]) -> list[Path]:
         "source ships); only for run folders whose author you trust",
     )
     args = parser.parse_args(argv)
-    check_formats(args.format)
-    check_gguf_types(args.gguf_types)
-    if "gguf" in args.format:
-        check_quantize(args.gguf_types, args.imatrix)
-    check_schemes(args.schemes)
-    if FORMAT in args.format:
-        quantize_python(args.quantize_python)  # llm-compressor's environment, before the run is read
+    keys = ("views", "dir", "overwrite", "format", "gguf_types", "imatrix", "schemes", "quantize_python")
+    options = ExportOptions(**{k: getattr(args, k) for k in keys})
+    check_options(options)  # formats, types, schemes and the tools they need, before the run is read
     run = Path(args.run)
     if not run.is_dir():
         raise FileNotFoundError(f"run folder {run} does not exist (the trainer.default_root_dir of a finished fit)")
     with terminate_on_sigterm():
         cfg, seed = load_run_config(run, trust_remote_code=args.trust_remote_code)
-        out = Path(args.dir) if args.dir else None
-        paths = export_run(
-            run,
-            cfg,
-            args.views,
-            out,
-            overwrite=args.overwrite,
-            seed=seed,
-            formats=args.format,
-            gguf_types=args.gguf_types,
-            imatrix=args.imatrix,
-            schemes=args.schemes,
-            quantize_python=args.quantize_python,
-        )
+        paths = export_run(run, cfg, options, seed=seed)
     for path in paths:
         print(f"exported {path}")
     return paths
+
+
+def _option_help(cls: type) -> dict[str, str]:
+    """The `Args:` of a config class's docstring, by key (one line each)."""
+    out: dict[str, str] = {}
+    key = None
+    for line in cls.__doc__.split("Args:", 1)[1].splitlines():
+        match = re.match(r"\s+(\w+): (.*)", line)
+        if match and (key is None or len(line) - len(line.lstrip()) <= 8):
+            key, out[match.group(1)] = match.group(1), match.group(2)
+        elif key is not None and line.strip():
+            out[key] += " " + line.strip()
+    return {k: v.replace("%", "%%") for k, v in out.items()}

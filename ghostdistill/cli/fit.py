@@ -194,6 +194,7 @@ def run_fit(args: list[str]) -> GhostDistillCLI:
         cli = build_fit(args)
         trainer, model, data = cli.trainer, cli.model, cli.datamodule
         model.run.report.settings = settings_of(cli)  # results.json: what compare checks before reusing it
+        model.run.seed = cli.config.get("seed_everything")  # what the exports record
         ckpt = None
         if trainer.max_steps != 0:
             # `resolve_ckpt_path` checks that `last` loads with weights_only, for older Lightning too.

@@ -35,8 +35,8 @@ class Registry(Generic[T]):
 
     def add(self, name: str, item: T) -> T:
         """Register `item` as `name`; returns it. A taken name is refused, naming both registrants."""
-        if not isinstance(name, str) or not name.isidentifier():
-            raise ValueError(f"{self.kind} name {name!r} must be a Python identifier")
+        if not isinstance(name, str) or not name.replace("-", "_").isidentifier():  # `compressed-tensors` has dashes
+            raise ValueError(f"{self.kind} name {name!r} must be a Python identifier (dashes allowed)")
         taken = self._items.get(name)
         if taken is not None and taken is not item:
             raise ValueError(

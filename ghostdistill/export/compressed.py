@@ -51,7 +51,8 @@ from ..core.checks import check_names
 from ..core.lock import marked_tmpdir
 from ..core.views import PrunedModel
 from . import compressed_oneshot
-from .writer import check_target, export_view, staged_folder
+from .parts import exporting
+from .writer import ViewExport, check_target, prepare, staged_folder, write_folder
 
 FORMAT = "compressed-tensors"
 SCHEMES = ("W8A8", "W4A16", "W4A16-AWQ", "W8A16")
@@ -138,24 +139,49 @@ def export_compressed(
     log=print,
 ) -> list[Path]:
     """Write `view` quantized with each of `schemes` under `root`; returns the folders, in `schemes`' order.
-    `group_size` 0: 128 or the largest half of it that divides every linear's input width (`compressed_oneshot`).
-    The view's float folder and the calibration ids are written once to a temporary folder beside the
-    targets and removed at the end."""
+    `group_size` 0: 128 or the largest half of it that divides every linear's input width (`compressed_oneshot`)."""
     python = quantize_python(python)
-    root = Path(root)
-    paths = [compressed_path(root, view, s) for s in schemes]
-    for path in paths:
+    check_folders(root, view, schemes, overwrite)
+    with exporting(pruned, view):
+        prepared = prepare(pruned, view, method, tokenizer, info, calibration=lambda: calibration_ids)
+        return write_compressed(prepared, root, schemes, python, overwrite=overwrite, group_size=group_size, log=log)
+
+
+def check_folders(root, view: str, schemes: Sequence[str], overwrite: bool) -> None:
+    for path in targets(root, [view], schemes):
         check_target(path, "folder", overwrite, "overwrite (--overwrite / export.overwrite: true)")
+
+
+def write_compressed(
+    view: ViewExport,
+    root: Path,
+    schemes: Sequence[str],
+    python: Path,
+    *,
+    overwrite: bool = False,
+    group_size: int = 0,
+    log=print,
+) -> list[Path]:
+    """A prepared view (`writer.prepare`) quantized with each of `schemes` under `root` (`export_compressed`).
+    The view's float folder and the calibration ids (`view.calibration()`) are written once to a temporary
+    folder beside the targets and removed at the end."""
+    root = Path(root)
+    paths = [compressed_path(root, view.view, s) for s in schemes]
+    if not view.write:
+        view.join()
+        return paths
+    check_folders(root, view.view, schemes, overwrite)
+    calibration_ids = view.calibration()
     # The float view and the calibration ids, once for every scheme, in a marked temporary folder (what a later
     # export of the view cleans up if this one is killed) that goes at the end.
     root.mkdir(parents=True, exist_ok=True)
-    work = marked_tmpdir(root, f".{view}.tmp-{os.getpid()}-", view)
+    work = marked_tmpdir(root, f".{view.view}.tmp-{os.getpid()}-", view.view)
     try:
-        source = export_view(pruned, view, work / view, method=method, tokenizer=tokenizer, info=info)
+        source = write_folder(view, work / view.view)
         ids = work / "calibration_ids.pt"
         torch.save(calibration_ids.to(torch.long).cpu(), ids)
         for scheme, target in zip(schemes, paths):
-            with staged_folder(target, f"export of view {view} as {scheme} to {target}") as out:
+            with staged_folder(target, f"export of view {view.view} as {scheme} to {target}") as out:
                 log_path = target.with_name(f"{target.name}.log")
                 quantize_folder(python, source, ids, scheme, out, log_path, group_size, log)
                 _provenance(out, source, scheme, calibration_ids.shape)

@@ -52,11 +52,10 @@ from ..core.views import PrunedModel
 from ..methods import ships_stock
 from .gguf_arch import FAMILIES, TensorStream, add_hparams, arch_name, gguf_tensors
 from .gguf_vocab import add_vocab, adds, copy_vocab
-from .parts import exporting, view_parts
+from .parts import exporting
 from .quantize import QUANTIZE_TYPES, check_quantize, quantize_view, quantized
-from .writer import check_target
+from .writer import ViewExport, check_target, check_view, prepare
 
-FORMATS = ("hf", "gguf")
 # name -> (tensor storage type of the weights, llama.cpp's file type)
 GGUF_TYPES = {
     "F32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -66,10 +65,6 @@ GGUF_TYPES = {
 DEFAULT_GGUF_TYPES = ("F32", "F16", "Q8_0")
 ALL_GGUF_TYPES = tuple(GGUF_TYPES) + QUANTIZE_TYPES  # the rest: llama.cpp's llama-quantize (`export.quantize`)
 ARCHITECTURES = {t: f.arch for t, f in FAMILIES.items()}
-
-
-def check_formats(formats: Iterable[str]) -> list[str]:
-    return check_names("export format", formats, FORMATS)
 
 
 def check_gguf_types(types: Iterable[str]) -> list[str]:
@@ -225,57 +220,77 @@ def export_gguf(
     than rank 0)."""
     types = check_gguf_types(types)
     check_quantize(types, imatrix)
-    if view not in pruned.views:
-        raise ValueError(f"cannot export view {view!r}: the views are {pruned.views}")
+    check_view(pruned, view)
     if inserts_operators(method):
         raise ValueError(refusal(view, method))
+    check_files(root, view, types, overwrite, imatrix, calibration, write)
+    with exporting(pruned, view):
+        prepared = prepare(pruned, view, method, tokenizer, info, write=write, calibration=calibration)
+        prepared.vocab_source = vocab_source
+        return write_gguf_files(prepared, root, types, overwrite=overwrite, imatrix=imatrix, log=log)
+
+
+def check_files(root, view: str, types: list[str], overwrite: bool, imatrix: bool, calibration, write: bool) -> None:
+    """What may stand where `view`'s GGUF files go, and the calibration windows an importance matrix needs."""
     if quantized(types) and imatrix and calibration is None:
         raise ValueError("an importance matrix needs the run's calibration windows: pass calibration, or imatrix=False")
-    paths = [gguf_path(root, view, t) for t in types]
-    for path in paths if write else ():
+    for path in [gguf_path(root, view, t) for t in types] if write else ():
         check_target(path, "file", overwrite, "overwrite (export.overwrite / --overwrite)")
-    info = dict(info or {})
-    info.setdefault("view", view)
-    info.setdefault("method", method)
-    info.setdefault(
-        "plan",
-        {"num_layers": pruned.plan.num_layers, "removed": list(pruned.plan.removed)},
-    )
+
+
+def write_gguf_files(
+    view: ViewExport,
+    root: str | os.PathLike,
+    types: Iterable[str],
+    *,
+    overwrite: bool = False,
+    imatrix: bool = True,
+    log: Callable[[str], None] = print,
+) -> list[Path]:
+    """A prepared plain view (`writer.prepare`) as one GGUF file per type under `root` (`export_gguf`); returns
+    the paths."""
+    types = list(types)
+    if view.kind != "plain":
+        raise ValueError(refusal(view.view, view.method))
+    check_files(root, view.view, types, overwrite, imatrix, view.calibration, view.write)
+    paths = [gguf_path(root, view.view, t) for t in types]
     written = dict(zip(types, paths))
     quants = {t: written[t] for t in quantized(types)}
     with contextlib.ExitStack() as stack:
         source = written.get("F32")
-        if quants and source is None and not write:  # never written: the passes match rank 0's
-            source = Path(root) / f"{view}.F32.gguf"
+        if quants and source is None and not view.write:  # never written: the passes match rank 0's
+            source = Path(root) / f"{view.view}.F32.gguf"
         elif quants and source is None:  # llama-quantize reads an F32 file: one for it alone, removed after
             Path(root).mkdir(parents=True, exist_ok=True)
-            tmp = stack.enter_context(tempfile.TemporaryDirectory(dir=root, prefix=f".{view}.F32-"))
-            source = Path(tmp) / f"{view}.F32.gguf"
-        with exporting(pruned, view):
-            parts, config, kind = view_parts(pruned, view, method, info)
-            if kind != "plain":
-                raise ValueError(refusal(view, method))
-            tensors = gguf_tensors(parts, config)
-            ours = [(t, written[t]) for t in types if t in GGUF_TYPES]
-            if quants and "F32" not in written:
-                ours.insert(0, ("F32", source))
-            for gguf_type, path in ours:
-                write_gguf(
-                    path,
-                    tensors,
-                    config,
-                    tokenizer,
-                    gguf_type,
-                    name=view,
-                    info=info,
-                    vocab_source=vocab_source,
-                    write=write,
-                )
-        del parts, tensors
-        if quants and write:
-            add_bos = adds(tokenizer, tokenizer.bos_token_id)[0]
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(dir=root, prefix=f".{view.view}.F32-"))
+            source = Path(tmp) / f"{view.view}.F32.gguf"
+        tensors = gguf_tensors(view.tensors(), view.config)
+        ours = [(t, written[t]) for t in types if t in GGUF_TYPES]
+        if quants and "F32" not in written:
+            ours.insert(0, ("F32", source))
+        for gguf_type, path in ours:
+            write_gguf(
+                path,
+                tensors,
+                view.config,
+                view.tokenizer,
+                gguf_type,
+                name=view.view,
+                info=view.info,
+                vocab_source=view.vocab_source,
+                write=view.write,
+            )
+        del tensors
+        if quants and view.write:
+            add_bos = adds(view.tokenizer, view.tokenizer.bos_token_id)[0]
             quantize_view(
-                source, quants, tokenizer=tokenizer, calibration=calibration, imatrix=imatrix, add_bos=add_bos, log=log
+                source,
+                quants,
+                tokenizer=view.tokenizer,
+                calibration=view.calibration,
+                imatrix=imatrix,
+                add_bos=add_bos,
+                log=log,
             )
     return paths
 

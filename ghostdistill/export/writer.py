@@ -27,7 +27,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,7 +41,7 @@ from ..core.offload import is_offloaded
 from ..core.sharded import is_sharded
 from ..core.views import PrunedModel
 from .card import model_card
-from .parts import WRAPPER_AUTO_MAP, exporting, save_parts, view_parts, view_state
+from .parts import WRAPPER_AUTO_MAP, Part, exporting, save_parts, view_parts, view_state
 
 # Inside a temporary folder: the view being written, and the folder it replaces, moved aside.
 NEW, OLD = "new", "old"
@@ -71,40 +72,103 @@ def export_view(
         write: false on the ranks of a sharded model other than rank 0: the same work (every block gathered,
             in rank 0's order), nothing written.
     """
-    target = Path(folder)
+    check_view(pruned, view)
+    if write:
+        check_target(Path(folder), "folder", overwrite, OVERWRITE)
+    with exporting(pruned, view):
+        return write_folder(prepare(pruned, view, method, tokenizer, info, write=write), folder, overwrite=overwrite)
+
+
+OVERWRITE = "overwrite (export.overwrite: true / --overwrite)"
+
+
+def check_view(pruned: PrunedModel, view: str) -> None:
     if view not in pruned.views:
         raise ValueError(f"cannot export view {view!r}: the views are {pruned.views}")
-    if not write:
-        with exporting(pruned, view):
-            for part in view_parts(pruned, view, method, dict(info or {}))[0]:
-                part.load()
-        return target
-    check_target(target, "folder", overwrite, "overwrite (export.overwrite: true / --overwrite)")
+
+
+@dataclass
+class ViewExport:
+    """One view as every export format writes it, described once (`prepare`, inside `parts.exporting`, where it
+    is written): its parts (`export.parts`), config and kind (``operators``: the wrapper with the gap operators;
+    ``plain``: the model's own architecture), the model switched to it, the tokenizer and what produced it
+    (`info`, config.json's ``ghostdistill`` record). A model held in memory makes its state once, for every
+    format (`tensors`); one off the device or sharded streams its parts to each. `write` false: a rank of a
+    sharded model other than rank 0 (the same gathers, nothing written); `calibration` gives the run's
+    calibration windows, `vocab_source` the GGUF file the model was read from."""
+
+    view: str
+    method: str | None
+    model: nn.Module
+    parts: list[Part]
+    config: object
+    kind: str
+    tokenizer: object = None
+    info: dict = field(default_factory=dict)
+    write: bool = True
+    calibration: Callable[[], torch.Tensor] | None = None
+    vocab_source: Path | None = None
+    _state: dict[str, torch.Tensor] | None = None
+
+    @property
+    def streamed(self) -> bool:
+        return is_offloaded(self.model) or is_sharded(self.model)
+
+    def tensors(self) -> list[Part] | dict[str, torch.Tensor]:
+        """The parts (a streamed view) or the whole state, made once (a model in memory)."""
+        if self.streamed:
+            return self.parts
+        if self._state is None:
+            self._state = {k: v for part in self.parts for k, v in part.load().items()}
+        return self._state
+
+    def join(self) -> None:
+        """What a rank that writes nothing does: every part made (its gathers), in rank 0's order."""
+        for part in self.parts if self.streamed else ():
+            part.load()
+        if not self.streamed:
+            self.tensors()
+
+
+def prepare(pruned: PrunedModel, view: str, method: str | None, tokenizer=None, info: dict | None = None, **kw):
+    """`view` of `pruned` ready to be written (inside `parts.exporting(pruned, view)`); `kw`: `ViewExport`'s
+    `write`, `calibration` and `vocab_source`."""
+    check_view(pruned, view)
     info = view_info(pruned, view, method, info)
+    parts, config, kind = view_parts(pruned, view, method, info)
+    return ViewExport(view, method, pruned.model, parts, config, kind, tokenizer, info, **kw)
+
+
+def write_folder(view: ViewExport, folder: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """Write a prepared view as a Hugging Face folder at `folder` (module docstring); returns its path."""
+    target = Path(folder)
+    if not view.write:
+        view.join()
+        return target
+    check_target(target, "folder", overwrite, OVERWRITE)
+    model = view.model
     with (
-        staged_folder(target, f"export of view {view} to {target}") as tmp,
+        staged_folder(target, f"export of view {view.view} to {target}") as tmp,
         disk_space(f"export folder {target}", target.parent) as needed,
     ):
-        with exporting(pruned, view) as model:
-            if is_offloaded(model) or is_sharded(model):
-                # Weights off the device, or sharded over ranks (FSDP2): one shard per block, each written
-                # as it is made (`export.parts`), so no process holds the whole view.
-                needed["bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
-                parts, config, kind = view_parts(pruned, view, method, info)
-                save_parts(parts, tmp, _tied_names(model, config, kind))
-            else:
-                state, config, kind = view_state(pruned, view, method, info)
-                needed["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
-                _save_weights(model, state, tmp)
-            config.save_pretrained(tmp)
-            generation = getattr(model, "generation_config", None)
-            if generation is not None:
-                generation.save_pretrained(tmp)
-        if kind == "operators":
+        if view.streamed:
+            # Weights off the device, or sharded over ranks (FSDP2): one shard per block, each written
+            # as it is made (`export.parts`), so no process holds the whole view.
+            needed["bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+            save_parts(view.parts, tmp, _tied_names(model, view.config, view.kind))
+        else:
+            state = dict(view.tensors())
+            needed["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
+            _save_weights(model, state, tmp)
+        view.config.save_pretrained(tmp)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None:
+            generation.save_pretrained(tmp)
+        if view.kind == "operators":
             shutil.copyfile(modeling_ghostdistill.__file__, tmp / "modeling_ghostdistill.py")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        (tmp / "README.md").write_text(model_card(info, kind))
+        if view.tokenizer is not None:
+            view.tokenizer.save_pretrained(tmp)
+        (tmp / "README.md").write_text(model_card(view.info, view.kind))
     return target
 
 

@@ -12,11 +12,9 @@ from tqdm.auto import tqdm
 
 from ..distill.config import DistillConfig
 from ..distill.interface import get_part
-from ..export.compressed import DEFAULT_SCHEMES
-from ..export.gguf import DEFAULT_GGUF_TYPES
 from ..pipeline.calibrate import OFFLOAD_ONE_DEVICE
 from ..pipeline.config import RunConfig
-from ..pipeline.export import check_targets, check_views
+from ..pipeline.export import ExportOptions, check_export, check_view_names
 from ..pipeline.state import STATE_FILE
 from ..pipeline.train import students_offloaded
 from .module import NO_DISTILL_METHODS, GhostDistill
@@ -128,20 +126,10 @@ class Report(Callback):
 
 
 class Export(Callback):
-    """Write views of the run as Hugging Face folders and GGUF files after the report (rank 0 writes).
+    """Write views of the run in the registered export formats after the report (rank 0 writes); its
+    arguments are `pipeline.export.ExportOptions`' keys (the `export` command's options too)."""
 
-    Args:
-        views: views to export (e.g. ``[ghost, ghost_ft]``); empty exports nothing.
-        dir: parent folder of the exported views (one sub-folder per view); default ``<run>/export``.
-        overwrite: replace existing folders and files.
-        format: what to write per view, one or more of ``hf`` (the folder ``<dir>/<view>``), ``gguf``
-            (``<dir>/<view>.<type>.gguf`` for llama.cpp; plain views only) and ``compressed-tensors``
-            (``<dir>/<view>.<scheme>`` for vLLM, quantized by llm-compressor in its own environment).
-        gguf_types: the GGUF files' types: ``F32``, ``F16``, ``Q8_0`` (written by ghostdistill) and llama.cpp's
-            llama-quantize types (``Q6_K``, ``Q5_K_M``, ``Q4_K_M``, …; `export.quantize`).
-        imatrix: k-quants with an importance matrix over the run's calibration windows (false: without).
-        schemes: the compressed-tensors schemes, of ``W8A8``, ``W4A16``, ``W4A16-AWQ``, ``W8A16``.
-    """
+    __doc__ += "\n" + ExportOptions.__doc__.split("\n\n", 1)[1]  # its Args, for the config's help
 
     def __init__(
         self,
@@ -152,69 +140,39 @@ class Export(Callback):
         gguf_types: list[str] | None = None,
         imatrix: bool = True,
         schemes: list[str] | None = None,
+        quantize_python: str | None = None,
     ) -> None:
-        self.views = list(views or [])
-        self.dir = dir
-        self.overwrite = overwrite
-        self.format = list(format) if format is not None else ["hf"]
-        self.gguf_types = list(gguf_types) if gguf_types is not None else list(DEFAULT_GGUF_TYPES)
-        self.imatrix = imatrix
-        self.schemes = list(schemes) if schemes is not None else list(DEFAULT_SCHEMES)
+        given = {"format": format, "gguf_types": gguf_types, "schemes": schemes}
+        lists = {k: list(v) for k, v in given.items() if v is not None}
+        self.options = ExportOptions(
+            list(views or []), dir, overwrite, imatrix=imatrix, quantize_python=quantize_python, **lists
+        )
 
     def root(self, trainer: Trainer) -> Path:
-        return Path(self.dir) if self.dir else Path(trainer.default_root_dir) / "export"
+        return self.options.root(trainer.default_root_dir)
 
     def check(self, trainer: Trainer, cfg: RunConfig) -> None:
-        """Bad view names and folders that would not be replaced or cannot be written fail before the run
-        (`cli.run_fit` calls this before any data is read), not after it."""
-        if not self.views:
+        """Bad view names, formats and folders that would not be replaced or cannot be written fail before the
+        run (`check_before_run`, before any data is read), not after it."""
+        if not self.options.views:
             return
-        bad = [v for v in self.views if v not in cfg.views()]
-        if bad:
-            raise ValueError(f"export.views {bad} are not views of this run; its views are {cfg.views()}")
-        unbuilt = [v for v in self.views if v in cfg.distill.views() and trainer.max_steps == 0]
+        check_view_names(cfg, self.options.views, key="export.views")
+        unbuilt = [v for v in self.options.views if v in cfg.distill.views() and trainer.max_steps == 0]
         if unbuilt:
             raise ValueError(
                 f"export.views {unbuilt} are fine-tuned views, which trainer.max_steps 0 does not build: set "
                 "trainer.max_steps, or export them later from the run folder of a run that distils"
             )
-        check_views(
-            cfg, self.views, formats=self.format, gguf_types=self.gguf_types, imatrix=self.imatrix, schemes=self.schemes
-        )
-        if not trainer.is_global_zero:
-            return  # rank 0 writes, and alone tries the folders (ranks probing one new folder at once race)
-        check_targets(
-            self.root(trainer),
-            self.views,
-            self.overwrite,
-            "export.overwrite: true",
-            self.format,
-            self.gguf_types,
-            self.schemes,
-        )
+        # Rank 0 writes, and alone tries the folders (ranks probing one new folder at once race).
+        root = self.root(trainer) if trainer.is_global_zero else None
+        check_export(cfg, self.options, root, flag="export.overwrite: true", key="export.views")
 
     def setup(self, trainer: Trainer, pl_module: GhostDistill, stage: str) -> None:
         self.check(trainer, pl_module.run.cfg)  # `check_before_run` has done so already when `Calibration` runs
 
     def on_test_end(self, trainer: Trainer, pl_module: GhostDistill) -> None:
         # A sharded model's blocks are gathered from every rank: all of them export, rank 0 writes.
-        if not self.views or not (trainer.is_global_zero or pl_module.run.sharded):
+        if not self.options.views or not (trainer.is_global_zero or pl_module.run.sharded):
             return
-        for path in pl_module.run.export(
-            self.views,
-            self.root(trainer),
-            overwrite=self.overwrite,
-            seed=_seed(trainer),
-            formats=self.format,
-            gguf_types=self.gguf_types,
-            imatrix=self.imatrix,
-            schemes=self.schemes,
-        ):
+        for path in pl_module.run.export(self.options, self.root(trainer)):
             rank_zero_info(f"exported {path}")
-
-
-def _seed(trainer: Trainer) -> int | None:
-    import yaml
-
-    config = Path(trainer.default_root_dir) / "config.yaml"
-    return (yaml.safe_load(config.read_text()) or {}).get("seed_everything") if config.is_file() else None

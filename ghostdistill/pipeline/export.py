@@ -1,15 +1,16 @@
-"""Export: views of a run written as Hugging Face folders and GGUF files, from memory or from a finished run folder.
+"""Export: views of a run written in the registered formats (`export.formats`: Hugging Face folders, GGUF
+files, compressed-tensors folders), from memory or from a finished run folder.
 
-    export_views(pruned, tokenizer, report, cfg, views, root)    an in-memory run (the end of `fit`)
-    reload.export_run(run_dir, cfg, views)                         a run folder, without a Trainer
-    run_view_model(pruned, report, cfg, view)                      one view in memory, as its folder loads
+    check_export(cfg, options, root)                            every check, before anything loads
+    export_views(pruned, tokenizer, report, cfg, root, options)  an in-memory run (the end of `fit`)
+    reload.export_run(run_dir, cfg, options)                     a run folder, without a Trainer
+    run_view_model(pruned, report, cfg, view)                    one view in memory, as its folder loads
 
-`formats` picks what is written per view: ``hf`` (the folder `<root>/<view>`, `export.writer`) and ``gguf``
-(`<root>/<view>.<type>.gguf` per type of `gguf_types`, `export.gguf`; plain views only, operator views are
-refused before anything is loaded or written) and ``compressed-tensors`` (`<root>/<view>.<scheme>` per scheme of
-`schemes`, `export.compressed`: quantized by llm-compressor in its own environment, for vLLM). A llama-quantize
-type (`export.quantize`) takes an importance matrix over the run's calibration windows (`imatrix`, on by
-default); the tools it needs are checked before anything loads.
+`ExportOptions` are the views, the folder, `overwrite`, the formats and their options (`gguf_types`,
+`imatrix`, `schemes`, `quantize_python`), the same keys for the `Export` callback and the `export` command.
+A llama-quantize type (`export.quantize`) takes an importance matrix over the run's calibration windows
+(`imatrix`, on by default), and so does compressed-tensors' calibration; the tools each format needs are
+checked before anything loads.
 
 From a run folder (`pipeline.reload`, which rebuilds it as a `pipeline.run.Run`) nothing the run cached is recomputed: the calibration statistics come from
 `calibration_state.pt` (only the closed-form solves run again, and the student passes of a sequential
@@ -24,30 +25,26 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..core.checks import check_names, check_unique
+from ..core.checks import check_unique
 from ..core.io import check_writable
 from ..core.lock import hold, lock_path
 from ..core.model import resolve_source
 from ..core.views import DENSE, PRUNED, PrunedModel
 from ..distill.config import Student
 from ..distill.interface import get_part
-from ..export import compressed, export_view, view_model
-from ..export.gguf import DEFAULT_GGUF_TYPES, check_gguf_types, check_gguf_views, export_gguf, gguf_path
-from ..export.gguf import FORMATS as GGUF_FORMATS
-from ..export.quantize import check_quantize
-from ..export.writer import check_target
+from ..export import view_model
+from ..export.compressed import DEFAULT_SCHEMES
+from ..export.formats import check_formats as check_formats
+from ..export.formats import export_targets, get_formats
+from ..export.gguf import DEFAULT_GGUF_TYPES
+from ..export.parts import exporting
+from ..export.writer import check_target, prepare
 from .config import RunConfig
-
-FORMATS = (*GGUF_FORMATS, compressed.FORMAT)
-
-
-def check_formats(formats: Sequence[str]) -> list[str]:
-    return check_names("export format", formats, FORMATS)
 
 
 def provenance(report: dict, view: str, method: str | None, seed: int | None, student: Student | None = None) -> dict:
@@ -94,88 +91,89 @@ def source_gguf(cfg: RunConfig) -> Path | None:
     return Path(folder) / name if name else None
 
 
-def check_views(
-    cfg: RunConfig,
-    views: list[str],
-    where: str = "this run",
-    formats: Sequence[str] = ("hf",),
-    gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
-    imatrix: bool = True,
-    schemes: Sequence[str] = compressed.DEFAULT_SCHEMES,
-    quantize_python: str | None = None,
-) -> None:
-    """Everything an export can check before it loads or computes anything: the view names, the formats,
-    GGUF types and quantization schemes, that no view asked for as GGUF keeps operators, that llama.cpp's
-    tools are there for a k-quant and llm-compressor's environment for a quantized folder."""
-    formats = check_formats(formats)
+@dataclass
+class ExportOptions:
+    """What an export writes: the `export` section of a `fit` config (the `Export` callback, after the report)
+    and the options of the `export <run>` command, one set of keys, defaults and checks for both.
+
+    Args:
+        views: views to export (e.g. ``[ghost, ghost_ft]``); empty exports nothing.
+        dir: parent folder of the exported views (one sub-folder per view); default ``<run>/export``.
+        overwrite: replace existing folders and files.
+        format: what to write per view, one or more registered formats (`export.formats`): ``hf`` (the folder
+            ``<dir>/<view>``), ``gguf`` (``<dir>/<view>.<type>.gguf`` for llama.cpp; plain views only) and
+            ``compressed-tensors`` (``<dir>/<view>.<scheme>`` for vLLM, quantized by llm-compressor in its own
+            environment).
+        gguf_types: the GGUF files' types: ``F32``, ``F16``, ``Q8_0`` (written by ghostdistill) and llama.cpp's
+            llama-quantize types (``Q6_K``, ``Q5_K_M``, ``Q4_K_M``, …; `export.quantize`).
+        imatrix: k-quants with an importance matrix over the run's calibration windows (false: without).
+        schemes: the compressed-tensors schemes, of ``W8A8``, ``W4A16``, ``W4A16-AWQ``, ``W8A16``.
+        quantize_python: the Python of the environment with llm-compressor (default .venv-quantize/bin/python).
+    """
+
+    views: list[str] = field(default_factory=list)
+    dir: str | None = None
+    overwrite: bool = False
+    format: list[str] = field(default_factory=lambda: ["hf"])
+    gguf_types: list[str] = field(default_factory=lambda: list(DEFAULT_GGUF_TYPES))
+    imatrix: bool = True
+    schemes: list[str] = field(default_factory=lambda: list(DEFAULT_SCHEMES))
+    quantize_python: str | None = None
+
+    def root(self, run_dir: str | os.PathLike) -> Path:
+        return Path(self.dir) if self.dir else Path(run_dir) / "export"
+
+
+def check_view_names(cfg: RunConfig, views: Sequence[str], where: str = "this run", key: str = "views") -> None:
     check_unique("export views", views)
-    available = cfg.views()
-    bad = [v for v in views if v not in available]
+    bad = [v for v in views if v not in cfg.views()]
     if bad:
-        raise ValueError(f"cannot export {bad}: the views of {where} are {available}")
-    if "gguf" in formats:
-        check_gguf_types(gguf_types)
-        check_gguf_views(views, cfg.method_of)
-        check_quantize(gguf_types, imatrix)
-    if compressed.FORMAT in formats:
-        compressed.check_schemes(schemes)
-        compressed.quantize_python(quantize_python)
+        raise ValueError(f"{key} {bad} are not views of {where}; its views are {cfg.views()}")
 
 
-def export_targets(
-    root: Path,
-    views: list[str],
-    formats: Sequence[str] = ("hf",),
-    gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
-    schemes: Sequence[str] = compressed.DEFAULT_SCHEMES,
-) -> list[Path]:
-    """The paths an export writes, in order: per view its folder (``hf``), its GGUF files (``gguf``), then its
-    quantized folders (``compressed-tensors``)."""
-    out: list[Path] = []
-    for view in views:
-        if "hf" in formats:
-            out.append(root / view)
-        if "gguf" in formats:
-            out += [gguf_path(root, view, t) for t in gguf_types]
-        if compressed.FORMAT in formats:
-            out += compressed.targets(root, [view], schemes)
-    return out
+def check_options(options: ExportOptions) -> list:
+    """The formats and their options, and the tools they need (what needs no run); returns the formats."""
+    formats = get_formats(options.format)
+    for fmt in formats:
+        fmt.check(options)
+    return formats
 
 
-def check_targets(
-    root: Path,
-    views: list[str],
-    overwrite: bool,
+def check_export(
+    cfg: RunConfig,
+    options: ExportOptions,
+    root: Path | None = None,
+    *,
+    where: str = "this run",
     flag: str = "--overwrite",
-    formats: Sequence[str] = ("hf",),
-    gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
-    schemes: Sequence[str] = compressed.DEFAULT_SCHEMES,
+    key: str = "views",
 ) -> None:
-    """The folders and files `views` would be written to (`export_targets`), checked before any work: none
-    exists unless `overwrite`, and `root` is (or can be made) a writable folder. `flag` names how the user
-    asks to overwrite."""
-    root = Path(root)
-    targets = export_targets(root, views, formats, gguf_types, schemes)
-    existing = [str(p) for p in targets if os.path.lexists(p)]
-    if existing and not overwrite:
+    """Everything an export can check before it loads or computes anything, in one place: the view names, the
+    formats and their options, that every format takes every view (a GGUF of an operator view is refused),
+    and, given `root`, the targets: none exists unless `options.overwrite` (`flag` names how the user asks),
+    nothing of another kind stands in one's place (`writer.check_target`), and `root` is (or can be made) a
+    writable folder. `key` names how the user gives the views."""
+    check_view_names(cfg, options.views, where, key)
+    for fmt in check_options(options):
+        for view in options.views:
+            fmt.check_view(view, cfg.method_of(view))
+    if root is None:
+        return
+    targets = export_targets(root, options.views, options)
+    existing = [str(p) for p, _ in targets if os.path.lexists(p)]
+    if existing and not options.overwrite:
         raise FileExistsError(f"export targets {existing} exist; pass {flag} to replace them, or choose another dir")
-    for path in targets:
-        check_target(path, "file" if path.suffix == ".gguf" else "folder", overwrite, flag)
-    check_writable(root, "export dir")
+    for path, kind in targets:
+        check_target(path, kind, options.overwrite, flag)
+    check_writable(Path(root), "export dir")
 
 
 @contextmanager
-def holding_targets(
-    root: Path,
-    views: list[str],
-    formats: Sequence[str],
-    gguf_types: Sequence[str],
-    schemes: Sequence[str] = compressed.DEFAULT_SCHEMES,
-) -> Iterator[None]:
+def holding_targets(root: Path, options: ExportOptions) -> Iterator[None]:
     """Hold the lock of every target an export writes (`core.lock`), from before the model loads until the
     last file is written: a second export of the same folders is refused at once, naming this one."""
     with ExitStack() as stack:
-        for path in export_targets(Path(root), views, formats, gguf_types, schemes):
+        for path, _ in export_targets(Path(root), options.views, options):
             stack.enter_context(hold(lock_path(path), f"export to {path}", "wait for that export to finish"))
         yield
 
@@ -185,98 +183,49 @@ def export_views(
     tokenizer,
     report: dict,
     cfg: RunConfig,
-    views: list[str],
     root: Path,
+    options: ExportOptions,
     *,
-    overwrite: bool = False,
     seed: int | None = None,
-    formats: Sequence[str] = ("hf",),
-    gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
     write: bool = True,
-    imatrix: bool = True,
     calibration: Callable[[], torch.Tensor] | None = None,
-    schemes: Sequence[str] = compressed.DEFAULT_SCHEMES,
-    quantize_python: str | None = None,
 ) -> list[Path]:
-    """Write each of `views` of an in-memory run in `formats` under `root`; `report` is the run's results;
-    `calibration` gives the run's calibration windows (the importance matrix of a k-quant, the calibration of
-    ``compressed-tensors``). Returns `export_targets`' paths. `write` false: a rank of a sharded model other
-    than rank 0, which joins every gather and writes nothing (`export.parts`)."""
-    check_built(
-        pruned,
-        cfg,
-        views,
-        formats=formats,
-        gguf_types=gguf_types,
-        imatrix=imatrix,
-        schemes=schemes,
-        quantize_python=quantize_python,
-    )
-    if compressed.FORMAT in formats and calibration is None:
-        raise ValueError(f"{compressed.FORMAT} calibrates on the run's windows: pass calibration (Run.export does)")
+    """Write each of `options.views` of an in-memory run under `root` in every format of `options` (checked
+    first, `check_export`); `report` is the run's results; `calibration` gives the run's calibration windows
+    (the importance matrix of a k-quant, the calibration of ``compressed-tensors``). Each view is described
+    once (`writer.prepare`) and handed to every format. Returns `export_targets`' paths. `write` false: a rank
+    of a sharded model other than rank 0, which joins every gather and writes nothing (`export.parts`)."""
+    check_built(pruned, cfg, options)
+    formats = get_formats(options.format)
+    needs = [f.name for f in formats if f.calibrates(options)]
+    if needs and calibration is None:
+        raise ValueError(f"{', '.join(needs)} calibrate on the run's windows: pass calibration (Run.export does)")
     # Each writer holds its target's lock while it writes (`export.writer`, `export.gguf`).
     if write:
-        check_targets(
-            root, views, overwrite, "overwrite (--overwrite / export.overwrite: true)", formats, gguf_types, schemes
-        )
+        check_export(cfg, options, root, flag="overwrite (--overwrite / export.overwrite: true)")
     paths: list[Path] = []
-    for view in views:
+    for view in options.views:
         method, info = view_provenance(report, cfg, view, seed)
-        if "hf" in formats:
-            paths.append(
-                export_view(
-                    pruned,
-                    view,
-                    root / view,
-                    method=method,
-                    tokenizer=tokenizer,
-                    info=info,
-                    overwrite=overwrite,
-                    write=write,
-                )
-            )
-        if "gguf" in formats:
-            paths += export_gguf(
+        with exporting(pruned, view):
+            prepared = prepare(
                 pruned,
                 view,
-                root,
-                method=method,
-                tokenizer=tokenizer,
-                info=info,
-                types=gguf_types,
-                overwrite=overwrite,
+                method,
+                tokenizer,
+                info,
                 write=write,
-                imatrix=imatrix,
                 calibration=calibration,
                 vocab_source=source_gguf(cfg),
             )
-        if compressed.FORMAT in formats:
-            paths += compressed.export_compressed(
-                pruned,
-                view,
-                root,
-                method=method,
-                tokenizer=tokenizer,
-                info=info,
-                calibration_ids=calibration(),
-                schemes=schemes,
-                python=quantize_python,
-                overwrite=overwrite,
-            )
+            for fmt in formats:
+                paths += fmt.write(prepared, root, options)
     return paths
 
 
-def check_built(
-    pruned: PrunedModel,
-    cfg: RunConfig,
-    views: list[str],
-    formats: Sequence[str] = ("hf",),
-    gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
-    **checks,
-) -> None:
-    """`check_views` (`checks`: its other settings), and that this in-memory run built every one of `views`."""
-    check_views(cfg, views, formats=formats, gguf_types=gguf_types, **checks)
-    missing = [v for v in views if v not in pruned.views]
+def check_built(pruned: PrunedModel, cfg: RunConfig, options: ExportOptions) -> None:
+    """`check_export` without the targets, and that this in-memory run built every one of the views."""
+    check_export(cfg, options)
+    missing = [v for v in options.views if v not in pruned.views]
     if missing:
         raise ValueError(f"cannot export {missing}: they were not built in this run (views: {pruned.views})")
 
@@ -291,6 +240,6 @@ def view_provenance(report: dict, cfg: RunConfig, view: str, seed: int | None) -
 def run_view_model(pruned: PrunedModel, report: dict, cfg: RunConfig, view: str, seed: int | None = None):
     """`view` of an in-memory run as a `transformers` model: the model its `export_views` folder loads as
     (`export.model.view_model`), with the same provenance in its config."""
-    check_built(pruned, cfg, [view])
+    check_built(pruned, cfg, ExportOptions([view]))
     method, info = view_provenance(report, cfg, view, seed)
     return view_model(pruned, view, method=method, info=info)

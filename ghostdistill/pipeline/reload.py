@@ -5,7 +5,7 @@ that one: together they would import each other."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,11 +14,9 @@ import torch
 from ..core.io import read_mapping
 from ..core.views import PrunedModel
 from ..distill.students import Students
-from ..export.compressed import DEFAULT_SCHEMES
-from ..export.gguf import DEFAULT_GGUF_TYPES
 from .config import RunConfig
 from .data import RunData
-from .export import check_targets, check_views, holding_targets
+from .export import ExportOptions, check_export, check_view_names, holding_targets
 from .run import Run
 from .state import STATE_FILE
 
@@ -75,7 +73,7 @@ def load_run(
     for path in (results, state_path):
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: export reads a finished run folder (run `fit` first)")
-    check_views(cfg, list(views), str(run))
+    check_view_names(cfg, list(views), str(run), "--views")
     report = read_mapping(results, "results file")
     loaded = Run(cfg, log=log, observers=list(observers))
     loaded.setup(run, checks=False)
@@ -88,37 +86,19 @@ def load_run(
 def export_run(
     run: Path,
     cfg: RunConfig,
-    views: list[str],
-    out: Path | None = None,
+    options: ExportOptions,
     *,
-    overwrite: bool = False,
     seed: int | None = None,
     log: Callable[[str], None] = print,
-    formats: Sequence[str] = ("hf",),
-    gguf_types: Sequence[str] = DEFAULT_GGUF_TYPES,
-    schemes: Sequence[str] = DEFAULT_SCHEMES,
-    quantize_python: str | None = None,
     observers=(),
-    imatrix: bool = True,
 ) -> list[Path]:
-    """Export views of the finished run in `run` (configured by `cfg`, its config.yaml) without a Trainer.
-    Bad view names, formats, schemes and targets, and missing llama.cpp tools or llm-compressor's environment,
-    fail before the model loads."""
-    root = out or run / "export"
-    check_views(cfg, list(views), str(run), formats, gguf_types, imatrix, schemes, quantize_python)
-    check_targets(root, list(views), overwrite, "--overwrite", formats, gguf_types, schemes)
+    """Export `options.views` of the finished run in `run` (configured by `cfg`, its config.yaml) without a
+    Trainer. Bad view names, formats, schemes and targets, and missing llama.cpp tools or llm-compressor's
+    environment, fail before the model loads (`check_export`)."""
+    root = options.root(run)
+    check_export(cfg, options, root, where=str(run), key="--views")
     # Held from before the model loads: a second export of these targets is refused at once, not after its load.
-    with holding_targets(root, list(views), formats, gguf_types, schemes):
-        loaded = load_run(run, cfg, views, log, observers)
-        return loaded.run.export(
-            views,
-            root,
-            report=loaded.report,
-            overwrite=overwrite,
-            seed=seed,
-            formats=formats,
-            gguf_types=gguf_types,
-            imatrix=imatrix,
-            schemes=schemes,
-            quantize_python=quantize_python,
-        )
+    with holding_targets(root, options):
+        loaded = load_run(run, cfg, options.views, log, observers)
+        loaded.run.seed = seed
+        return loaded.run.export(options, root, report=loaded.report)

@@ -48,7 +48,7 @@ from .calibrate import Dist, calibrate, calibration_summary
 from .config import RunConfig
 from .data import RunData
 from .evaluate import analysis, evaluate, score_batches, view_digests, view_results, views_to_evaluate, zeroshot
-from .export import export_views
+from .export import ExportOptions, export_views
 from .phases import PhaseObserver as PhaseObserver
 from .phases import Phases
 from .phases import observe as observe
@@ -83,6 +83,7 @@ class Run(Phases):
         self.run_dir: Path | None = None
         self.data: RunData | None = None
         self.key: str | None = None  # the calibration statistics' fingerprint
+        self.seed: int | None = None  # the run's seed (`seed_everything`), which exports record
         self.pruned = self.students = self.tally = None
         self.tracker, self.last_validated = BestSteps(), None
         self._batches: list = []
@@ -323,12 +324,14 @@ class Run(Phases):
             self.log("results written to " + ", ".join(str(p) for p in paths))
             return paths
 
-    def export(self, views: list[str], root: Path, report: dict | None = None, **kwargs) -> list[Path]:
-        """`views` as Hugging Face folders and GGUF files under `root` (`pipeline.export.export_views`);
-        `report`: the results the exports record (default this run's). A sharded model exports on every rank
-        (each block is gathered from all of them); rank 0 writes."""
+    def export(self, options: ExportOptions | list[str], root: Path, report: dict | None = None) -> list[Path]:
+        """`options.views` written under `root` in its formats (`pipeline.export.ExportOptions`; a list of views:
+        Hugging Face folders), checked before any work (`check_export`); `report`: the results the exports
+        record (default this run's). A sharded model exports on every rank (each block is gathered from all of
+        them); rank 0 writes."""
+        options = options if isinstance(options, ExportOptions) else ExportOptions(views=list(options))
         report = report if report is not None else self.report.to_dict()
         # The run's calibration windows: a k-quant's importance matrix and compressed-tensors calibrate on them.
-        kwargs.setdefault("calibration", self.data.calibration_ids)
+        run = {"seed": self.seed, "write": self.write, "calibration": self.data.calibration_ids}
         with self.phase("export"):
-            return export_views(self.pruned, self.tokenizer, report, self.cfg, views, root, write=self.write, **kwargs)
+            return export_views(self.pruned, self.tokenizer, report, self.cfg, root, options, **run)

@@ -236,7 +236,7 @@ def check_views(
     itself, once its converter parity is done), so the disk holds one view's files at a time: a float32 GGUF of
     SmolLM2-135M is 439 MB, and three views of three types with folders run a small disk out (CI did)."""
     from ghostdistill.export.gguf import inserts_operators, refusal
-    from ghostdistill.pipeline.export import export_views
+    from ghostdistill.pipeline.export import ExportOptions, export_views
 
     found = tools(root)
     source = cfg.data.evaluation.sources[0]
@@ -271,12 +271,9 @@ def check_views(
                 loaded.tokenizer,
                 loaded.report,
                 cfg,
-                [view],
                 out,
-                overwrite=True,
+                ExportOptions([view], overwrite=True, format=list(formats), gguf_types=list(types)),
                 seed=seed,
-                formats=formats,
-                gguf_types=list(types),
             )
             files = {t: p for t, p in zip(types, paths[-len(types) :])}
             with loaded.pruned.use(view) as model:

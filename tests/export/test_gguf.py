@@ -17,9 +17,9 @@ from conftest import fit_all, tiny_model
 from tiny_run import tiny_run_args
 
 from ghostdistill.core.plan import PruningPlan
+from ghostdistill.export.formats import check_formats
 from ghostdistill.export.gguf import (
     DEFAULT_GGUF_TYPES,
-    check_formats,
     check_gguf_types,
     export_gguf,
     gguf_path,

@@ -1,0 +1,161 @@
+"""Export formats: what `export.format` (and `export --format`) may name, each one registered object.
+
+A format checks its options and the views it is asked for before any work (`check`, `check_view`: the
+kinds of view it takes, from their method), names the files or folders it writes (`targets`), and writes
+one prepared view (`write`: the `writer.ViewExport` described once per view, for every format). The
+shipped ones:
+
+| format               | writes                                              | takes     | options                    |
+|----------------------|-----------------------------------------------------|-----------|----------------------------|
+| `hf`                 | the folder `<dir>/<view>` (`writer`)                | every view | –                         |
+| `gguf`               | `<dir>/<view>.<type>.gguf` per type (`gguf`, k-quants by `quantize`) | plain | `gguf_types`, `imatrix` |
+| `compressed-tensors` | `<dir>/<view>.<scheme>` per scheme (`compressed`)   | every view | `schemes`, `quantize_python` |
+
+A view's kind is known from its method before anything is computed (`view_kind`): the views of the methods
+that ship stock (`Method.ships_stock`) are ``plain``, the others keep ``operators``. Adding a format: an
+`ExportFormat` subclass passed to `register` (a taken name is refused, naming both).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..core.checks import check_names
+from ..core.registry import Registry
+from ..methods import ships_stock
+from . import compressed
+from .gguf import check_gguf_types, gguf_path, refusal, write_gguf_files
+from .quantize import check_quantize, quantized
+from .writer import ViewExport, write_folder
+
+KINDS = ("plain", "operators")
+
+
+def view_kind(method: str | None) -> str:
+    """The kind of folder a view of `method` exports as: ``plain`` (the model's own architecture) or
+    ``operators`` (the wrapper that keeps the gap operators)."""
+    return "plain" if ships_stock(method) else "operators"
+
+
+class ExportFormat:
+    """One way of writing a view; the module docstring says what each member does. `options` is the
+    export's `pipeline.export.ExportOptions` (its format-specific keys, e.g. `gguf_types`). `target`: what
+    each target is, a ``folder`` or a ``file`` (what an existing path may be replaced by)."""
+
+    name: str = ""
+    takes: tuple[str, ...] = KINDS
+    target: str = "folder"
+
+    def check(self, options) -> None:
+        """Refuse bad options of this format, or a missing tool, before any work."""
+
+    def check_view(self, view: str, method: str | None) -> None:
+        """Refuse, before any work, a view of a kind this format does not write."""
+        if view_kind(method) not in self.takes:
+            raise ValueError(
+                f"export format {self.name!r} writes {' and '.join(self.takes)} views; view {view!r} (method "
+                f"{method!r}) is {view_kind(method)}"
+            )
+
+    def calibrates(self, options) -> bool:
+        """Whether writing needs the run's calibration windows (`ViewExport.calibration`)."""
+        return False
+
+    def targets(self, root: Path, view: str, options) -> list[Path]:
+        raise NotImplementedError(f"export format {self.name!r} names no targets")
+
+    def write(self, view: ViewExport, root: Path, options) -> list[Path]:
+        raise NotImplementedError(f"export format {self.name!r} writes nothing")
+
+
+class HuggingFace(ExportFormat):
+    name = "hf"
+
+    def targets(self, root: Path, view: str, options) -> list[Path]:
+        return [Path(root) / view]
+
+    def write(self, view: ViewExport, root: Path, options) -> list[Path]:
+        return [write_folder(view, Path(root) / view.view, overwrite=options.overwrite)]
+
+
+class GGUF(ExportFormat):
+    name = "gguf"
+    takes = ("plain",)
+    target = "file"
+
+    def check(self, options) -> None:
+        check_gguf_types(options.gguf_types)
+        check_quantize(options.gguf_types, options.imatrix)
+
+    def check_view(self, view: str, method: str | None) -> None:
+        if view_kind(method) not in self.takes:
+            raise ValueError(refusal(view, method))
+
+    def calibrates(self, options) -> bool:
+        return bool(quantized(options.gguf_types)) and options.imatrix
+
+    def targets(self, root: Path, view: str, options) -> list[Path]:
+        return [gguf_path(root, view, t) for t in options.gguf_types]
+
+    def write(self, view: ViewExport, root: Path, options) -> list[Path]:
+        return write_gguf_files(view, root, options.gguf_types, overwrite=options.overwrite, imatrix=options.imatrix)
+
+
+class CompressedTensors(ExportFormat):
+    name = compressed.FORMAT
+
+    def check(self, options) -> None:
+        compressed.check_schemes(options.schemes)
+        compressed.quantize_python(options.quantize_python)
+
+    def calibrates(self, options) -> bool:
+        return True
+
+    def targets(self, root: Path, view: str, options) -> list[Path]:
+        return compressed.targets(root, [view], options.schemes)
+
+    def write(self, view: ViewExport, root: Path, options) -> list[Path]:
+        python = compressed.quantize_python(options.quantize_python)
+        return compressed.write_compressed(view, Path(root), options.schemes, python, overwrite=options.overwrite)
+
+
+_FORMATS: Registry[ExportFormat] = Registry("export format", "export format")
+
+
+def register(fmt: ExportFormat) -> ExportFormat:
+    """Make `fmt` available as `export.format: [<fmt.name>]`; returns it."""
+    if not isinstance(fmt, ExportFormat):
+        raise TypeError(f"{fmt!r} does not implement ghostdistill.export.formats.ExportFormat (subclass it)")
+    return _FORMATS.add(fmt.name, fmt)
+
+
+def unregister(name: str) -> None:
+    _FORMATS.remove(name)
+
+
+def formats() -> tuple[str, ...]:
+    return _FORMATS.names()
+
+
+def check_formats(names: Iterable[str]) -> list[str]:
+    """`names` as a list when each is a registered format, once (`core.checks.check_names`)."""
+    return check_names("export format", names, formats())
+
+
+def get_formats(names: Iterable[str]) -> list[ExportFormat]:
+    """The formats `names` asks for, in the order they were registered (what a view's files are written in)."""
+    asked = check_formats(names)
+    return [_FORMATS.get(n) for n in formats() if n in asked]
+
+
+def export_targets(root: str | os.PathLike, views: Iterable[str], options) -> list[tuple[Path, str]]:
+    """The paths an export writes, in order (per view, each format's), with what each is (`ExportFormat.target`)."""
+    fmts = get_formats(options.format)
+    return [(p, f.target) for view in views for f in fmts for p in f.targets(Path(root), view, options)]
+
+
+register(HuggingFace())
+register(GGUF())
+register(CompressedTensors())
