@@ -118,20 +118,9 @@ def frontier_point(
         for view, result in results.items():
             picked = [c for (c, v), s in choice.items() if v == view and s == first] if view != DENSE else ["-"]
             for criterion in picked:
-                rows.append(
-                    {
-                        "n": n if view != DENSE else 0,
-                        "criterion": criterion,
-                        "view": view,
-                        "method": methods.get(view, view),
-                        # Exports as the model's own architecture (`methods.ships_stock`): what a user can ship.
-                        "stock": ships_stock(methods.get(view)),
-                        "removed": list(plan.removed) if view != DENSE else [],
-                        "selection_kl": None if view == DENSE else runs.rows[first][f"{view}_kl"],
-                        "params": result.params,
-                        "metrics": {s: vars(m) for s, m in result.metrics.items()},
-                    }
-                )
+                dense = view == DENSE
+                removed, kl = ([], None) if dense else (plan.removed, runs.rows[first][f"{view}_kl"])
+                rows.append(frontier_row(0 if dense else n, criterion, view, methods, removed, kl, result))
     return {
         "n": n,
         "rows": rows,
@@ -141,6 +130,27 @@ def frontier_point(
             "planning_s": round(planning_s, 2),
             "evaluation_s": round(time.perf_counter() - start, 2),
         },
+    }
+
+
+def frontier_row(
+    n: int, criterion: str, view: str, methods: dict, removed, selection_kl: float | None, result, **extra
+) -> dict:
+    """One (criterion, view) of a depth as frontier.json holds it: the plan, the selection KL, the evaluation
+    (`result`: a `reporting.report.ViewResult`) and whether the view exports stock (`methods.ships_stock`: the
+    model's own architecture, what a user can ship); `extra` (a greedy row's start) after the plan."""
+    method = methods.get(view)
+    return {
+        "n": n,
+        "criterion": criterion,
+        "view": view,
+        "method": method or view,
+        "stock": ships_stock(method),
+        "removed": list(removed),
+        **extra,
+        "selection_kl": selection_kl,
+        "params": result.params,
+        "metrics": {s: vars(m) for s, m in result.metrics.items()},
     }
 
 
@@ -200,20 +210,8 @@ def greedy_rows(
             )[view]
         finally:
             pruned.remove_hooks()
-        rows.append(
-            {
-                "n": n,
-                "criterion": GREEDY,
-                "view": view,
-                "method": methods.get(view, view),
-                "stock": ships_stock(methods.get(view)),
-                "removed": list(plan.removed),
-                "greedy_start": sorted(start_blocks),
-                "selection_kl": kl,
-                "params": result.params,
-                "metrics": {s: vars(m) for s, m in result.metrics.items()},
-            }
-        )
+        start = sorted(start_blocks)
+        rows.append(frontier_row(n, GREEDY, view, methods, plan.removed, kl, result, greedy_start=start))
         searches[view] = plan.candidates
         costs[view] = {
             "search_s": round(t1 - t0, 2),

@@ -1,5 +1,6 @@
 """The repairs of a candidate plan: its gaps' statistics from the dense pass (cached by gap) and every
-recovery entry's closed-form fit (cached by the gaps it depends on), each registered as the entry's view.
+recovery entry's closed-form fit by the one sequential fitter (`calibration.fit.SequentialFitter`, cached by
+the gaps it depends on), each registered as the entry's view.
 
 Statistics are sums over tokens, and the inputs of every gap [i, j) of the dense model, X_pre entering
 block i and X_post entering block j, are block inputs of one dense forward: `collect_dense` feeds any
@@ -17,13 +18,13 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from ..calibration.fit import register_view
-from ..calibration.stream import accumulate, accumulate_students
+from ..calibration.fit import SequentialFitter, student_pass
+from ..calibration.stream import accumulate
 from ..core.model import decoder_stack, hidden_size
 from ..core.offload import model_device
 from ..core.plan import Gap, PruningPlan
 from ..core.views import PrunedModel
-from ..methods import Collector, GapFit, RecoveryConfig, get_method, make_collectors, registered
+from ..methods import Collector, RecoveryConfig, make_collectors, registered
 from .candidates import first_windows
 from .interface import Batch, PlanConfig, PlanInputs
 
@@ -61,12 +62,10 @@ def repair_inputs(cfg: PlanConfig, inputs: PlanInputs) -> tuple[RecoveryConfig, 
     return entry, list(first_windows(inputs.batches, cfg.criterion_samples))
 
 
-def _key(gaps: Sequence[Gap]) -> tuple[tuple[int, int], ...]:
-    return tuple((g.start, g.stop) for g in gaps)
-
-
 class RepairFitter:
-    """Fits every entry of `cfgs` to candidate plans of `model` from `batches` (the calibration windows).
+    """Fits every entry of `cfgs` to candidate plans of `model` from `batches` (the calibration windows): the
+    dense statistics of every gap collected (`collect_dense`), the fits by the one sequential fitter
+    (`calibration.fit.SequentialFitter`), whose student passes read the same batches.
 
     `passes` counts the passes over the calibration batches: ``dense`` (each serves every gap collected
     in it) and ``student`` (one per sequential gap fitted afresh, shared by the entries that need it)."""
@@ -79,23 +78,25 @@ class RepairFitter:
         progress: Callable[[Iterable, str], Iterable] = lambda it, desc: it,
     ) -> None:
         self.model, self.cfgs, self.batches, self.progress = model, list(cfgs), batches, progress
-        self.methods = {c.name: get_method(c.method) for c in self.cfgs}
-        self.typed = {c.name: c.method_config() for c in self.cfgs}
         self.hidden = hidden_size(model)
         self.device = model_device(model)
         self.dense: dict[tuple[int, int], dict[str, Collector]] = {}
-        self.fits: dict[tuple[str, tuple], GapFit] = {}
-        self.passes = {"dense": 0, "student": 0}
-        self.sequential = {c.name: getattr(c, "order", None) == "sequential" for c in self.cfgs}
+        self.dense_passes = 0
+        student = student_pass(batches, progress, "repair: student statistics")
+        self.fitter = SequentialFitter(self.cfgs, self.hidden, self.device, student)
 
     @property
     def names(self) -> list[str]:
         return [c.name for c in self.cfgs]
 
+    @property
+    def passes(self) -> dict[str, int]:
+        return {"dense": self.dense_passes, "student": self.fitter.student_passes}
+
     def needed(self, plan: PruningPlan) -> list[Gap]:
         """The gaps of `plan` fitted on dense statistics: the first (every gap when an entry has
         `order: independent`)."""
-        return plan.gaps if not all(self.sequential.values()) else plan.gaps[:1]
+        return plan.gaps if not all(self.fitter.sequential.values()) else plan.gaps[:1]
 
     @torch.no_grad()
     def collect_dense(self, gaps: Iterable[Gap], desc: str = "repair statistics") -> None:
@@ -109,7 +110,7 @@ class RepairFitter:
         if any(stats[g.key] for g in missing):
             # The model is dense here (no view switched in): the taps are the dense model's block inputs.
             accumulate(self.model, decoder_stack(self.model), missing, self.progress(self.batches, desc), stats)
-            self.passes["dense"] += 1
+            self.dense_passes += 1
         for g in missing:
             self.dense[(g.start, g.stop)] = stats[g.key]
 
@@ -117,54 +118,16 @@ class RepairFitter:
         """Forget the dense statistics of every gap but `gaps`, and every fit that does not start with them."""
         keep = [(g.start, g.stop) for g in gaps]
         self.dense = {k: v for k, v in self.dense.items() if k in keep}
-        self.fits = {k: v for k, v in self.fits.items() if list(k[1]) == keep[: len(k[1])]}
+        self.fitter.fits = {k: v for k, v in self.fitter.fits.items() if list(k[1]) == keep[: len(k[1])]}
+
+    def _dense(self, gap: Gap) -> dict[str, Collector]:
+        if (gap.start, gap.stop) not in self.dense:
+            raise KeyError(f"gap {gap.key}: dense statistics were not collected (call collect_dense first)")
+        return self.dense[(gap.start, gap.stop)]
 
     def repaired(self, plan: PruningPlan, cache: bool = False) -> PrunedModel:
         """A `PrunedModel` of `plan` with one view per entry (its name), every gap fitted. With `cache`, the
         fits are kept for later plans that share their gaps. The caller removes its hooks (`remove_hooks`)."""
         pruned = PrunedModel(self.model, plan)
-        gaps = plan.gaps
-        fits = {
-            c.name: {g.key: self.methods[c.name].identity(self.typed[c.name], self.hidden) for g in gaps}
-            for c in self.cfgs
-        }
-        for name, f in fits.items():
-            register_view(pruned, name, f)
-        for k, gap in enumerate(gaps):
-            keys = {
-                c.name: _key(gaps[: k + 1]) if self.sequential[c.name] and k > 0 else _key([gap]) for c in self.cfgs
-            }
-            student = [
-                c for c in self.cfgs if self.sequential[c.name] and k > 0 and (c.name, keys[c.name]) not in self.fits
-            ]
-            fresh: dict[str, Collector | None] = {}
-            if student:
-                for c in student:
-                    register_view(pruned, c.name, fits[c.name])
-                    fresh[c.name] = make_collectors({c.method}, self.hidden, self.device, [c]).get(c.method)
-                reading = {c.name: {c.method: fresh[c.name]} for c in student if fresh[c.name] is not None}
-                if reading:
-                    accumulate_students(
-                        pruned,
-                        gap,
-                        self.progress(self.batches, f"repair: student statistics for gap {gap.key}"),
-                        reading,
-                    )
-                    self.passes["student"] += 1
-            for c in self.cfgs:
-                cached = self.fits.get((c.name, keys[c.name]))
-                if cached is not None:
-                    fits[c.name][gap.key] = cached
-                    continue
-                if c.name in fresh:
-                    stats = fresh[c.name]
-                elif (gap.start, gap.stop) in self.dense:
-                    stats = self.dense[(gap.start, gap.stop)].get(c.method)
-                else:
-                    raise KeyError(f"gap {gap.key}: dense statistics were not collected (call collect_dense first)")
-                fits[c.name][gap.key] = self.methods[c.name].fit(self.typed[c.name], gap, stats, self.hidden)
-                if cache:
-                    self.fits[(c.name, keys[c.name])] = fits[c.name][gap.key]
-        for name, f in fits.items():
-            register_view(pruned, name, f)
+        self.fitter.fit(pruned, self._dense, cache=cache)
         return pruned
