@@ -21,7 +21,7 @@ from ..lit.interrupts import terminate_on_sigterm
 from ..lit.module import GhostDistill
 from ..lit.trainer import TRAINER_DEFAULTS, fit_and_test, run_callbacks
 from ..methods import RecoveryConfig
-from ..reporting.report import result_settings
+from ..pipeline.settings import result_settings
 
 
 class GhostDistillCLI(LightningCLI):
@@ -172,7 +172,7 @@ class _ParseOnly(GhostDistillCLI):
 
 
 def settings_of(cli: GhostDistillCLI) -> dict:
-    """The settings that decide a run's results (`reporting.report.result_settings`) of a parsed `fit`."""
+    """The settings that decide a run's results (`pipeline.settings.result_settings`) of a parsed `fit`."""
     return result_settings(json.loads(cli.parser.dump(cli.config, format="json")))
 
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from ..core.lock import hold_folder
+from ..pipeline.settings import stale_reason
 from ..planning import check_selection
 from ..reporting import compare
 from .fit import build_fit, fit_settings, run_fit, settings_of
@@ -51,7 +52,7 @@ def _compare(spec: dict, ns, root: Path, wanted: list[dict], fit_args) -> None:
         args = fit_args(plan, {"greedy_from": str(root / compare.plan_name(source))} if source else {})
         why = "not run yet"
         if results.is_file():
-            why = compare.stale_reason(read_mapping(results, "results file"), settings)
+            why = stale_reason(read_mapping(results, "results file"), settings)
             if why:
                 print(f"compare: plan {name}: {why}; running it again")
         if why:

@@ -30,6 +30,7 @@ from .anatomy import model_inputs as model_inputs
 from .anatomy import text_config as text_config
 from .io import json_digest, no_space
 from .offload import Offload, check_offload, load_from_disk, offload_to_cpu
+from .settings import cost_only
 
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES: dict[str, torch.dtype] = {
@@ -74,9 +75,9 @@ class ModelConfig:
     revision: str | None = None
     trust_remote_code: bool = False
     attn_implementation: str | None = None
-    cache_gguf: bool = True
-    offload: Offload = "none"
-    offload_folder: str | None = None
+    cache_gguf: bool = cost_only(True)
+    offload: Offload = cost_only("none")
+    offload_folder: str | None = cost_only(None)
 
     def __post_init__(self) -> None:
         check_offload(self.offload)

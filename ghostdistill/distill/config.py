@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from ..core.checks import check_unique
+from ..core.settings import cost_only
 from .interface import get_part, parts
 from .loss import LossConfig
 
@@ -135,7 +136,7 @@ class DistillConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     val_every: int = 0
     keep: Literal["best", "last"] = "best"
-    checkpoint_every: int = 50
+    checkpoint_every: int = cost_only(50)
     share_prefix: bool = True
 
     def run_wide(self, name: str, method: str) -> Student:

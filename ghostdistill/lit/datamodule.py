@@ -123,10 +123,9 @@ class GhostDataModule(LightningDataModule):
         selection: SelectionData = SelectionData(),
     ) -> None:
         super().__init__()
-        self.cfg = DataConfig(calibration, evaluation, train, validation, batch_size, selection)
+        self.cfg = DataConfig(calibration, evaluation, train, validation, batch_size, selection, num_workers)
         self.cfg.validate()
         self.batch_size = batch_size
-        self.num_workers = num_workers
 
     @property
     def data(self) -> RunData:
@@ -151,6 +150,6 @@ class GhostDataModule(LightningDataModule):
             # Lightning keeps a DistributedSampler it is given: ours pads without counting windows twice.
             sampler = EvenShares(windows, world, trainer.global_rank) if world > 1 else None
             loaders.append(
-                DataLoader(windows, batch_size=self.batch_size, num_workers=self.num_workers, sampler=sampler)
+                DataLoader(windows, batch_size=self.batch_size, num_workers=self.cfg.num_workers, sampler=sampler)
             )
         return loaders

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from ..core.checks import check_unique
 from ..core.model import ModelConfig
+from ..core.settings import cost_only
 from ..core.views import DENSE, PRUNED
 from ..distill.config import DistillConfig
 from ..evaluation.zeroshot import PAPER_TASKS, check_offline_tasks, task_limits
@@ -67,7 +68,7 @@ class EvalConfig:
     """
 
     views: list[str] = field(default_factory=list)
-    logit_chunk: int | None = None
+    logit_chunk: int | None = cost_only(None)
     analysis: bool = True
     analysis_windows: int = 8
     zeroshot: ZeroShotConfig = field(default_factory=ZeroShotConfig)

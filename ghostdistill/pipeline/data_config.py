@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ..core.settings import cost_only
 from ..data import TextSource, validate_source
 
 
@@ -86,6 +87,8 @@ class DataConfig:
     validation: ValidationData = field(default_factory=ValidationData)
     batch_size: int = 4
     selection: SelectionData = field(default_factory=SelectionData)
+    # DataLoader workers for evaluation (the data module's `num_workers`): what it costs, not what it computes.
+    num_workers: int = cost_only(0)
 
     def validate(self) -> None:
         """What the values alone decide (before any tokenizer or model is loaded)."""

@@ -31,10 +31,9 @@ frontier reuses its contiguous depths, and adding a view to `greedy.views` reuse
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 from torch import nn
@@ -51,10 +50,10 @@ from ..planning.fitting import RepairFitter
 from ..planning.greedy import repair_greedy_plan
 from ..planning.scoring import SelectionScorer
 from ..reporting.frontier_spec import read_point
-from ..reporting.report import other_settings
 from .config import RunConfig
 from .data import RunData
 from .evaluate import evaluate
+from .settings import frontier_settings, stale_point
 
 FRONTIER_CRITERIA = ("streamline", "repair")
 GREEDY = "greedy"
@@ -310,24 +309,3 @@ def _saved(path: Path, settings: dict, what: str, log: Callable[[str], None], n:
         return saved
     log(f"{what}: {path} {why}; computing it again")
     return None
-
-
-# What a frontier point does not depend on: the students' and the evaluation's other settings (zero-shot,
-# analysis, logit chunks), which only the `fit` of a run reads.
-_NOT_FRONTIER = ("distill", "evaluation")
-
-
-def frontier_settings(cfg: RunConfig, criteria: list[str]) -> dict:
-    """The settings a frontier point depends on, as plain data: the model, plan, recovery and data sections
-    and the criteria. A field added later with a None default compares equal to its absence
-    (`reporting.report.settings_differences`), so new options do not invalidate saved depths."""
-    config = {k: v for k, v in asdict(cfg).items() if k not in _NOT_FRONTIER}
-    return json.loads(json.dumps({"config": config, "criteria": list(criteria)}, default=str))
-
-
-def stale_point(saved: dict, settings: dict) -> str | None:
-    """Why a saved point cannot be reused under `settings`, or None when it was computed with them."""
-    if "settings" not in saved:
-        return "records no settings (written by an older version)"
-    other = other_settings(saved["settings"], settings)
-    return None if other is None else f"was computed with {other}"

@@ -86,8 +86,7 @@ from .candidates import PerBlock, candidate_blocks, candidate_starts, first_wind
 from .fitting import RepairFitter, repair_config
 from .greedy import greedy_steps, repair_greedy_plan
 from .interface import (
-    COST_KEYS,
-    LATER_KEYS,
+    REPAIR_KEYS,
     Batch,
     Criterion,
     PlanConfig,
@@ -106,8 +105,7 @@ from .similarity import block_influence, block_similarity
 from .taylor import taylor_importance
 
 __all__ = [
-    "COST_KEYS",
-    "LATER_KEYS",
+    "REPAIR_KEYS",
     "Batch",
     "Criterion",
     "PerBlock",

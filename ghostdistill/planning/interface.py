@@ -25,7 +25,7 @@ registry (`PlanConfig.validate`, `repair_aware`) and a criterion takes a config.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ from torch import nn
 from ..core.model import DecoderStack
 from ..core.plan import PruningPlan
 from ..core.registry import Registry
+from ..core.settings import digest_dict, setting
 from ..methods import RecoveryConfig
 
 Batch = dict[str, torch.Tensor]
@@ -43,11 +44,8 @@ def no_progress(items: Iterable, desc: str) -> Iterable:
     return items
 
 
-# PlanConfig keys added after run folders were fingerprinted: left out of a digest while unset (None), so
-# the statistics saved before they existed keep their key.
-LATER_KEYS = ("repair_method", "repair_chunk", "greedy_from", "greedy_start")
-# Keys that change what a plan costs, never which plan it is: no part of a fingerprint.
-COST_KEYS = ("repair_chunk", "greedy_from")
+# The keys only the repair-aware criteria read (set for another criterion, they are refused).
+REPAIR_KEYS = ("repair_method", "repair_chunk", "greedy_from", "greedy_start")
 
 
 @dataclass
@@ -97,17 +95,20 @@ class PlanConfig:
             smaller depth, so that the search looks only for what to remove besides it.
     """
 
+    # What saved results make of each key is marked here (`core.settings`): the keys added after run folders
+    # were fingerprinted are left out of a digest while unset; `repair_chunk` and `greedy_from` change what a
+    # plan costs, never which plan it is. `tag`: the key in a `compare` plan's folder name.
     layers: list[int] | None = None
     criterion: str = "streamline"
     num_layers: int | None = None
-    allow_edges: bool = False
-    keep_first: int = 1
-    keep_last: int = 1
-    criterion_samples: int | None = None
-    repair_method: str | None = None
-    repair_chunk: int | None = None
-    greedy_from: str | None = None
-    greedy_start: list[int] | None = None
+    allow_edges: bool = setting(False, tag="edges")
+    keep_first: int = setting(1, tag="kf")
+    keep_last: int = setting(1, tag="kl")
+    criterion_samples: int | None = setting(None, tag="cs")
+    repair_method: str | None = setting(None, later=True, tag="by_")
+    repair_chunk: int | None = setting(None, cost=True, later=True)
+    greedy_from: str | None = setting(None, cost=True, later=True)
+    greedy_start: list[int] | None = setting(None, later=True, tag="from")
 
     def validate(self) -> None:
         """The checks the values alone decide, run before the model is loaded (depth-dependent checks:
@@ -147,7 +148,7 @@ class PlanConfig:
             raise ValueError(
                 f"plan.repair_chunk must be >= 1 (or null: every candidate at once), got {self.repair_chunk}"
             )
-        for key in LATER_KEYS:
+        for key in REPAIR_KEYS:
             if getattr(self, key) is not None and not self.repair_aware():
                 raise ValueError(
                     f"plan.{key} is read only by plan.criterion repair or repair_greedy (criterion: "
@@ -189,11 +190,9 @@ class PlanConfig:
         return self.layers is None and self.criterion in _CRITERIA and _CRITERIA.get(self.criterion).repair_aware
 
     def digest_dict(self) -> dict:
-        """The settings that decide the plan, for a fingerprint: `repair_chunk` and `greedy_from` change only
-        memory and time, and keys added later are left out while unset (earlier run folders keep their
-        fingerprints)."""
-        out = {k: v for k, v in asdict(self).items() if k not in COST_KEYS}
-        return {k: v for k, v in out.items() if k not in LATER_KEYS or v is not None}
+        """The settings that decide the plan, for a fingerprint: the cost-only keys left out, and the keys
+        added later while unset (earlier run folders keep their fingerprints)."""
+        return digest_dict(self)
 
 
 @dataclass

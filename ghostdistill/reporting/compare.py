@@ -19,27 +19,22 @@ seed, ...); otherwise it runs again, and the console says which settings differ 
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
+from typing import get_type_hints
 
 from ..core.checks import check_unique
 from ..core.io import atomic_write_json, atomic_write_text, read_mapping
+from ..core.settings import is_cost
+from ..planning import PlanConfig
 from .compare_tables import plot, to_csv
 from .compare_tables import to_markdown as to_markdown
-from .report import other_settings
 
-PLAN_KEYS = {
-    "criterion",
-    "num_layers",
-    "layers",
-    "allow_edges",
-    "keep_first",
-    "keep_last",
-    "criterion_samples",
-    "repair_method",
-    "repair_chunk",
-    "greedy_from",
-    "greedy_start",
-}
+# A plan of a compare file sets `PlanConfig`'s keys; the ones with a folder-name tag (`tag`, marked where the
+# key is defined) name its folder when they differ from the default; the cost-only ones never do.
+PLAN_FIELDS = {f.name: f for f in fields(PlanConfig)}
+PLAN_KEYS = set(PLAN_FIELDS)
+_NAMED = {name: f for name, f in PLAN_FIELDS.items() if "tag" in f.metadata}
 
 
 def load_spec(path: str) -> dict:
@@ -67,50 +62,28 @@ def load_spec(path: str) -> dict:
     return spec
 
 
-_INT_KEYS = ("num_layers", "keep_first", "keep_last", "criterion_samples", "repair_chunk")
-
-
 def check_plan_values(plan: dict, path: str) -> None:
-    """Each plan names its layers or their number, and every value has its key's type (before any fit runs)."""
+    """Each plan names its layers or their number, and every value has its key's type (`PlanConfig`'s), before
+    any fit runs."""
     if plan.get("layers") is None and plan.get("num_layers") is None:
         raise ValueError(f"compare file {path}: plan {plan!r} names neither num_layers nor layers; give one")
+    hints = get_type_hints(PlanConfig)
     for key, value in plan.items():
         if value is None:
             continue
-        if key in _INT_KEYS:
-            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-            what = "an integer >= 0"
-        elif key in ("layers", "greedy_start"):
+        hint = str(hints[key])
+        if "list" in hint:
             ok = isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
             what = "a list of layer indices"
-        elif key == "allow_edges":
+        elif "int" in hint:
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            what = "an integer >= 0"
+        elif "bool" in hint:
             ok, what = isinstance(value, bool), "true or false"
         else:
             ok, what = isinstance(value, str), "a string"
         if not ok:
             raise ValueError(f"compare file {path}: plan {plan!r}: {key} {value!r} must be {what}")
-
-
-# Keys of a plan in the order they appear in its folder name, with the defaults left out of the name
-# (`PlanConfig`'s defaults), so that two plans differing in any key never share a run folder.
-_NAME_DEFAULTS = {
-    "allow_edges": False,
-    "keep_first": 1,
-    "keep_last": 1,
-    "criterion_samples": None,
-    "repair_method": None,
-    "greedy_start": None,
-}
-_NAME_TAGS = {
-    "allow_edges": "edges",
-    "keep_first": "kf",
-    "keep_last": "kl",
-    "criterion_samples": "cs",
-    "repair_method": "by_",
-    "greedy_start": "from",
-}
-# Keys that change what a run costs, not what it computes: set on every plan, never in its name.
-_UNNAMED_DEFAULTS = {"repair_chunk": None, "greedy_from": None}
 
 
 def plan_name(plan: dict) -> str:
@@ -120,13 +93,13 @@ def plan_name(plan: dict) -> str:
         name = "layers_" + "_".join(str(i) for i in plan["layers"])
     else:
         name = f"{plan.get('criterion', 'streamline')}_{plan['num_layers']}"
-    for key, default in _NAME_DEFAULTS.items():
-        value = plan.get(key, default)
-        if value != default:
+    for key, f in _NAMED.items():
+        value = plan.get(key, f.default)
+        if value != f.default:
             text = (
                 "_".join(map(str, value)) if isinstance(value, list) else "" if isinstance(value, bool) else str(value)
             )
-            name += f"_{_NAME_TAGS[key]}{text}"
+            name += f"_{f.metadata['tag']}{text}"
     return name
 
 
@@ -140,8 +113,8 @@ def greedy_source(plan: dict, finished: list[dict]) -> dict | None:
         return None  # its search starts from its own blocks (`plan.greedy_start`), not from other steps
 
     def settings(p: dict) -> dict:
-        full = {**_NAME_DEFAULTS, **p}
-        return {k: v for k, v in full.items() if k not in ("num_layers", *_UNNAMED_DEFAULTS)}
+        full = {**{k: f.default for k, f in _NAMED.items()}, **p}
+        return {k: v for k, v in full.items() if k != "num_layers" and not is_cost(PLAN_FIELDS[k])}
 
     n = plan["num_layers"]
     same = [p for p in finished if settings(p) == settings(plan) and p["num_layers"] != n]
@@ -151,28 +124,11 @@ def greedy_source(plan: dict, finished: list[dict]) -> dict | None:
 def plan_args(plan: dict) -> list[str]:
     """Command-line arguments that set every plan key (the others reset to their defaults, so a base
     config or a user override cannot leak a key the plan did not name into its folder)."""
-    full = {
-        "layers": None,
-        "criterion": "streamline",
-        "num_layers": None,
-        **_NAME_DEFAULTS,
-        **_UNNAMED_DEFAULTS,
-        **plan,
-    }
+    full = {**{k: f.default for k, f in PLAN_FIELDS.items()}, **plan}
     args = []
     for key, value in full.items():
         args += [f"--model.plan.{key}", value if isinstance(value, str) else json.dumps(value)]
     return args
-
-
-def stale_reason(results: dict, wanted: dict) -> str | None:
-    """Why a plan's existing results.json cannot be reused under the settings `wanted` (`result_settings` of
-    the fit compare would run), or None when it was computed with exactly them."""
-    saved = results.get("settings")
-    if saved is None:
-        return "its results.json records no settings (written by an older version)"
-    other = other_settings(saved, wanted)
-    return None if other is None else f"its results.json was computed with {other}"
 
 
 def gather(runs: list[tuple[dict, dict]], spec: dict) -> dict:

@@ -3,8 +3,8 @@
 Each phase owns its section and sets it once: the plan and calibration (`pipeline.calibrate`), the
 per-method fits, the evaluation of every view (`pipeline.evaluate`), distillation (`pipeline.train`),
 zero-shot scores, the analyses, and the seconds each phase took; `settings` (set by `fit`,
-`result_settings`) is every setting that decides the numbers, so `compare` reuses a result only when it
-matches. `to_dict` gives what results.json
+`pipeline.settings.result_settings`) is every setting that decides the numbers, so `compare` reuses a result
+only when it matches. `to_dict` gives what results.json
 holds; export and `compare` read that JSON, so a run folder written by an earlier process reads the
 same way as an in-memory run.
 """
@@ -88,74 +88,3 @@ class RunReport:
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
-
-
-# Settings that change what a run costs, not what it computes: left out of `result_settings`.
-COST_ONLY = (
-    "model.model.cache_gguf",
-    "model.model.offload",
-    "model.model.offload_folder",
-    "model.evaluation.logit_chunk",
-    "model.plan.repair_chunk",
-    "model.plan.greedy_from",
-    "model.distill.checkpoint_every",
-    "data.num_workers",
-)
-# The trainer's keys that decide a result (the rest: devices, logging, progress, the run folder).
-RESULT_TRAINER_KEYS = (
-    "max_steps",
-    "precision",
-    "accumulate_grad_batches",
-    "gradient_clip_val",
-    "gradient_clip_algorithm",
-)
-
-
-def result_settings(config: dict) -> dict[str, Any]:
-    """Every setting of a `fit` config (as jsonargparse dumps it) that decides the results: the seed, the
-    model and data sections, and the trainer's result keys; what only costs (`COST_ONLY`) left out."""
-    out: dict[str, Any] = {
-        "seed_everything": config.get("seed_everything"),
-        "model": json_copy(config.get("model") or {}),
-        "data": json_copy(config.get("data") or {}),
-        "trainer": {k: (config.get("trainer") or {}).get(k) for k in RESULT_TRAINER_KEYS},
-    }
-    for dotted in COST_ONLY:
-        *parents, last = dotted.split(".")
-        node = out
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(last, None)
-    return out
-
-
-def json_copy(obj: Any) -> Any:
-    import json
-
-    return json.loads(json.dumps(obj))
-
-
-def other_settings(saved: dict | None, wanted: dict) -> str | None:
-    """`settings_differences` as a phrase for a message ("other model.plan.layers and 2 more"), or None when
-    the settings match."""
-    diff = settings_differences(saved, wanted)
-    if not diff:
-        return None
-    more = f" and {len(diff) - 6} more" if len(diff) > 6 else ""
-    return f"other {', '.join(diff[:6])}{more}"
-
-
-def settings_differences(saved: dict | None, wanted: dict, prefix: str = "") -> list[str]:
-    """The dotted keys whose values differ between two `result_settings` (empty when they match)."""
-    if not isinstance(saved, dict):
-        return [prefix.rstrip(".") or "(all settings)"]
-    keys = list(dict.fromkeys([*wanted, *saved]))
-    out: list[str] = []
-    for key in keys:
-        a, b = saved.get(key), wanted.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += settings_differences(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append(f"{prefix}{key}")
-    return out

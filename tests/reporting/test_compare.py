@@ -86,8 +86,7 @@ def test_compare_rejects_bad_files(tmp_path):
 
 
 def test_stale_reasons_name_the_settings_that_differ():
-    from ghostdistill.reporting.compare import stale_reason
-    from ghostdistill.reporting.report import result_settings
+    from ghostdistill.pipeline.settings import result_settings, stale_reason
 
     config = {
         "seed_everything": 0,
