@@ -9,12 +9,12 @@ from pathlib import Path
 
 from ..lit.interrupts import terminate_on_sigterm
 from ..methods import drop_flat_defaults
-from .fit import build_fit
+from .config import run_config_of
 
 
 def load_run_config(run: Path, trust_remote_code: bool = False):
-    """The `RunConfig` and seed of a run folder, from its `config.yaml` parsed as `fit` parsed it. The
-    model's tokenizer is loaded; nothing else is loaded or computed. The file is someone else's: settings
+    """The `RunConfig` and seed of a run folder, from its `config.yaml` parsed as `fit` parsed it; nothing is
+    loaded or computed, and no Trainer is built. The file is someone else's: settings
     that would run code it names are refused unless `trust_remote_code` (the user's `--trust-remote-code`),
     and of the trainer section only the run folder is read (`pipeline.trust`)."""
     from ..core.io import read_mapping
@@ -32,8 +32,7 @@ def load_run_config(run: Path, trust_remote_code: bool = False):
     if model.get("recovery"):
         # A run folder written before each method got its own keys lists every key of every entry.
         model["recovery"] = [drop_flat_defaults(entry) for entry in model["recovery"]]
-    cli = build_fit(saved, save_config_callback=None)
-    return cli.model.cfg, saved.get("seed_everything")
+    return run_config_of(saved, str(config)), saved.get("seed_everything")
 
 
 def run_export(argv: list[str]) -> list[Path]:

@@ -1,7 +1,7 @@
 """`fit`: a LightningCLI (YAML configs, `--print_config`, dotted overrides) built without its own
 subcommands: the run is `run_fit`, which calls `Trainer.fit` only when there are steps to take, then
-`Trainer.test`. `build_fit` is the parser and what it instantiates, which `compare`, `frontier` and `export`
-reuse."""
+`Trainer.test`. `build_fit` is the parser and what it instantiates; `cli.config` parses with it, nothing
+instantiated, for `compare`, `frontier` and `export`."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ class GhostDistillCLI(LightningCLI):
         config file's list: jsonargparse merges two lists of the same length entry by entry, which would give
         each entry keys of the file's entry at its position (keys its own method may not read)."""
         super().parse_arguments(parser, args)
-        given = _last_value(list(args) if isinstance(args, list) else sys.argv[1:], "--model.recovery")
+        argv = list(args) if isinstance(args, list) else sys.argv[1:] if args is None else []
+        given = _last_value(argv, "--model.recovery")
         if given is not None:
             from jsonargparse import ArgumentParser
 
@@ -176,20 +177,10 @@ def settings_of(cli: GhostDistillCLI) -> dict:
     return result_settings(json.loads(cli.parser.dump(cli.config, format="json")))
 
 
-def fit_settings(args: list[str], who: str) -> dict:
-    """`settings_of` the fit that `args` would run, parsed only (compare checks every plan with it before
-    any runs, and a finished plan's results against it); a bad argument is one line naming `who`."""
-    from jsonargparse import ArgumentError
-
-    try:
-        return settings_of(build_fit(args, cli_class=_ParseOnly, exit_on_error=False))
-    except ArgumentError as err:
-        raise ValueError(f"{who}: {' '.join(str(err).split())}") from None
-
-
-def run_fit(args: list[str]) -> GhostDistillCLI:
-    """`fit`: distil when there are steps to take (resuming from `--ckpt_path`), then evaluate every view.
-    SIGTERM stops it in every phase (`lit.interrupts`)."""
+def run_fit(args: list[str] | dict) -> GhostDistillCLI:
+    """`fit` of command-line arguments or a config mapping (`cli.config.ParsedFit.config`): distil when there
+    are steps to take (resuming from `ckpt_path`), then evaluate every view. SIGTERM stops it in every phase
+    (`lit.interrupts`)."""
     with terminate_on_sigterm():
         cli = build_fit(args)
         trainer, model, data = cli.trainer, cli.model, cli.datamodule

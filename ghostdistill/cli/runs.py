@@ -1,23 +1,29 @@
-"""`compare` and `frontier`: several fits of one base config, gathered into one report."""
+"""`compare` and `frontier`: several runs of one base config, gathered into one report. Each run is a typed
+`RunConfig` of the base (`dataclasses.replace` of its sections: a plan, a student) run directly
+(`cli.config.fit_parsed`); a finished run whose results.json records the same settings is read back instead."""
 
 from __future__ import annotations
 
 import argparse
-import json
+from dataclasses import replace
 from pathlib import Path
 
+from ..core.io import json_digest, read_mapping
 from ..core.lock import hold_folder
+from ..distill.config import StudentConfig
+from ..methods import RecoveryConfig, ships_stock
 from ..pipeline.settings import stale_reason
 from ..planning import check_selection
 from ..reporting import compare
-from .fit import build_fit, fit_settings, run_fit, settings_of
+from .config import ParsedFit, fit_parsed, parse_fit
 
 
 def run_compare(argv: list[str]) -> Path:
     """`compare <compare.yaml> [fit overrides]`: one `fit` per plan in `<root>/<plan name>/` (a finished
     plan is not run again when its results.json was computed with the same settings; one of other settings
     runs again, and the console says which differ), then compare.json/csv/md/png in the root. The user's
-    overrides apply to every plan; each plan's own keys come last, so they win."""
+    overrides apply to every plan; each plan's own keys come last, so they win (a key it does not set takes
+    `PlanConfig`'s default, whatever the base config says)."""
     parser = argparse.ArgumentParser(prog="ghostdistill compare", description=run_compare.__doc__)
     parser.add_argument("spec", help="the compare file (YAML: base config, root folder, plans)")
     parser.add_argument(
@@ -26,38 +32,37 @@ def run_compare(argv: list[str]) -> Path:
     ns = parser.parse_args(argv)
     spec = compare.load_spec(ns.spec)
     root = Path(spec["root"])
+    base = parse_fit(["--config", spec["base"], *ns.overrides], ns.spec)
 
-    def fit_args(plan: dict, given: dict) -> list[str]:
-        run_dir = str(root / compare.plan_name(plan))
-        plan_args = compare.plan_args({**plan, **given})
-        return ["--config", spec["base"], *ns.overrides, *plan_args, "--trainer.default_root_dir", run_dir]
+    def plan_run(plan: dict, **given) -> ParsedFit:
+        return base.replace(root / compare.plan_name(plan), plan=compare.plan_config(plan, **given))
 
-    # Every plan's arguments parse before the first one runs (a bad override or plan value is one line).
-    wanted = [fit_settings(fit_args(p, {}), f"{ns.spec}: plan {compare.plan_name(p)}") for p in spec["plans"]]
+    # Every plan's run config is checked before the first one runs (a bad plan value is one line).
+    for plan in spec["plans"]:
+        try:
+            plan_run(plan).cfg.validate(data=False)
+        except ValueError as err:
+            raise ValueError(f"{ns.spec}: plan {compare.plan_name(plan)}: {err}") from None
     with hold_folder(root, f"ghostdistill compare {ns.spec}", "wait for it to finish, or choose another root"):
-        _compare(spec, ns, root, wanted, fit_args)
+        _compare(spec, root, plan_run)
     print(f"compare report written to {root}/compare.md")
     return root
 
 
-def _compare(spec: dict, ns, root: Path, wanted: list[dict], fit_args) -> None:
-    from ..core.io import read_mapping
-
+def _compare(spec: dict, root: Path, plan_run) -> None:
     runs = []
-    for plan, settings in zip(spec["plans"], wanted):
+    for plan in spec["plans"]:
         name = compare.plan_name(plan)
         results = root / name / "results.json"
         # A greedy plan starts from the steps of a finished one of the same settings (fit checks them).
         source = compare.greedy_source(plan, [p for p, _ in runs])
-        args = fit_args(plan, {"greedy_from": str(root / compare.plan_name(source))} if source else {})
+        run = plan_run(plan, **({"greedy_from": str(root / compare.plan_name(source))} if source else {}))
         why = "not run yet"
         if results.is_file():
-            why = stale_reason(read_mapping(results, "results file"), settings)
+            why = stale_reason(read_mapping(results, "results file"), plan_run(plan).settings())
             if why:
                 print(f"compare: plan {name}: {why}; running it again")
-        if why:
-            run_fit(args)
-        runs.append((plan, read_mapping(results, "results file")))
+        runs.append((plan, fit_parsed(run).report.to_dict() if why else read_mapping(results, "results file")))
     compare.write(root, compare.gather(runs, spec))
 
 
@@ -70,7 +75,10 @@ def run_frontier_command(argv: list[str]) -> Path:
     directly. The fit overrides apply to the student runs too (the same model)."""
     import gc
 
+    from lightning.pytorch import seed_everything
+
     from ..pipeline.frontier import check_greedy, run_frontier
+    from ..pipeline.run import Run
     from ..reporting import frontier
 
     parser = argparse.ArgumentParser(prog="ghostdistill frontier", description=run_frontier_command.__doc__)
@@ -79,53 +87,73 @@ def run_frontier_command(argv: list[str]) -> Path:
     ns = parser.parse_args(argv)
     spec = frontier.load_frontier_spec(ns.spec)
     root = Path(spec["root"])
-    cli = build_fit(
-        ["--config", spec["base"], *ns.overrides, "--trainer.default_root_dir", str(root)], save_config_callback=None
-    )
-    run = cli.model.run  # the same `pipeline.run.Run` as `fit`'s, its config complete and validated
+    base = parse_fit(["--config", spec["base"], *ns.overrides], ns.spec)
+    run = Run(base.cfg)  # the same `pipeline.run.Run` as `fit`'s, its config complete and validated
     check_selection(run.cfg.data, "frontier")
     if "greedy" in spec["criteria"]:
         check_greedy(run.cfg, spec["greedy"])  # a view that is no recovery entry, before the model loads
+    students = None
     if "students" in spec:  # a bad student setting is refused before the first pass
-        check_frontier_students(spec, run.cfg, settings_of(cli), ns.overrides)
+        students = parse_fit(
+            ["--config", spec["students"]["config"], *ns.overrides, *spec["students"]["overrides"]], "frontier students"
+        )
+        check_frontier_students(spec, base, students)
     with hold_folder(root, f"ghostdistill frontier {ns.spec}", "wait for it to finish, or choose another root"):
-        run.load().to(cli.trainer.strategy.root_device)
+        seed_everything(base.rest.get("seed_everything"))  # as a `fit` of the base config seeds itself
+        run.load().to(device_of(base))
         run.setup(root, checks=False)  # `run_frontier` checks every depth instead of the base plan
         points = run_frontier(
             run.cfg, run.llm, run.data, root, spec["num_layers"], spec["criteria"], greedy=spec.get("greedy")
         )
-        students = []
-        if "students" in spec:
+        records = []
+        if students is not None:
             run.llm = run.data = run.pruned = None  # each student's fit loads the model itself
             gc.collect()
-            students = frontier_students(spec, points, run.cfg, root, ns.overrides)
-        frontier.write(root, points, spec, students)
+            records = frontier_students(spec, points, base.cfg, students, root)
+        frontier.write(root, points, spec, records)
     print(f"frontier report written to {root}/frontier.md")
     return root
 
 
-def _student_fit_args(spec: dict, cfg, overrides: list[str], start: dict, kind: str) -> list[str]:
-    """The `fit` of one depth's `kind` student: `students.config`, the command line's and `students.overrides`,
-    then the start view's plan (its removed blocks), its recovery entry (the frontier's, with its settings) and
-    the student itself, starting from that view."""
-    students = spec["students"]
-    # The entry's resolved settings (`RecoveryConfig.settings`): what its fit sees, and nothing it would refuse.
-    recovery = next(r for r in cfg.recovery if r.name == start["view"]).settings()
-    student = {**students[kind], "method": start["view"]}
-    return [
-        "--config", students["config"], *overrides, *students["overrides"],
-        "--model.plan.layers", json.dumps(start["removed"]), "--model.plan.num_layers", "null",
-        "--model.recovery", json.dumps([recovery]), "--model.distill.students", json.dumps([student]),
-    ]  # fmt: skip
+def device_of(parsed: ParsedFit) -> str:
+    """The device a `fit` of `parsed` would run its single process on (its `trainer.accelerator`)."""
+    import torch
+
+    accelerator = str((parsed.rest.get("trainer") or {}).get("accelerator") or "auto")
+    return "cuda" if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available() else "cpu"
 
 
-def check_frontier_students(spec: dict, cfg, frontier_settings: dict, overrides: list[str]) -> None:
-    """Every student fit parses (its config, the overrides, the student's keys) on a stand-in plan of the
+def student_run(spec: dict, cfg, students: ParsedFit, start: dict, kind: str) -> ParsedFit:
+    """The `fit` of one depth's `kind` student: `students.config` with the command line's and `students.overrides`,
+    on the start view's plan (its removed blocks), with its recovery entry (the frontier's, with its resolved
+    settings: what its fit sees) and the student itself, starting from that view."""
+    entry = next(r for r in cfg.recovery if r.name == start["view"])
+    student = student_config({**spec["students"][kind], "method": start["view"]}, f"frontier students.{kind}")
+    plan = replace(students.cfg.plan, layers=list(start["removed"]), num_layers=None)
+    distill = replace(students.cfg.distill, students=[student])
+    return students.replace(plan=plan, recovery=[RecoveryConfig(**entry.settings())], distill=distill)
+
+
+def student_config(entry: dict, who: str) -> StudentConfig:
+    """A `distill.students` entry of the frontier file as a `StudentConfig`, checked as `fit` checks it."""
+    from jsonargparse import ArgumentError, ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--student", type=StudentConfig)
+    try:
+        parsed = parser.parse_object({"student": entry})
+    except ArgumentError as err:
+        raise ValueError(f"{who}: {' '.join(str(err).split())}") from None
+    make = getattr(parser, "instantiate", None) or parser.instantiate_classes
+    return make(parsed).student
+
+
+def check_frontier_students(spec: dict, base: ParsedFit, students: ParsedFit) -> None:
+    """Every student run is valid (its config, the overrides, the student's keys) on a stand-in plan of the
     first depth, from each recovery entry of its kind, and trains the frontier's model: checked before the
     frontier's first pass, which may take hours."""
-    from ..methods import ships_stock
-
     n = spec["num_layers"][0]
+    cfg = base.cfg
     for kind in ("stock", "operators"):
         if kind not in spec["students"]:
             continue
@@ -136,24 +164,24 @@ def check_frontier_students(spec: dict, cfg, frontier_settings: dict, overrides:
                 f"its entries are {[f'{r.name} ({r.method})' for r in cfg.recovery]}"
             )
         for entry in mine:
-            start = {"view": entry.name, "removed": list(range(1, 1 + n))}
-            settings = fit_settings(_student_fit_args(spec, cfg, overrides, start, kind), f"frontier students.{kind}")
-            theirs, ours = settings["model"]["model"], frontier_settings["model"]["model"]
-            if theirs != ours:
+            run = student_run(spec, cfg, students, {"view": entry.name, "removed": list(range(1, 1 + n))}, kind)
+            try:
+                run.cfg.validate(data=False)
+            except ValueError as err:
+                raise ValueError(f"frontier students.{kind}: {err}") from None
+            if run.cfg.model != cfg.model:
                 raise ValueError(
-                    f"frontier file: students.config {spec['students']['config']} trains model {theirs}, not the "
-                    f"frontier's {ours}; set students.config's model (or students.overrides) to the same"
+                    f"frontier file: students.config {spec['students']['config']} trains model {run.settings()['model']['model']}, "
+                    f"not the frontier's {base.settings()['model']['model']}; set students.config's model (or students.overrides) to the same"
                 )
 
 
-def frontier_students(spec: dict, points: list[dict], cfg, root: Path, overrides: list[str]) -> list[dict]:
+def frontier_students(spec: dict, points: list[dict], cfg, students: ParsedFit, root: Path) -> list[dict]:
     """Per depth and kind (`stock`, `operators`), one `fit` of the student from the depth's best view of that
     kind (lowest selection KL, `reporting.frontier.student_starts`), in `<root>/students/n_<n>_<kind>-<settings digest>`:
     a finished one is read back, an interrupted one resumes from its last checkpoint (the digest keeps another
     setting's checkpoint out). Returns a record per student: its metrics, its start view's in the same run, the
     parameters its export holds (the start view's: LoRA and norms merge)."""
-    from ..core.io import json_digest, read_mapping
-    from ..methods import ships_stock
     from ..reporting.frontier import student_starts
 
     records = []
@@ -166,17 +194,16 @@ def frontier_students(spec: dict, points: list[dict], cfg, root: Path, overrides
             if start is None:
                 print(f"frontier students n={point['n']}: no {kind} view to start a student from; skipped")
                 continue
-            args = _student_fit_args(spec, cfg, overrides, start, kind)
+            run = student_run(spec, cfg, students, start, kind)
             who = f"frontier students n={point['n']} {kind}"
-            run_dir = root / "students" / f"n_{point['n']:02d}_{kind}-{json_digest(fit_settings(args, who))[:10]}"
-            args += ["--trainer.default_root_dir", str(run_dir)]
+            run_dir = root / "students" / f"n_{point['n']:02d}_{kind}-{json_digest(run.settings())[:10]}"
             results = run_dir / "results.json"
             if results.is_file():
                 print(f"{who}: done before ({run_dir})")
+                res = read_mapping(results, "results file")
             else:
                 print(f"{who}: {spec['students'][kind]['name']} from {start['view']} on {start['removed']}")
-                run_fit([*args, "--ckpt_path", "last"])
-            res = read_mapping(results, "results file")
+                res = fit_parsed(run.replace(run_dir), ckpt_path="last").report.to_dict()
             name = spec["students"][kind]["name"]
             records.append(
                 {

@@ -23,6 +23,7 @@ from dataclasses import fields
 from typing import Any, get_type_hints
 
 from ..core.settings import cost_keys
+from ..methods import RecoveryConfig, drop_flat_defaults
 from .config import RunConfig
 
 # The trainer's keys that decide a result (the rest: devices, logging, progress, the run folder).
@@ -90,6 +91,22 @@ def _frontier_cost() -> list[str]:
     return [k for k in cost_only(lambda section: f"config.{section}") if k.split(".")[1] in FRONTIER_SECTIONS]
 
 
+def _canonical(settings: dict) -> dict:
+    """`model.recovery`'s entries resolved (`RecoveryConfig.settings`): an entry that leaves its method's
+    defaults out and one that writes them (a typed run's) are the same settings."""
+    model = settings.get("model")
+    if isinstance(model, dict) and isinstance(model.get("recovery"), list):
+        settings = {**settings, "model": {**model, "recovery": [_resolved(e) for e in model["recovery"]]}}
+    return settings
+
+
+def _resolved(entry: Any) -> Any:
+    try:
+        return RecoveryConfig(**drop_flat_defaults(entry)).settings()
+    except (TypeError, ValueError):
+        return entry  # not an entry this version can read: compared as it is
+
+
 def _same(a: Any, b: Any) -> bool:
     """Equal, a key absent on one side counting as unset (None) there."""
     if isinstance(a, dict) and isinstance(b, dict):
@@ -118,7 +135,8 @@ def stale(saved: dict | None, wanted: dict, ignore: list[str] | None = None) -> 
     more"), or None when they match; the keys of `ignore` (cost-only keys: `cost_only()` by default) are left
     out of both."""
     ignore = cost_only() if ignore is None else ignore
-    diff = differences(_drop(saved, ignore) if isinstance(saved, dict) else saved, _drop(wanted, ignore))
+    saved = _canonical(_drop(saved, ignore)) if isinstance(saved, dict) else saved
+    diff = differences(saved, _canonical(_drop(wanted, ignore)))
     if not diff:
         return None
     more = f" and {len(diff) - 6} more" if len(diff) > 6 else ""

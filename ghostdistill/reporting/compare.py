@@ -18,7 +18,6 @@ seed, ...); otherwise it runs again, and the console says which settings differ 
 
 from __future__ import annotations
 
-import json
 from dataclasses import fields
 from pathlib import Path
 from typing import get_type_hints
@@ -121,14 +120,10 @@ def greedy_source(plan: dict, finished: list[dict]) -> dict | None:
     return min(same, key=lambda p: (-min(p["num_layers"], n), p["num_layers"]), default=None)
 
 
-def plan_args(plan: dict) -> list[str]:
-    """Command-line arguments that set every plan key (the others reset to their defaults, so a base
-    config or a user override cannot leak a key the plan did not name into its folder)."""
-    full = {**{k: f.default for k, f in PLAN_FIELDS.items()}, **plan}
-    args = []
-    for key, value in full.items():
-        args += [f"--model.plan.{key}", value if isinstance(value, str) else json.dumps(value)]
-    return args
+def plan_config(plan: dict, **given) -> PlanConfig:
+    """A plan of the file (and `given` keys) as a `PlanConfig`: every key it does not set takes the default, so
+    neither the base config nor a user override leaks a key the plan did not name into its folder."""
+    return PlanConfig(**{**plan, **given})
 
 
 def gather(runs: list[tuple[dict, dict]], spec: dict) -> dict:

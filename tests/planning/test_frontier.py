@@ -259,7 +259,7 @@ def test_the_frontier_fine_tunes_the_best_stock_and_operator_views_per_depth_and
     def fail(*args, **kwargs):
         raise AssertionError("a finished student was trained again")
 
-    monkeypatch.setattr(runs, "run_fit", fail)
+    monkeypatch.setattr(runs, "fit_parsed", fail)
     main(["frontier", str(path), *overrides])
     assert json.loads((root / "frontier.json").read_text())["students"] == report["students"]
 

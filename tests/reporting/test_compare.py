@@ -4,7 +4,8 @@ import pytest
 
 
 def test_compare_plan_names_tell_every_plan_key_apart():
-    from ghostdistill.reporting.compare import greedy_source, plan_args, plan_name
+    from ghostdistill.planning import PlanConfig
+    from ghostdistill.reporting.compare import greedy_source, plan_config, plan_name
 
     plans = [
         {"criterion": "taylor", "num_layers": 7},
@@ -20,25 +21,9 @@ def test_compare_plan_names_tell_every_plan_key_apart():
     assert names[1] == "taylor_7_kf4_kl2"
     # Writing a default out changes nothing: the same plan, the same folder.
     assert plan_name({"criterion": "taylor", "num_layers": 7, "keep_first": 1}) == names[0]
-    # Every plan key is set on the command line, so nothing the plan does not name leaks in.
-    args = plan_args({"layers": [3, 4]})
-    keys = {args[i] for i in range(0, len(args), 2)}
-    assert keys == {
-        f"--model.plan.{k}"
-        for k in (
-            "layers",
-            "criterion",
-            "num_layers",
-            "allow_edges",
-            "keep_first",
-            "keep_last",
-            "criterion_samples",
-            "repair_method",
-            "repair_chunk",
-            "greedy_from",
-            "greedy_start",
-        )
-    }
+    # A plan is a fresh PlanConfig: every key it does not name takes the default, so nothing leaks in.
+    assert plan_config({"layers": [3, 4]}) == PlanConfig(layers=[3, 4])
+    assert plan_config({"criterion": "repair", "num_layers": 7}, greedy_from="x").greedy_from == "x"
     # The repair method is in the folder name (each method's own best plan); the chunk size is not (memory only).
     assert (
         plan_name({"criterion": "repair", "num_layers": 7, "repair_method": "linearpatch"}) == "repair_7_by_linearpatch"
@@ -49,7 +34,7 @@ def test_compare_plan_names_tell_every_plan_key_apart():
     started = {"criterion": "repair_greedy", "num_layers": 11, "greedy_start": [12, 13, 14]}
     assert plan_name(started) == "repair_greedy_11_from12_13_14"
     assert greedy_source(started, [{**started, "num_layers": 9}]) is None
-    assert args[args.index("--model.plan.num_layers") + 1] == "null"
+    assert plan_config({"layers": [3, 4]}).num_layers is None
 
 
 def test_a_greedy_plan_starts_from_the_finished_greedy_plan_of_its_settings_that_leaves_least_to_search():

@@ -1,0 +1,104 @@
+"""A `fit` config as typed objects, without a Trainer: what `compare`, `frontier` (its students too) and
+`export <run>` run or read.
+
+    parsed = parse_fit(args, who)           the arguments parsed as `fit` parses them, nothing instantiated
+    run = parsed.replace(root, plan=...)    another run of the same config (`dataclasses.replace` of its sections)
+    run.settings()                          what its results.json records (`pipeline.settings.result_settings`)
+    fit_parsed(run)                         the run itself (`fit.run_fit` of its config): its `pipeline.run.Run`
+    run_config_of(config)                   a config mapping's `RunConfig` (a run folder's config.yaml)
+
+A `ParsedFit` is the typed `RunConfig` and the rest of the config (seed, trainer, callbacks) as jsonargparse
+gives it; its `config()` is the mapping `fit` takes, so a run of it is parsed and checked like any `fit`.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ..pipeline.config import RunConfig
+from ..pipeline.data import DataConfig
+from ..pipeline.run import Run
+from ..pipeline.settings import result_settings
+from .fit import _ParseOnly, build_fit, run_fit
+
+
+def _drop_none(value: Any) -> Any:
+    """What jsonargparse's dump leaves out: every key whose value is None, at any depth."""
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
+    return value
+
+
+def run_config_of(config: dict, who: str = "config") -> RunConfig:
+    """The `RunConfig` of a `fit` config mapping (its `model` and `data` sections), parsed and checked as `fit`
+    parses them: an unknown key or a bad value is one line naming it and `who`. Nothing is loaded."""
+    from jsonargparse import ArgumentError, ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(RunConfig, "model", skip={"data"})
+    parser.add_class_arguments(DataConfig, "data")
+    sections = copy.deepcopy({"model": config.get("model") or {}, "data": config.get("data") or {}})
+    try:
+        parsed = parser.parse_object(sections)
+    except ArgumentError as err:
+        raise ValueError(f"{who}: {' '.join(str(err).split())}") from None
+    make = getattr(parser, "instantiate", None) or parser.instantiate_classes
+    built = make(parsed)
+    return replace(built.model, data=built.data)
+
+
+@dataclass
+class ParsedFit:
+    """A parsed `fit`: its run config and the rest of its config (seed, trainer, callbacks, ckpt_path)."""
+
+    cfg: RunConfig
+    rest: dict
+
+    def config(self) -> dict:
+        """The whole config as `fit` takes it: the rest, and the run config's sections as plain data."""
+        sections = json.loads(json.dumps(asdict(self.cfg), default=str))
+        return {**copy.deepcopy(self.rest), "data": sections.pop("data"), "model": sections}
+
+    def settings(self) -> dict:
+        """What decides its results (`result_settings` of its config, as a `fit` of it records them)."""
+        return result_settings(_drop_none(self.config()))
+
+    def replace(self, root: str | Path | None = None, **sections) -> ParsedFit:
+        """The same config with other `RunConfig` sections and, with `root`, another run folder."""
+        rest = copy.deepcopy(self.rest)
+        if root is not None:
+            rest.setdefault("trainer", {})["default_root_dir"] = str(root)
+        return ParsedFit(replace(self.cfg, **sections), rest)
+
+    def run_dir(self) -> Path:
+        return Path((self.rest.get("trainer") or {}).get("default_root_dir") or "runs/default")
+
+
+def parse_fit(args: list[str], who: str) -> ParsedFit:
+    """`args` parsed as `fit` parses them, nothing instantiated (no tokenizer, no trainer); a bad argument is
+    one line naming `who`."""
+    from jsonargparse import ArgumentError
+
+    try:
+        cli = build_fit(args, cli_class=_ParseOnly, exit_on_error=False)
+    except ArgumentError as err:
+        raise ValueError(f"{who}: {' '.join(str(err).split())}") from None
+    keep = "skip_unset" if "skip_unset" in inspect.signature(cli.parser.dump).parameters else "skip_none"
+    config = json.loads(cli.parser.dump(cli.config, format="json", **{keep: False}))
+    return ParsedFit(run_config_of(config, who), {k: v for k, v in config.items() if k not in ("model", "data")})
+
+
+def fit_parsed(parsed: ParsedFit, ckpt_path: str | None = None) -> Run:
+    """Run the `fit` of `parsed` (distil when it has steps, evaluate, report, export) in its run folder;
+    `ckpt_path`: ``last`` resumes an interrupted one. Returns its `Run` (the report in memory)."""
+    config = parsed.config()
+    if ckpt_path is not None:
+        config["ckpt_path"] = ckpt_path
+    return run_fit(config).model.run
