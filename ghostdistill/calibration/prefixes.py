@@ -4,7 +4,7 @@ Every collector holds sums over tokens, so the statistics of the first n windows
 pass over all of them. `accumulate_prefixes` streams the windows once, in order, in batches that
 never straddle a requested size, and hands out a copy of every collector each time a size is reached:
 sizes 4, 8, ..., 128 cost one pass over 128 windows instead of 4 + 8 + ... + 128. Used by the
-calibration-sensitivity measurement (`scripts/calibration_sensitivity.py`); the copies solve exactly
+calibration-sensitivity measurement (`scripts/studies/calibration_sensitivity.py`); the copies solve exactly
 as a separate pass over those windows would (to float64 rounding in the order of the additions).
 """
 

@@ -24,7 +24,7 @@ from ..pipeline.config import RunConfig
 from ..pipeline.data import DataConfig
 from ..pipeline.run import Run
 from ..pipeline.settings import result_settings
-from .fit import _ParseOnly, build_fit, run_fit
+from .fit import _ParseOnly, build_fit, forget_recovery_parser, run_fit
 
 
 def _drop_none(value: Any) -> Any:
@@ -41,6 +41,7 @@ def run_config_of(config: dict, who: str = "config") -> RunConfig:
     parses them: an unknown key or a bad value is one line naming it and `who`. Nothing is loaded."""
     from jsonargparse import ArgumentError, ArgumentParser
 
+    forget_recovery_parser()
     parser = ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(RunConfig, "model", skip={"data"})
     parser.add_class_arguments(DataConfig, "data")

@@ -70,7 +70,7 @@ def test_sensitivity_script_writes_every_source_and_size(tiny_dir, text_files, t
     out = tmp_path / "sens"
     cmd = [
         sys.executable,
-        str(root / "scripts" / "calibration_sensitivity.py"),
+        str(root / "scripts" / "studies" / "calibration_sensitivity.py"),
         "--model",
         str(tiny_dir),
         "--layers",

@@ -193,7 +193,7 @@ def _study_module():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "study_students.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "studies" / "study_students.py"
     spec = importlib.util.spec_from_file_location("study_students", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -37,7 +37,7 @@ ghostdistill (`scripts/reload_check.py`): its perplexity and greedy tokens. `--n
 model (the compare rows). The compare protocol: C4 calibration 32 × 512 (documents 0–999), WikiText-2
 16 × 512, float32. Measured: docs/export.md, "Stock checkpoints that keep the first position"; the best:
 
-    python scripts/first_position_neurons.py --plan 8-18 --neurons 1 --trigger fitted --target rotated
+    python scripts/studies/first_position_neurons.py --plan 8-18 --neurons 1 --trigger fitted --target rotated
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ from ghostdistill.methods import GapTaps, RecoveryConfig, fit_gap
 from ghostdistill.methods.ghost import GhostStatistics
 from ghostdistill.methods.rotation import anchored_procrustes, first_direction, procrustes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT.parent / "shared" / "data"
 PLANS = {"12-18": (12, 19), "9-19": (9, 20), "8-18": (8, 19)}
 MASSIVE_BLOCK = 11  # SmolLM2-135M's writer of the first position's massive activation

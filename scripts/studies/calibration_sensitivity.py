@@ -21,7 +21,7 @@ Sources (`--sources`, comma-separated):
             (the train split is not available offline; this is the same distribution, disjoint text);
   generate  text the dense model samples itself (seeded; cached in `--out`).
 
-    .venv/bin/python scripts/calibration_sensitivity.py --layers 12-18 --sizes 4,8,16,32,64 --out runs/sensitivity_7
+    .venv/bin/python scripts/studies/calibration_sensitivity.py --layers 12-18 --sizes 4,8,16,32,64 --out runs/sensitivity_7
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from ghostdistill.data.windows import generate_windows, shared_ngrams
 from ghostdistill.evaluation.metrics import next_token_targets, score_tokens
 from ghostdistill.methods import RecoveryConfig, fit_gap
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 
 
 def parse_layers(text: str) -> list[int]:

@@ -17,7 +17,7 @@ For each finished run folder given (one per depth):
 
 Writes <out>/students.md, students.json and students_<run>.png (default out: the first run's parent).
 
-    .venv/bin/python scripts/study_students.py runs/smollm2_students runs/smollm2_students_11
+    .venv/bin/python scripts/studies/study_students.py runs/smollm2_students runs/smollm2_students_11
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _rss_bytes() -> int:
