@@ -120,3 +120,46 @@ def test_a_views_figure_reads_the_same_on_every_page():
             if round(float(b) - float(a), 2) == 0.01 and numbers[a] != numbers[b]:
                 drift.append(f"{label}: {a} on {sorted(numbers[a])}, {b} on {sorted(numbers[b])}")
     assert not drift, "\n".join(drift)
+
+
+RECIPES = ("a method", "a criterion", "a student part", "an export format")
+
+
+def recipes() -> dict[str, str]:
+    """docs/development.md's "How to add ..." recipes, by what they add."""
+    text = (ROOT / "docs" / "development.md").read_text()
+    out = {}
+    for what in RECIPES:
+        section = text.split(f"### How to add {what}\n", 1)
+        assert len(section) == 2, f'docs/development.md has no "How to add {what}" recipe'
+        out[what] = section[1].split("\n#", 1)[0]
+    return out
+
+
+def _has(cls: type, member: str) -> bool:
+    return hasattr(cls, member) or any(member in getattr(k, "__annotations__", {}) for k in cls.__mro__)
+
+
+@pytest.mark.parametrize("what", RECIPES)
+def test_each_how_to_add_recipe_names_one_file_a_base_class_its_members_and_a_register_that_exist(what):
+    """A recipe names the one file to write, a base class ("a `...` subclass that sets") that has every
+    member the recipe names, and one `register`; every name resolves; and tests/test_extending.py, which adds
+    one of each from outside the package, subclasses that base class and calls that `register`."""
+    import importlib
+    import inspect
+
+    recipe = recipes()[what]
+    assert "Write one module" in recipe, f"{what}: the recipe names the one file to write"
+    objects = {}
+    for name in re.findall(r"`(ghostdistill(?:\.\w+)+)`", recipe):
+        module, _, attr = name.rpartition(".")
+        objects[name] = getattr(importlib.import_module(module), attr)
+    (base,) = re.findall(r"`(ghostdistill[\w.]+)` subclass that sets", recipe)
+    (register,) = [n for n, o in objects.items() if n.endswith(".register") and not inspect.isclass(o)]
+    members = set(re.findall(r"`(\w+)`", recipe))
+    missing = sorted(m for m in members if not _has(objects[base], m))
+    assert not missing, f"{what}: {base} has no {missing}, which the recipe names"
+    extending = (ROOT / "tests" / "test_extending.py").read_text()
+    for name in (base, register):
+        short = ".".join(name.split(".")[-2:])
+        assert f"{short}" in extending, f"tests/test_extending.py does not use {name} ({what})"
