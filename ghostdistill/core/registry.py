@@ -1,10 +1,9 @@
-"""One registry of named plug-ins, for every kind the package is extended by: recovery methods
-(`methods.register`), plan criteria (`planning.register`), student parts (`distill.parts.register`) and export
-formats (`export.formats.register`).
+"""One registry of named plug-ins for every kind the package is extended by: recovery methods, plan criteria,
+student parts and export formats (each package's `register`).
 
-A name names one object: registering another object under a name already taken is refused, naming both
-(the one registered and the one refused), rather than silently replacing the first (a plug-in that shadows
-`ghost` would change every run that names it). Registering the same object again is a no-op.
+A name names one object: registering another under a taken name is refused, naming both (the registered one
+and the refused one), rather than silently replacing the first (a plug-in shadowing `ghost` would change every
+run that names it). Registering the same object again changes nothing.
 """
 
 from __future__ import annotations
@@ -22,19 +21,18 @@ def origin(item: object) -> str:
 
 
 class Registry(Generic[T]):
-    """Registered objects by name, in registration order.
+    """Objects of `base` by their `name`, in registration order; `kind` names an entry and `setting` where a
+    user names one, in messages (``criterion``, ``plan.criterion``)."""
 
-    Args:
-        kind: what an entry is, in messages (``recovery method``).
-        setting: where a user names one, in messages (``plan.criterion``).
-    """
-
-    def __init__(self, kind: str, setting: str) -> None:
-        self.kind, self.setting = kind, setting
+    def __init__(self, kind: str, setting: str, base: type) -> None:
+        self.kind, self.setting, self.base = kind, setting, base
         self._items: dict[str, T] = {}
 
-    def add(self, name: str, item: T) -> T:
-        """Register `item` as `name`; returns it. A taken name is refused, naming both registrants."""
+    def register(self, item: T) -> T:
+        """Register `item` under `item.name`; returns it."""
+        if not isinstance(item, self.base):
+            raise TypeError(f"{item!r} does not implement {origin(self.base)} (subclass it)")
+        name = getattr(item, "name", None)
         if not isinstance(name, str) or not name.replace("-", "_").isidentifier():  # `compressed-tensors` has dashes
             raise ValueError(f"{self.kind} name {name!r} must be a Python identifier (dashes allowed)")
         taken = self._items.get(name)
@@ -46,7 +44,7 @@ class Registry(Generic[T]):
         self._items[name] = item
         return item
 
-    def remove(self, name: str) -> None:
+    def unregister(self, name: str) -> None:
         self._items.pop(name, None)
 
     def names(self) -> tuple[str, ...]:

@@ -1,33 +1,22 @@
-"""What a student trains, part by part: each kind of `distill.train` is one registered `Part`.
+"""The shipped student parts (`distill.interface.Part`, registered on import), and what they find in a model
+without naming its family: the modules they copy and, for the hidden-state term, where the residual stream
+after each gap enters the next module (`stream_sites`).
 
-A part says, in one object, what it makes trainable (`build`: the view's own copies or adapters), which
-parameters train (`params`), at which learning rate (`lr_key`, a field of the resolved `Student`), where a
-student's forward must start for it (`first_block`), what FSDP2 does with it (`fsdp`: ``shard`` its modules,
-``replicate`` them on every rank, or ``refuse``), whether it changes the surviving blocks themselves
-(`adapts_blocks`: one such part per student) and what the report and the export record of it besides its
-learning rate (`settings`). Export writes a student's view as the model computes it: copies are the view's
-own modules and adapters merge into the weights they adapt, so a student of a stock repair stays stock.
+| part        | trains                                                                        | lr        | FSDP2     |
+|-------------|-------------------------------------------------------------------------------|-----------|-----------|
+| `operators` | copies of the method's gap operators and MLP maps (`Method.student_operator`)  | `lr`      | shard     |
+| `lora`      | one peft adapter per student on the surviving blocks                          | `lora.lr` | replicate |
+| `blocks`    | copies of the surviving blocks next to each gap                               | `block_lr`| shard     |
+| `tail`      | copies of the output head, the final norm and the last k surviving blocks     | `block_lr`| refuse    |
+| `norms`     | copies of the norm layers of the surviving blocks the view shares             | `norm_lr` | refuse    |
 
-| part        | trains                                                                   | lr        | FSDP2     |
-|-------------|--------------------------------------------------------------------------|-----------|-----------|
-| `operators` | copies of the method's gap operators and MLP maps (`Method.student_operator`) | `lr`  | shard     |
-| `lora`      | one peft adapter per student on the surviving blocks                     | `lora.lr` | replicate |
-| `blocks`    | copies of the surviving blocks next to each gap                          | `block_lr`| shard     |
-| `tail`      | copies of the output head, the final norm and the last k surviving blocks | `block_lr`| refuse   |
-| `norms`     | copies of the norm layers of the surviving blocks the view shares        | `norm_lr` | refuse    |
-
-The views' block copies (of `blocks`, or `tail`'s last k) train in the `blocks` group. Adding a part: a
-`Part` subclass (`distill.interface`) passed to `register` (a taken name is refused, naming both);
-`distill.train` then accepts it.
-The module also finds, without naming a family, the modules these parts copy and, for the hidden-state
-term, where the residual stream after each gap enters the next module (`stream_sites`).
+A view's block copies (of `blocks`, or `tail`'s last k) train in the `blocks` group.
 """
 
 from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any
 
 from torch import nn
 
@@ -36,9 +25,7 @@ from ..core.plan import PruningPlan
 from ..core.views import DENSE, PrunedModel, copy_block
 from ..methods import get_method, registered
 from .config import Student
-from .interface import Part, register
-
-Students = Any  # a `distill.students.Students`, which builds on this module
+from .interface import Part, Students, register
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -174,7 +161,7 @@ class Lora(Part):
 
     def build(self, students: Students, views: list[str]) -> None:
         layers = add_lora(students.pruned, {v: students.specs[v] for v in views})
-        students.state["lora"] = (layers, views)
+        students.state["lora"] = layers
 
         def on_view(view: str) -> None:
             """A student's own adapter on while it runs, every adapter off for every other view (the
@@ -191,7 +178,7 @@ class Lora(Part):
         students.pruned.listeners.append(on_view)
 
     def params(self, students: Students, view: str, student: Student) -> dict[str, nn.Parameter]:
-        layers, _ = students.state.get("lora", ((), ()))
+        layers = students.state.get("lora", ())
         # Adapters are named by the dense index of their block, whatever view is active.
         names = {
             id(m): f"lora.{i}.{name}"

@@ -1,19 +1,12 @@
-"""Export formats: what `export.format` (and `export --format`) may name, each one registered object.
+"""Export formats, each one registered object: what `export.format` (and `export --format`) may name.
 
-A format checks its options and the views it is asked for before any work (`check`, `check_view`: the
-kinds of view it takes, from their method), names the files or folders it writes (`targets`), and writes
-one prepared view (`write`: the `writer.ViewExport` described once per view, for every format). The
-shipped ones:
-
-| format               | writes                                              | takes     | options                    |
-|----------------------|-----------------------------------------------------|-----------|----------------------------|
-| `hf`                 | the folder `<dir>/<view>` (`writer`)                | every view | –                         |
-| `gguf`               | `<dir>/<view>.<type>.gguf` per type (`gguf`, k-quants by `quantize`) | plain | `gguf_types`, `imatrix` |
-| `compressed-tensors` | `<dir>/<view>.<scheme>` per scheme (`compressed`)   | every view | `schemes`, `quantize_python` |
-
-A view's kind is known from its method before anything is computed (`view_kind`): the views of the methods
-that ship stock (`Method.ships_stock`) are ``plain``, the others keep ``operators``. Adding a format: an
-`ExportFormat` subclass passed to `register` (a taken name is refused, naming both).
+A format checks its options and the views it is asked for before any work (`check`; `check_view`: the kinds
+of view it `takes`, known from their method: those that ship stock are ``plain``, the others keep
+``operators``), names what it writes (`targets`, each a ``folder`` or a ``file``: `target`) and writes one view
+prepared once for every format (`write`, a `writer.ViewExport`). Shipped: ``hf``, the folder `<dir>/<view>`
+(`writer`; every kind); ``gguf``, `<dir>/<view>.<type>.gguf` per `gguf_types` for llama.cpp (`gguf`, the
+k-quants by `quantize` with an `imatrix`; plain views); ``compressed-tensors``, `<dir>/<view>.<scheme>` per
+`schemes` for vLLM (`compressed`, llm-compressor at `quantize_python`; every kind).
 """
 
 from __future__ import annotations
@@ -30,33 +23,26 @@ from .gguf import check_gguf_types, gguf_path, refusal, write_gguf_files
 from .quantize import check_quantize, quantized
 from .writer import ViewExport, write_folder
 
-KINDS = ("plain", "operators")
-
 
 def view_kind(method: str | None) -> str:
-    """The kind of folder a view of `method` exports as: ``plain`` (the model's own architecture) or
-    ``operators`` (the wrapper that keeps the gap operators)."""
+    """``plain`` (the model's own architecture) or ``operators`` (the wrapper keeping the gap operators)."""
     return "plain" if ships_stock(method) else "operators"
 
 
 class ExportFormat:
-    """One way of writing a view; the module docstring says what each member does. `options` is the
-    export's `pipeline.export.ExportOptions` (its format-specific keys, e.g. `gguf_types`). `target`: what
-    each target is, a ``folder`` or a ``file`` (what an existing path may be replaced by)."""
+    """One way of writing a view (module docstring); `options` is the export's `pipeline.export.ExportOptions`."""
 
     name: str = ""
-    takes: tuple[str, ...] = KINDS
+    takes: tuple[str, ...] = ("plain", "operators")
     target: str = "folder"
 
     def check(self, options) -> None:
         """Refuse bad options of this format, or a missing tool, before any work."""
 
     def check_view(self, view: str, method: str | None) -> None:
-        """Refuse, before any work, a view of a kind this format does not write."""
         if view_kind(method) not in self.takes:
             raise ValueError(
-                f"export format {self.name!r} writes {' and '.join(self.takes)} views; view {view!r} (method "
-                f"{method!r}) is {view_kind(method)}"
+                f"export format {self.name!r} writes {' and '.join(self.takes)} views; {view!r} is not one"
             )
 
     def calibrates(self, options) -> bool:
@@ -121,22 +107,9 @@ class CompressedTensors(ExportFormat):
         return compressed.write_compressed(view, Path(root), options.schemes, python, overwrite=options.overwrite)
 
 
-_FORMATS: Registry[ExportFormat] = Registry("export format", "export format")
-
-
-def register(fmt: ExportFormat) -> ExportFormat:
-    """Make `fmt` available as `export.format: [<fmt.name>]`; returns it."""
-    if not isinstance(fmt, ExportFormat):
-        raise TypeError(f"{fmt!r} does not implement ghostdistill.export.formats.ExportFormat (subclass it)")
-    return _FORMATS.add(fmt.name, fmt)
-
-
-def unregister(name: str) -> None:
-    _FORMATS.remove(name)
-
-
-def formats() -> tuple[str, ...]:
-    return _FORMATS.names()
+# `register(fmt)` makes it `export.format: [<fmt.name>]`.
+_FORMATS: Registry[ExportFormat] = Registry("export format", "export format", ExportFormat)
+register, unregister, formats = _FORMATS.register, _FORMATS.unregister, _FORMATS.names
 
 
 def check_formats(names: Iterable[str]) -> list[str]:

@@ -260,7 +260,7 @@ def _fill_defaults(cfg: RecoveryConfig) -> None:
             setattr(cfg, key, default)
 
 
-_METHODS: Registry[Method] = Registry("recovery method", "recovery method")
+_METHODS: Registry[Method] = Registry("recovery method", "recovery method", Method)
 
 
 def _check_config(method: Method) -> dict[str, Any]:
@@ -292,16 +292,15 @@ def _check_config(method: Method) -> dict[str, Any]:
 
 def register(method: Method) -> Method:
     """Make `method` available as `recovery[].method: <method.name>`, with its config class's keys; returns it."""
-    if not isinstance(method, Method):
-        raise TypeError(f"{method!r} does not implement ghostdistill.methods.Method (subclass it)")
-    _check_config(method)
-    _METHODS.add(method.name, method)
+    if isinstance(method, Method):
+        _check_config(method)
+    _METHODS.register(method)
     _sync_keys()
     return method
 
 
 def unregister(name: str) -> None:
-    _METHODS.remove(name)
+    _METHODS.unregister(name)
     _sync_keys()
 
 

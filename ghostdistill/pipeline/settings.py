@@ -1,25 +1,19 @@
 """Which settings make a saved result stale: the one place a saved result (a run's results.json, a frontier
-point, a frontier student) is checked against the settings it would be computed with now.
+point, a frontier student's run) is checked against the settings it would be computed with now.
 
-What a key means for saved results is marked where the key is defined (`core.settings`: cost-only keys,
-keys added later); this module reads the marks off `RunConfig`:
-
-    result_settings(config)     what results.json records of a parsed `fit` (the seed, the model and data
-                                sections, the trainer's result keys), without the cost-only keys
-    run_settings(cfg, rest)     the same of a typed `RunConfig` and the rest of a parsed `fit`
-    frontier_settings(cfg, …)   what a frontier point records (the sections its phases read)
-    stale(saved, wanted, …)     why saved settings are not these ("other model.recovery and 2 more"), or None
-
-Two settings compare equal when they differ only in cost-only keys, or in a key one of them lacks and the
-other holds unset (None): a key added later does not make the results saved before it stale. The statistics'
-fingerprint (`state.fingerprint`) and the plan's digest (`PlanConfig.digest_dict`) read the same marks.
+What a key means for saved results is marked where the key is defined (`core.settings`: cost-only keys, keys
+added later), and read here off `RunConfig`: `result_settings` (what results.json records of a `fit`),
+`frontier_settings` (what a frontier point records) and `stale` (why saved settings are not the wanted ones).
+Two settings are the same when they differ only in cost-only keys, in a key one lacks and the other holds
+unset (None: a key added later keeps the results saved before it), or in how a recovery entry is written (its
+method's defaults left out or written). The statistics' fingerprint (`state.fingerprint`) and the plan's
+digest (`PlanConfig.digest_dict`) read the same marks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import fields
 from typing import Any, get_type_hints
 
 from ..core.settings import cost_keys
@@ -34,29 +28,29 @@ RESULT_TRAINER_KEYS = (
     "gradient_clip_val",
     "gradient_clip_algorithm",
 )
-# The sections of `RunConfig` a frontier point depends on: the phases it runs (plan, calibrate, fit, evaluate);
-# the students' settings and the evaluation's others (views, zero-shot, analysis) only a `fit` reads.
+# The sections a frontier point depends on: those of the phases it runs (the students' and the evaluation's
+# other settings, views, zero-shot and analysis, only a `fit` reads).
 FRONTIER_SECTIONS = ("model", "plan", "recovery", "data")
 
 
-def _layout(section: str) -> str:
-    """Where a `RunConfig` section sits in `fit`'s config: ``data`` at the top, the others under ``model``."""
-    return section if section == "data" else f"model.{section}"
-
-
-def cost_only(layout=_layout) -> list[str]:
-    """The dotted cost-only keys of a run's settings, each section placed by `layout`."""
+def cost_only(prefix: str = "") -> list[str]:
+    """The dotted cost-only keys of a run's settings: in `fit`'s layout (``data.…``, ``model.<section>.…``), or
+    each section under `prefix` (a frontier point's ``config.``)."""
     hints = get_type_hints(RunConfig)
+    layout = {
+        f.name: prefix + (f.name if prefix or f.name == "data" else f"model.{f.name}")
+        for f in dataclasses.fields(RunConfig)
+    }
     return [
-        key
-        for f in fields(RunConfig)
-        if dataclasses.is_dataclass(hints[f.name])
-        for key in cost_keys(hints[f.name], layout(f.name) + ".")
+        k
+        for name, where in layout.items()
+        if dataclasses.is_dataclass(hints[name])
+        for k in cost_keys(hints[name], where + ".")
     ]
 
 
 def _drop(settings: Any, dotted: list[str]) -> Any:
-    """A copy of `settings` (plain data) without the `dotted` keys."""
+    """A copy of `settings` as plain data without the `dotted` keys."""
     out = json.loads(json.dumps(settings, default=str))
     for key in dotted:
         *parents, last = key.split(".")
@@ -69,31 +63,30 @@ def _drop(settings: Any, dotted: list[str]) -> Any:
 
 
 def result_settings(config: dict) -> dict[str, Any]:
-    """Every setting of a `fit` config (as jsonargparse dumps it) that decides the results: the seed, the
-    model and data sections, and the trainer's result keys; the cost-only keys left out."""
-    out = {
-        "seed_everything": config.get("seed_everything"),
-        "model": config.get("model") or {},
-        "data": config.get("data") or {},
-        "trainer": {k: (config.get("trainer") or {}).get(k) for k in RESULT_TRAINER_KEYS},
-    }
+    """Every setting of a `fit` config (as jsonargparse dumps it) that decides the results: the seed, the model
+    and data sections and the trainer's result keys, the cost-only keys left out."""
+    trainer = config.get("trainer") or {}
+    out = {"seed_everything": config.get("seed_everything"), "model": config.get("model") or {}}
+    out |= {"data": config.get("data") or {}, "trainer": {k: trainer.get(k) for k in RESULT_TRAINER_KEYS}}
     return _drop(out, cost_only())
 
 
 def frontier_settings(cfg: RunConfig, criteria: list[str]) -> dict:
-    """The settings a frontier point depends on, as plain data: the sections its phases read (without their
-    cost-only keys) and the criteria."""
-    config = {k: _plain(getattr(cfg, k)) for k in FRONTIER_SECTIONS}
+    """The settings a frontier point depends on: its sections (without their cost-only keys), the criteria."""
+    config = {k: json.loads(json.dumps(getattr(cfg, k), default=_asdict)) for k in FRONTIER_SECTIONS}
     return _drop({"config": config, "criteria": list(criteria)}, _frontier_cost())
 
 
+def _asdict(obj: Any) -> Any:
+    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else str(obj)
+
+
 def _frontier_cost() -> list[str]:
-    return [k for k in cost_only(lambda section: f"config.{section}") if k.split(".")[1] in FRONTIER_SECTIONS]
+    return [k for k in cost_only("config.") if k.split(".")[1] in FRONTIER_SECTIONS]
 
 
 def _canonical(settings: dict) -> dict:
-    """`model.recovery`'s entries resolved (`RecoveryConfig.settings`): an entry that leaves its method's
-    defaults out and one that writes them (a typed run's) are the same settings."""
+    """`model.recovery`'s entries resolved (`RecoveryConfig.settings`), however they were written."""
     model = settings.get("model")
     if isinstance(model, dict) and isinstance(model.get("recovery"), list):
         settings = {**settings, "model": {**model, "recovery": [_resolved(e) for e in model["recovery"]]}}
@@ -131,35 +124,26 @@ def differences(saved: dict | None, wanted: dict, prefix: str = "") -> list[str]
 
 
 def stale(saved: dict | None, wanted: dict, ignore: list[str] | None = None) -> str | None:
-    """Why `saved` settings are not `wanted` ones, as a phrase for a message ("other model.plan.layers and 2
-    more"), or None when they match; the keys of `ignore` (cost-only keys: `cost_only()` by default) are left
-    out of both."""
+    """Why `saved` settings are not `wanted` ("other model.plan.layers and 2 more"), or None when they are;
+    the keys of `ignore` (default: the cost-only ones) left out of both."""
     ignore = cost_only() if ignore is None else ignore
     saved = _canonical(_drop(saved, ignore)) if isinstance(saved, dict) else saved
     diff = differences(saved, _canonical(_drop(wanted, ignore)))
-    if not diff:
-        return None
     more = f" and {len(diff) - 6} more" if len(diff) > 6 else ""
-    return f"other {', '.join(diff[:6])}{more}"
+    return f"other {', '.join(diff[:6])}{more}" if diff else None
 
 
 def stale_reason(results: dict, wanted: dict) -> str | None:
-    """Why a run's existing results.json cannot be reused under the settings `wanted` (`result_settings` of
-    the fit that would run now), or None when it was computed with exactly them."""
-    saved = results.get("settings")
-    if saved is None:
+    """Why a run's results.json cannot be reused under `wanted` (`result_settings`), or None."""
+    if results.get("settings") is None:
         return "its results.json records no settings (written by an older version)"
-    other = stale(saved, wanted)
+    other = stale(results["settings"], wanted)
     return None if other is None else f"its results.json was computed with {other}"
 
 
 def stale_point(saved: dict, settings: dict) -> str | None:
-    """Why a saved frontier point cannot be reused under `settings`, or None when it was computed with them."""
+    """Why a saved frontier point cannot be reused under `settings` (`frontier_settings`), or None."""
     if "settings" not in saved:
         return "records no settings (written by an older version)"
     other = stale(saved["settings"], settings, _frontier_cost())
     return None if other is None else f"was computed with {other}"
-
-
-def _plain(obj: Any) -> Any:
-    return [dataclasses.asdict(x) for x in obj] if isinstance(obj, list) else dataclasses.asdict(obj)

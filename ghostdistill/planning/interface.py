@@ -223,24 +223,6 @@ class Criterion:
         raise NotImplementedError(f"criterion {self.name!r} defines no choose")
 
 
-_CRITERIA: Registry[Criterion] = Registry("criterion", "plan.criterion")
-
-
-def register(criterion: Criterion) -> Criterion:
-    """Make `criterion` available as `plan.criterion: <criterion.name>`; returns it."""
-    if not isinstance(criterion, Criterion):
-        raise TypeError(f"{criterion!r} does not implement ghostdistill.planning.Criterion (subclass it)")
-    return _CRITERIA.add(criterion.name, criterion)
-
-
-def unregister(name: str) -> None:
-    _CRITERIA.remove(name)
-
-
-def criteria() -> tuple[str, ...]:
-    """The registered criteria's names, in registration order."""
-    return _CRITERIA.names()
-
-
-def get_criterion(name: str) -> Criterion:
-    return _CRITERIA.get(name)
+# `register(criterion)` makes it `plan.criterion: <criterion.name>`; `criteria()`: the names, in registration order.
+_CRITERIA: Registry[Criterion] = Registry("criterion", "plan.criterion", Criterion)
+register, unregister, criteria, get_criterion = _CRITERIA.register, _CRITERIA.unregister, _CRITERIA.names, _CRITERIA.get
