@@ -11,7 +11,8 @@ turned into its method's config (`RecoveryConfig.method_config`) before a fit re
 What a method is, each member with a default on `Method` (a method overrides what it does differently):
 
 1. `collector(hidden_size, device)`: its statistics for one gap (fixed-size float64 sums fed `GapTaps` batch
-   by batch, saved and restored for resumable runs), or None (it reads nothing). `all_parts` and
+   by batch, saved and restored for resumable runs; by default a `statistics` class's), or None (it reads
+   nothing). `all_parts` and
    `parts(cfgs)` name the parts of them the fits of `cfgs` read, for a `collector(..., parts=...)` that holds
    only those (`make_collectors(..., recovery=...)`); `needs_mlp`: its taps carry the MLP output of the block
    before the gap;
@@ -143,13 +144,14 @@ class Method:
     needs_mlp: bool = False
     all_parts: tuple[str, ...] = ()
     card: str = ""
+    statistics: type | None = None  # its collector's class, made as `statistics(hidden_size, device=device)`
 
     @property
     def ships_stock(self) -> bool:
         return self.folds
 
     def collector(self, hidden_size: int, device: torch.device | str) -> Collector | None:
-        return None
+        return None if self.statistics is None else self.statistics(hidden_size, device=device)
 
     def parts(self, cfgs: list[MethodConfig]) -> tuple[str, ...] | None:
         """The parts of the statistics the fits of `cfgs` read; None: the collector cannot be sized."""

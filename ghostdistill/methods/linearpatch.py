@@ -82,10 +82,8 @@ class LinearPatchConfig(Ordered):
 class LinearPatch(Method):
     name = "linearpatch"
     config = LinearPatchConfig
+    statistics = LinearPatchStatistics
     card = "LinearPatch: W = H·diag(s)·Hᵀ at each gap (H an orthonormal Hadamard matrix)"
-
-    def collector(self, hidden_size: int, device: torch.device | str) -> LinearPatchStatistics:
-        return LinearPatchStatistics(hidden_size, device=device)
 
     def fit(self, cfg: LinearPatchConfig, gap: Gap, stats: LinearPatchStatistics, hidden_size: int) -> GapFit:
         return GapFit(operator=fit_linearpatch(cfg, stats, hidden_size))

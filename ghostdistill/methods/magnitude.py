@@ -49,10 +49,8 @@ class MagnitudeStatistics:
 class Magnitude(Method):
     name = "magnitude"
     folds = True
+    statistics = MagnitudeStatistics
     card = "magnitude compensation: one scale per gap, folded into the output projections of the later blocks"
-
-    def collector(self, hidden_size: int, device: torch.device | str) -> MagnitudeStatistics:
-        return MagnitudeStatistics(hidden_size, device=device)
 
     def fit(self, cfg: Ordered, gap: Gap, stats: MagnitudeStatistics, hidden_size: int) -> GapFit:
         s = stats.norm_post / stats.norm_pre.clamp_min(1e-12)

@@ -53,10 +53,8 @@ class ReplaceMe(Method):
     config = Solved  # solver, ridge, order
     folds = True
     needs_mlp = True
+    statistics = ReplaceMeStatistics
     card = "ReplaceMe: a linear map on the MLP output of the block before each gap, folded into its down projection"
-
-    def collector(self, hidden_size: int, device: torch.device | str) -> ReplaceMeStatistics:
-        return ReplaceMeStatistics(hidden_size, device=device)
 
     def fit(self, cfg: Solved, gap: Gap, stats: ReplaceMeStatistics, hidden_size: int) -> GapFit:
         if gap.start == 0:
