@@ -78,9 +78,6 @@ class ParsedFit:
             rest.setdefault("trainer", {})["default_root_dir"] = str(root)
         return ParsedFit(replace(self.cfg, **sections), rest)
 
-    def run_dir(self) -> Path:
-        return Path((self.rest.get("trainer") or {}).get("default_root_dir") or "runs/default")
-
 
 def parse_fit(args: list[str], who: str) -> ParsedFit:
     """`args` parsed as `fit` parses them, nothing instantiated (no tokenizer, no trainer); a bad argument is

@@ -89,13 +89,6 @@ def refusal(view: str, method: str | None) -> str:
     )
 
 
-def check_gguf_views(views: Iterable[str], method_of) -> None:
-    """Refuse, before anything runs, views whose method keeps operators (`method_of`: view -> method)."""
-    for view in views:
-        if inserts_operators(method_of(view)):
-            raise ValueError(refusal(view, method_of(view)))
-
-
 def _storage(name: str, shape: tuple[int, ...], gguf_type: str) -> gguf.GGMLQuantizationType:
     """The converter's rule: 1-D tensors, norms and anything but a weight stay F32; the rest take the type."""
     if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
