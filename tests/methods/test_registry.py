@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_extending import MeanScale as ScaleStatistics
 from tiny_run import tiny_run_args
 
 from ghostdistill.cli import main
@@ -15,7 +16,6 @@ from ghostdistill.core.operator import GhostOperator
 from ghostdistill.core.plan import Gap
 from ghostdistill.methods import (
     GapFit,
-    GapTaps,
     Method,
     NoFold,
     RecoveryConfig,
@@ -27,26 +27,6 @@ from ghostdistill.methods import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class ScaleStatistics:
-    """Σ x_pre·x_post and Σ x_pre·x_pre over real tokens: the best single scale s in x_post ≈ s·x_pre."""
-
-    def __init__(self, hidden_size: int, device) -> None:
-        self.cross = torch.zeros((), dtype=torch.float64, device=device)
-        self.square = torch.zeros((), dtype=torch.float64, device=device)
-
-    def update(self, taps: GapTaps) -> None:
-        keep = taps.mask.bool()
-        x, y = taps.x_pre[keep].double(), taps.x_post[keep].double()
-        self.cross += (x * y).sum()
-        self.square += (x * x).sum()
-
-    def state_dict(self) -> dict:
-        return {"cross": self.cross, "square": self.square}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.cross, self.square = state["cross"], state["square"]
 
 
 class ToyScale(NoFold):
