@@ -57,6 +57,40 @@ def test_every_shipped_config_parses(config, monkeypatch, capsys):
     assert [r["name"] for r in parsed["model"]["recovery"]] == [r["name"] for r in raw["model"]["recovery"]]
 
 
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_a_typed_run_of_a_config_has_the_settings_a_fit_of_it_records(config, monkeypatch):
+    """`compare` and `frontier` run typed configs (`cli.config.ParsedFit`, sections replaced): their settings
+    are the ones a `fit` of the same arguments records, so the results saved before are reused; a frontier
+    student's settings, which name its run folder, have the digest the arguments that ran it before had."""
+    from dataclasses import replace
+
+    from ghostdistill.cli.config import parse_fit
+    from ghostdistill.cli.fit import _ParseOnly, build_fit, settings_of
+    from ghostdistill.core.io import json_digest
+    from ghostdistill.distill.config import StudentConfig
+    from ghostdistill.methods import RecoveryConfig
+    from ghostdistill.pipeline.settings import stale
+
+    monkeypatch.chdir(ROOT)
+
+    def recorded(args):
+        return settings_of(build_fit(args, cli_class=_ParseOnly, exit_on_error=False))
+
+    args = ["--config", str(config)]
+    parsed = parse_fit(args, "test")
+    assert stale(recorded(args), parsed.settings()) is None
+    entry = parsed.cfg.recovery[-1].settings()
+    student = {"name": "s_ft", "method": entry["name"], "train": ["operators", "lora"]}
+    argv = [*args, "--model.plan.layers", "[2, 3]", "--model.plan.num_layers", "null"]
+    argv += ["--model.recovery", json.dumps([entry]), "--model.distill.students", json.dumps([student])]
+    typed = parsed.replace(
+        plan=replace(parsed.cfg.plan, layers=[2, 3], num_layers=None),
+        recovery=[RecoveryConfig(**entry)],
+        distill=replace(parsed.cfg.distill, students=[StudentConfig(**student)]),
+    )
+    assert json_digest(typed.settings()) == json_digest(recorded(argv))
+
+
 def _args(tiny_dir, text_files, run_dir, *extra, config="smollm2_demo.yaml"):
     # The config's criterion chooses 2 layers; calibration and evaluation windows of 64 tokens.
     return tiny_run_args(
