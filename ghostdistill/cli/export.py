@@ -30,8 +30,11 @@ def load_run_config(run: Path, trust_remote_code: bool = False):
     if not isinstance(model, dict):
         raise ValueError(f"{config}: model is a {type(model).__name__}, not a mapping of keys")
     if model.get("recovery"):
-        # A run folder written before each method got its own keys lists every key of every entry.
-        model["recovery"] = [drop_flat_defaults(entry) for entry in model["recovery"]]
+        # A run folder written before each method got its own keys lists every key of every entry, and one
+        # written beside a plug-in method holds its unset (null) keys too.
+        model["recovery"] = [
+            drop_flat_defaults({k: v for k, v in e.items() if v is not None}) for e in model["recovery"]
+        ]
     return run_config_of(saved, str(config)), saved.get("seed_everything")
 
 
