@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 from pathlib import Path
-from typing import get_type_hints
+from typing import get_args, get_origin, get_type_hints
 
 from ..core.checks import check_unique
 from ..core.io import atomic_write_json, atomic_write_text, read_mapping
@@ -70,14 +70,15 @@ def check_plan_values(plan: dict, path: str) -> None:
     for key, value in plan.items():
         if value is None:
             continue
-        hint = str(hints[key])
-        if "list" in hint:
+        base = next((a for a in get_args(hints[key]) if a is not type(None)), hints[key])  # X of `X | None`
+        kind = get_origin(base) or base
+        if kind is list:
             ok = isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
             what = "a list of layer indices"
-        elif "int" in hint:
+        elif kind is int:
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
             what = "an integer >= 0"
-        elif "bool" in hint:
+        elif kind is bool:
             ok, what = isinstance(value, bool), "true or false"
         else:
             ok, what = isinstance(value, str), "a string"
