@@ -36,23 +36,38 @@ def _drop_none(value: Any) -> Any:
     return value
 
 
+def _instantiate(parser, value: dict, who: str):
+    """`value` parsed by `parser` and its classes made: an unknown key or a bad value is one line naming it and
+    `who`."""
+    from jsonargparse import ArgumentError
+
+    try:
+        parsed = parser.parse_object(copy.deepcopy(value))
+    except ArgumentError as err:
+        raise ValueError(f"{who}: {' '.join(str(err).split())}") from None
+    return (getattr(parser, "instantiate", None) or parser.instantiate_classes)(parsed)
+
+
 def run_config_of(config: dict, who: str = "config") -> RunConfig:
     """The `RunConfig` of a `fit` config mapping (its `model` and `data` sections), parsed and checked as `fit`
-    parses them: an unknown key or a bad value is one line naming it and `who`. Nothing is loaded."""
-    from jsonargparse import ArgumentError, ArgumentParser
+    parses them. Nothing is loaded."""
+    from jsonargparse import ArgumentParser
 
     forget_recovery_parser()
     parser = ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(RunConfig, "model", skip={"data"})
     parser.add_class_arguments(DataConfig, "data")
-    sections = copy.deepcopy({"model": config.get("model") or {}, "data": config.get("data") or {}})
-    try:
-        parsed = parser.parse_object(sections)
-    except ArgumentError as err:
-        raise ValueError(f"{who}: {' '.join(str(err).split())}") from None
-    make = getattr(parser, "instantiate", None) or parser.instantiate_classes
-    built = make(parsed)
+    built = _instantiate(parser, {"model": config.get("model") or {}, "data": config.get("data") or {}}, who)
     return replace(built.model, data=built.data)
+
+
+def typed(cls: type, value: dict, who: str):
+    """A mapping as a config dataclass `cls`, parsed and checked as `fit` parses it."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--value", type=cls)
+    return _instantiate(parser, {"value": value}, who).value
 
 
 @dataclass

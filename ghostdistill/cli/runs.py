@@ -15,7 +15,7 @@ from ..methods import RecoveryConfig, ships_stock
 from ..pipeline.settings import stale_reason
 from ..planning import check_selection
 from ..reporting import compare
-from .config import ParsedFit, fit_parsed, parse_fit
+from .config import ParsedFit, fit_parsed, parse_fit, typed
 
 
 def run_compare(argv: list[str]) -> Path:
@@ -128,24 +128,10 @@ def student_run(spec: dict, cfg, students: ParsedFit, start: dict, kind: str) ->
     on the start view's plan (its removed blocks), with its recovery entry (the frontier's, with its resolved
     settings: what its fit sees) and the student itself, starting from that view."""
     entry = next(r for r in cfg.recovery if r.name == start["view"])
-    student = student_config({**spec["students"][kind], "method": start["view"]}, f"frontier students.{kind}")
+    student = typed(StudentConfig, {**spec["students"][kind], "method": start["view"]}, f"frontier students.{kind}")
     plan = replace(students.cfg.plan, layers=list(start["removed"]), num_layers=None)
     distill = replace(students.cfg.distill, students=[student])
     return students.replace(plan=plan, recovery=[RecoveryConfig(**entry.settings())], distill=distill)
-
-
-def student_config(entry: dict, who: str) -> StudentConfig:
-    """A `distill.students` entry of the frontier file as a `StudentConfig`, checked as `fit` checks it."""
-    from jsonargparse import ArgumentError, ArgumentParser
-
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_argument("--student", type=StudentConfig)
-    try:
-        parsed = parser.parse_object({"student": entry})
-    except ArgumentError as err:
-        raise ValueError(f"{who}: {' '.join(str(err).split())}") from None
-    make = getattr(parser, "instantiate", None) or parser.instantiate_classes
-    return make(parsed).student
 
 
 def check_frontier_students(spec: dict, base: ParsedFit, students: ParsedFit) -> None:
