@@ -253,8 +253,11 @@ class Norms(Part):
             own_modules(students, view, norm_modules(students.pruned, view))
 
     def params(self, students: Students, view: str, student: Student) -> dict[str, nn.Parameter]:
-        paths = set(tail_modules(students.pruned.model)) if student.trains("tail") else set()
-        return _own_params(students, view, lambda path: path not in paths)
+        """The view's own copies of modules inside the blocks (the norms'; `tail`'s head and norm are not)."""
+        pruned = students.pruned
+        with pruned.use(DENSE) as model:
+            blocks = next(n for n, m in model.named_modules() if m is pruned.stack.layers) + "."
+        return _own_params(students, view, lambda path: path.startswith(blocks))
 
 
 for _part in (Operators(), Lora(), Blocks(), Tail(), Norms()):
