@@ -114,20 +114,21 @@ class ViewExport:
     def streamed(self) -> bool:
         return is_offloaded(self.model) or is_sharded(self.model)
 
-    def tensors(self) -> list[Part] | dict[str, torch.Tensor]:
-        """The parts (a streamed view) or the whole state, made once (a model in memory)."""
-        if self.streamed:
-            return self.parts
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """The view's whole state dict, made once (a format that needs it all at once)."""
         if self._state is None:
             self._state = {k: v for part in self.parts for k, v in part.load().items()}
         return self._state
 
+    def tensors(self) -> list[Part] | dict[str, torch.Tensor]:
+        """The parts, made as each is written (a streamed view), or the state (a model in memory)."""
+        return self.parts if self.streamed else self.state
+
     def join(self) -> None:
         """What a rank that writes nothing does: every part made (its gathers), in rank 0's order."""
-        for part in self.parts if self.streamed else ():
+        for part in self.parts:
             part.load()
-        if not self.streamed:
-            self.tensors()
 
 
 def prepare(pruned: PrunedModel, view: str, method: str | None, tokenizer=None, info: dict | None = None, **kw):

@@ -39,7 +39,6 @@ from ..distill.config import Student
 from ..distill.interface import get_part
 from ..export import view_model
 from ..export.compressed import DEFAULT_SCHEMES
-from ..export.formats import check_formats as check_formats
 from ..export.formats import export_targets, get_formats
 from ..export.gguf import DEFAULT_GGUF_TYPES
 from ..export.parts import exporting

@@ -21,8 +21,8 @@ from conftest import fit_all, random_batches, tiny_model
 
 from ghostdistill.core.plan import PruningPlan
 from ghostdistill.export import compressed
+from ghostdistill.export.formats import check_formats
 from ghostdistill.methods import RecoveryConfig
-from ghostdistill.pipeline.export import check_formats
 
 ROOT = Path(__file__).resolve().parents[2]
 METHODS = [RecoveryConfig(name="ghost"), RecoveryConfig(name="rot", method="rotation_through")]
