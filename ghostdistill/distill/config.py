@@ -16,10 +16,9 @@ from typing import Literal
 
 from ..core.checks import check_unique
 from ..core.settings import cost_only
+from ..methods.config import FT_SUFFIX
 from .interface import get_part, parts
 from .loss import LossConfig
-
-FT_SUFFIX = "_ft"
 
 
 @dataclass

@@ -37,8 +37,6 @@ its keys (they become keys of every recovery entry the CLI parses), its class at
 
 from . import ghost, ghost_symmetric, linearpatch, magnitude, none, replaceme, rotation  # noqa: F401  (the registry)
 from .config import (
-    FT_SUFFIX,
-    RESERVED_NAMES,
     drop_flat_defaults,
     fit_gap,
     flat_settings,
@@ -56,7 +54,6 @@ from .interface import (
     GapTaps,
     Method,
     MethodConfig,
-    NoFold,
     Ordered,
     RecoveryConfig,
     Ridge,
@@ -65,7 +62,6 @@ from .interface import (
     method_keys,
     register,
     registered,
-    residual_identity,
     setting_keys,
     ships_stock,
     unregister,
@@ -75,7 +71,6 @@ from .linearpatch import LinearPatchConfig
 __all__ = [
     "Collector",
     "FLAT_DEFAULTS",
-    "FT_SUFFIX",
     "GapFit",
     "GapTaps",
     "GhostConfig",
@@ -83,9 +78,7 @@ __all__ = [
     "LinearPatchConfig",
     "Method",
     "MethodConfig",
-    "NoFold",
     "Ordered",
-    "RESERVED_NAMES",
     "RecoveryConfig",
     "Ridge",
     "Solved",
@@ -99,7 +92,6 @@ __all__ = [
     "needs_mlp",
     "register",
     "registered",
-    "residual_identity",
     "setting_keys",
     "ships_stock",
     "statistics_layout",

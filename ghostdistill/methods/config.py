@@ -11,6 +11,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import torch
 
 from ..core.plan import Gap
+from ..core.views import DENSE, PRUNED
 from .interface import (
     FLAT_DEFAULTS,
     Collector,
@@ -111,7 +112,7 @@ def needs_mlp(collectors: dict[str, Collector]) -> bool:
     return any(name in registered() and get_method(name).needs_mlp for name in collectors)
 
 
-RESERVED_NAMES = ("dense", "pruned")
+RESERVED_NAMES = (DENSE, PRUNED)
 FT_SUFFIX = "_ft"  # `distill.ft_view`: the fine-tuned view of recovery `x` is `x_ft`
 
 

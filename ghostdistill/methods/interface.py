@@ -46,6 +46,7 @@ from ..core.operator import GhostOperator
 from ..core.plan import Gap
 from ..core.registry import Registry, origin
 from ..core.solver import SolverName
+from ..core.views import DENSE, PRUNED
 
 
 @dataclass
@@ -172,8 +173,6 @@ class Method:
     def token_groups(self, stats: Collector | None) -> dict | None:
         return None
 
-
-NoFold = Method  # the name methods whose maps stay modules were written against (Method's defaults)
 
 # The defaults of the flat config, before each method read only its own keys: every entry carried every
 # key. Run folders written then hold them all in their config.yaml, and digests were made of them
@@ -335,16 +334,12 @@ def _sync_keys() -> None:
     dataclass(cls)
 
 
-# What a view that is not a method's names as its method: the dense model and the pruned one (`core.views`).
-_PLAIN_VIEWS = ("dense", "pruned")
-
-
 def ships_stock(method: str | None) -> bool:
     """Whether a training-free view of `method` exports as the model's own architecture, which every serving
     stack runs (no operator module, no remote code): the dense and pruned models (`None`, ``dense``,
     ``pruned``) and the methods that declare it (`Method.ships_stock`: ``none`` and those that fold). A
     student of such a method stays stock whatever it trains: LoRA, norms, the tail and blocks are merged at
     export, and operators train within what folds (the method's `student_operator`)."""
-    if method is None or method in _PLAIN_VIEWS:
+    if method is None or method in (DENSE, PRUNED):
         return True
     return bool(get_method(method).ships_stock)

@@ -339,7 +339,7 @@ def fold_rotation(blocks: list[nn.Module | None], gap, operator: nn.Module) -> N
     for block in before + after:
         check_foldable(block)
     if gap.start == 0:
-        return  # nothing but the embedding before the gap: it takes all of c·Q (`fold_embedding`)
+        return  # nothing but the embedding before the gap: it takes all of c·Q (`export.fold`)
     rotate_blocks(before, q)
     fold_residual_scale(after, c)
 

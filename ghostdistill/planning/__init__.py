@@ -82,11 +82,10 @@ from ..methods import RecoveryConfig
 from . import similarity, perplexity, taylor, repair, greedy  # noqa: F401
 
 # isort: on
-from .candidates import PerBlock, candidate_blocks, candidate_starts, first_windows, lowest, protected_edges
+from .candidates import PerBlock, candidate_blocks, candidate_starts, protected_edges
 from .fitting import RepairFitter, repair_config
 from .greedy import greedy_steps, repair_greedy_plan
 from .interface import (
-    REPAIR_KEYS,
     Batch,
     Criterion,
     PlanConfig,
@@ -99,13 +98,12 @@ from .interface import (
     unregister,
 )
 from .perplexity import removal_perplexity
-from .repair import Runs, repair_plan, score_runs
+from .repair import repair_plan, score_runs
 from .scoring import SelectionScorer
 from .similarity import block_influence, block_similarity
 from .taylor import taylor_importance
 
 __all__ = [
-    "REPAIR_KEYS",
     "Batch",
     "Criterion",
     "PerBlock",
@@ -113,7 +111,6 @@ __all__ = [
     "PlanInputs",
     "Progress",
     "RepairFitter",
-    "Runs",
     "SelectionScorer",
     "block_influence",
     "block_similarity",
@@ -124,10 +121,8 @@ __all__ = [
     "choose",
     "choose_plan",
     "criteria",
-    "first_windows",
     "get_criterion",
     "greedy_steps",
-    "lowest",
     "no_progress",
     "protected_edges",
     "register",

@@ -17,7 +17,6 @@ from ghostdistill.core.plan import Gap
 from ghostdistill.methods import (
     GapFit,
     Method,
-    NoFold,
     RecoveryConfig,
     get_method,
     register,
@@ -29,7 +28,7 @@ from ghostdistill.methods import (
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class ToyScale(NoFold):
+class ToyScale(Method):
     name = "toy_scale"
 
     def collector(self, hidden_size, device):
