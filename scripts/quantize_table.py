@@ -59,14 +59,15 @@ def tensor_errors(f32: Path, quantized: Path) -> dict:
 
 def measure_run(run: Path, views: list[str] | None, out: Path, llama_cpp: Path, tensors: bool, log=print) -> dict:
     from ghostdistill.cli import load_run_config
-    from ghostdistill.export.gguf import export_gguf, inserts_operators
+    from ghostdistill.export.gguf import export_gguf
+    from ghostdistill.methods import ships_stock
     from ghostdistill.pipeline.export import provenance
     from ghostdistill.pipeline.reload import load_run
 
     os.environ["GHOSTDISTILL_LLAMA_CPP"] = str(llama_cpp)
     tools = check_llama_cpp.tools(llama_cpp)
     cfg, seed = load_run_config(run)
-    views = views or [v for v in cfg.views() if not inserts_operators(cfg.method_of(v))]
+    views = views or [v for v in cfg.views() if ships_stock(cfg.method_of(v))]
     loaded = load_run(run, cfg, views)
     source = cfg.data.evaluation.sources[0]
     windows = loaded.data.eval_ids(source)

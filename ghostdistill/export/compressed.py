@@ -49,10 +49,8 @@ import torch
 
 from ..core.checks import check_names
 from ..core.lock import marked_tmpdir
-from ..core.views import PrunedModel
 from . import compressed_oneshot
-from .parts import exporting
-from .writer import ViewExport, check_target, prepare, staged_folder, write_folder
+from .writer import ViewExport, check_target, staged_folder, write_folder
 
 FORMAT = "compressed-tensors"
 SCHEMES = ("W8A8", "W4A16", "W4A16-AWQ", "W8A16")
@@ -123,35 +121,6 @@ def quantize_folder(
         raise RuntimeError(f"llm-compressor failed on {folder.name} as {scheme}: {tail[0]} (its log: {failed_log})")
 
 
-def export_compressed(
-    pruned: PrunedModel,
-    view: str,
-    root: Path,
-    *,
-    method: str | None,
-    tokenizer,
-    info: dict,
-    calibration_ids: torch.Tensor,
-    schemes: Sequence[str] = DEFAULT_SCHEMES,
-    python: Path | None = None,
-    group_size: int = 0,
-    overwrite: bool = False,
-    log=print,
-) -> list[Path]:
-    """Write `view` quantized with each of `schemes` under `root`; returns the folders, in `schemes`' order.
-    `group_size` 0: 128 or the largest half of it that divides every linear's input width (`compressed_oneshot`)."""
-    python = quantize_python(python)
-    check_folders(root, view, schemes, overwrite)
-    with exporting(pruned, view):
-        prepared = prepare(pruned, view, method, tokenizer, info, calibration=lambda: calibration_ids)
-        return write_compressed(prepared, root, schemes, python, overwrite=overwrite, group_size=group_size, log=log)
-
-
-def check_folders(root, view: str, schemes: Sequence[str], overwrite: bool) -> None:
-    for path in targets(root, [view], schemes):
-        check_target(path, "folder", overwrite, "overwrite (--overwrite / export.overwrite: true)")
-
-
 def write_compressed(
     view: ViewExport,
     root: Path,
@@ -162,15 +131,17 @@ def write_compressed(
     group_size: int = 0,
     log=print,
 ) -> list[Path]:
-    """A prepared view (`writer.prepare`) quantized with each of `schemes` under `root` (`export_compressed`).
-    The view's float folder and the calibration ids (`view.calibration()`) are written once to a temporary
-    folder beside the targets and removed at the end."""
+    """A prepared view (`writer.prepare`) quantized with each of `schemes` under `root`; returns the folders, in
+    `schemes`' order. `group_size` 0: 128 or the largest half of it that divides every linear's input width
+    (`compressed_oneshot`). The view's float folder and the calibration ids (`view.calibration()`) are written
+    once to a temporary folder beside the targets and removed at the end."""
     root = Path(root)
     paths = [compressed_path(root, view.view, s) for s in schemes]
     if not view.write:
         view.join()
         return paths
-    check_folders(root, view.view, schemes, overwrite)
+    for path in paths:
+        check_target(path, "folder", overwrite, "overwrite (--overwrite / export.overwrite: true)")
     calibration_ids = view.calibration()
     # The float view and the calibration ids, once for every scheme, in a marked temporary folder (what a later
     # export of the view cleans up if this one is killed) that goes at the end.

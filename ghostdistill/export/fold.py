@@ -30,7 +30,7 @@ reads before the gap, takes all of c·Q (exact).
 
 Several gaps g₁ < … < gₙ with T_k = c_k·Q_k: folding them one by one in plan order (first to last), each
 transforming the blocks before it by Q_k and those after it by 1/c_k, transforms the segment after g_j
-(before g_{j+1}) by S_j = (1/(c₁⋯c_j))·Q_{j+1}⋯Qₙ, and the embedding by S₀ = Q₁⋯Qₙ (`fold_embedding`;
+(before g_{j+1}) by S_j = (1/(c₁⋯c_j))·Q_{j+1}⋯Qₙ, and the embedding by S₀ = Q₁⋯Qₙ (`folded_embedding`;
 with g₁ at block 0, c₁ moves from every S_j into S₀: S₀ = c₁·Q₁⋯Qₙ, S_j = (1/(c₂⋯c_j))·Q_{j+1}⋯Qₙ).
 That is right: the folded stream in segment j must be the view's times S_j with S_{k−1} = T_k·S_k (no
 operator at g_k), and T_k·S_k = c_k·Q_k·(1/(c₁⋯c_k))·Q_{k+1}⋯Qₙ = S_{k−1}; the last segment's S_n is a
@@ -49,20 +49,10 @@ embedding differ too).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 # The blocks' side of the fold is the method's (`RotationThrough.fold`, called by the writer gap by gap);
-# this module adds what the writer owns: the embedding, the head and the config.
-from ..methods.rotation import FOLDABLE_BLOCKS, check_foldable, fold_rotation, scaled_rotation
-
-__all__ = [
-    "FOLDABLE_BLOCKS",
-    "check_foldable",
-    "fold_embedding",
-    "fold_rotation",
-    "folded_embedding",
-    "residual_product",
-]
+# this module adds what the writer owns: the embedding (`export.parts` unties the head and the config).
+from ..methods.rotation import scaled_rotation
 
 
 def residual_product(plan, operators) -> torch.Tensor | None:
@@ -90,21 +80,3 @@ def folded_embedding(weight: torch.Tensor, product: torch.Tensor | None) -> torc
     for lo in range(0, weight.shape[0], FOLD_ROWS):
         out[lo : lo + FOLD_ROWS] = (weight[lo : lo + FOLD_ROWS].to(torch.float64) @ product).to(weight.dtype)
     return out
-
-
-@torch.no_grad()
-def fold_embedding(model: nn.Module, plan, operators, state: dict[str, torch.Tensor], config) -> None:
-    """Write E·S₀ into `state` (the exported state dict) under the input embedding's name, keep the
-    original E as the head's weight when they were tied, and mark the config untied."""
-    embed = model.get_input_embeddings()
-    head = model.get_output_embeddings()
-    names = {id(m): n for n, m in model.named_modules()}
-    e_key = f"{names[id(embed)]}.weight"
-    product = residual_product(plan, operators)
-    if product is None:
-        return
-    weight = embed.weight.detach()
-    state[e_key] = folded_embedding(weight, product)
-    if head is not None and head.weight is embed.weight:
-        state[f"{names[id(head)]}.weight"] = weight
-        config.tie_word_embeddings = False

@@ -49,8 +49,7 @@ from ..core.checks import check_names
 from ..core.io import atomic_path
 from ..core.lock import hold, lock_path
 from ..core.views import PrunedModel
-from ..methods import ships_stock
-from .gguf_arch import FAMILIES, TensorStream, add_hparams, arch_name, gguf_tensors
+from .gguf_arch import TensorStream, add_hparams, arch_name, gguf_tensors
 from .gguf_vocab import add_vocab, adds, copy_vocab
 from .parts import exporting
 from .quantize import QUANTIZE_TYPES, check_quantize, quantize_view, quantized
@@ -64,7 +63,6 @@ GGUF_TYPES = {
 }
 DEFAULT_GGUF_TYPES = ("F32", "F16", "Q8_0")
 ALL_GGUF_TYPES = tuple(GGUF_TYPES) + QUANTIZE_TYPES  # the rest: llama.cpp's llama-quantize (`export.quantize`)
-ARCHITECTURES = {t: f.arch for t, f in FAMILIES.items()}
 
 
 def check_gguf_types(types: Iterable[str]) -> list[str]:
@@ -74,11 +72,6 @@ def check_gguf_types(types: Iterable[str]) -> list[str]:
 def gguf_path(root: str | os.PathLike, view: str, gguf_type: str) -> Path:
     """Where a view's GGUF file goes: ``<root>/<view>.<type>.gguf``, beside the view's folder ``<root>/<view>``."""
     return Path(root) / f"{view}.{gguf_type}.gguf"
-
-
-def inserts_operators(method: str | None) -> bool:
-    """Whether a view of `method` keeps modules llama.cpp cannot run (the pruned model's ``none`` keeps none)."""
-    return not ships_stock(method)
 
 
 def refusal(view: str, method: str | None) -> str:
@@ -214,10 +207,7 @@ def export_gguf(
     types = check_gguf_types(types)
     check_quantize(types, imatrix)
     check_view(pruned, view)
-    if inserts_operators(method):
-        raise ValueError(refusal(view, method))
-    check_files(root, view, types, overwrite, imatrix, calibration, write)
-    with exporting(pruned, view):
+    with exporting(pruned, view):  # `write_gguf_files` refuses operator views and taken targets before any work
         prepared = prepare(pruned, view, method, tokenizer, info, write=write, calibration=calibration)
         prepared.vocab_source = vocab_source
         return write_gguf_files(prepared, root, types, overwrite=overwrite, imatrix=imatrix, log=log)

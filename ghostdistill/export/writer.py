@@ -41,12 +41,10 @@ from ..core.offload import is_offloaded
 from ..core.sharded import is_sharded
 from ..core.views import PrunedModel
 from .card import model_card
-from .parts import WRAPPER_AUTO_MAP, Part, exporting, save_parts, view_parts, view_state
+from .parts import Part, exporting, save_parts, view_parts
 
 # Inside a temporary folder: the view being written, and the folder it replaces, moved aside.
 NEW, OLD = "new", "old"
-
-__all__ = ["WRAPPER_AUTO_MAP", "check_target", "clean_orphans", "export_view", "view_info", "view_state"]
 
 
 def export_view(
@@ -73,9 +71,7 @@ def export_view(
             in rank 0's order), nothing written.
     """
     check_view(pruned, view)
-    if write:
-        check_target(Path(folder), "folder", overwrite, OVERWRITE)
-    with exporting(pruned, view):
+    with exporting(pruned, view):  # `write_folder` refuses a taken target before any work
         return write_folder(prepare(pruned, view, method, tokenizer, info, write=write), folder, overwrite=overwrite)
 
 
@@ -134,7 +130,6 @@ class ViewExport:
 def prepare(pruned: PrunedModel, view: str, method: str | None, tokenizer=None, info: dict | None = None, **kw):
     """`view` of `pruned` ready to be written (inside `parts.exporting(pruned, view)`); `kw`: `ViewExport`'s
     `write`, `calibration` and `vocab_source`."""
-    check_view(pruned, view)
     info = view_info(pruned, view, method, info)
     parts, config, kind = view_parts(pruned, view, method, info)
     return ViewExport(view, method, pruned.model, parts, config, kind, tokenizer, info, **kw)

@@ -22,6 +22,8 @@ from conftest import fit_all, random_batches, tiny_model
 from ghostdistill.core.plan import PruningPlan
 from ghostdistill.export import compressed
 from ghostdistill.export.formats import check_formats
+from ghostdistill.export.parts import exporting
+from ghostdistill.export.writer import prepare
 from ghostdistill.methods import RecoveryConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,10 +98,9 @@ def test_views_quantize_and_read_back_near_the_float_view(fitted, view, tmp_path
     if python is None:
         pytest.skip(f"llm-compressor's environment is missing: `{compressed.SETUP}` makes .venv-quantize")
     calibration = torch.cat([b["input_ids"] for b in random_batches(n=4, batch=4, seq=32)])
-    paths = compressed.export_compressed(
-        fitted, view, tmp_path, method=METHOD_OF[view], tokenizer=tiny_tokenizer, info={"seed": 0},
-        calibration_ids=calibration, schemes=["W8A8", "W4A16"], python=python, log=lambda _: None,
-    )  # fmt: skip
+    with exporting(fitted, view):
+        prepared = prepare(fitted, view, METHOD_OF[view], tiny_tokenizer, {"seed": 0}, calibration=lambda: calibration)
+        paths = compressed.write_compressed(prepared, tmp_path, ["W8A8", "W4A16"], python, log=lambda _: None)
     assert paths == [tmp_path / f"{view}.W8A8", tmp_path / f"{view}.W4A16"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths)  # no work folder left
     ids = calibration[:2]

@@ -15,8 +15,8 @@ from conftest import TINY_FAMILIES, fit_all, tiny_model
 
 from ghostdistill.core.plan import PruningPlan
 from ghostdistill.export import export_view, load_exported
-from ghostdistill.export.fold import check_foldable
 from ghostdistill.methods import RecoveryConfig
+from ghostdistill.methods.rotation import check_foldable
 
 METHODS = [
     RecoveryConfig(name="rot", method="rotation"),

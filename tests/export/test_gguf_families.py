@@ -22,8 +22,8 @@ from conftest import GEMMA, TINY_FAMILIES, fit_all, tiny_config, tiny_model
 from ghostdistill.core.plan import PruningPlan
 from ghostdistill.export.gguf import export_gguf, gguf_path, read_gguf
 from ghostdistill.export.gguf_arch import add_hparams, permute
+from ghostdistill.export.parts import view_state
 from ghostdistill.export.quantize import BUILD, check_quantize, find_tools, imatrix_text
-from ghostdistill.export.writer import view_state
 from ghostdistill.methods import RecoveryConfig
 
 ROOT = Path(__file__).resolve().parents[2]
