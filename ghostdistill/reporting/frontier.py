@@ -59,18 +59,8 @@ def flat_rows(points: list[dict], students: list[dict] = ()) -> list[dict]:
                 dense_seen = True
             for source, m in row["metrics"].items():
                 rows.append(
-                    {
-                        "blocks_removed": row["n"],
-                        "criterion": row["criterion"],
-                        "view": row["view"],
-                        "method": row["method"],
-                        "removed": spans(row["removed"]),
-                        "params": row["params"],
-                        "source": source,
-                        "ppl": m["ppl"],
-                        "kl": m.get("kl"),
-                        "top1": m.get("top1"),
-                        "selection_kl": row["selection_kl"],
+                    _flat(row, row["n"], row["criterion"], source, m, selection_kl=row["selection_kl"])
+                    | {
                         # Points written before the flag existed: from the method, as the run decides it.
                         "stock": row.get("stock", _stock_method(row["method"])),
                         "fine_tuned": False,
@@ -83,18 +73,8 @@ def flat_rows(points: list[dict], students: list[dict] = ()) -> list[dict]:
     for student in students:
         for source, m in student["metrics"].items():
             rows.append(
-                {
-                    "blocks_removed": student["n"],
-                    "criterion": FINE_TUNED,
-                    "view": student["view"],
-                    "method": student["method"],
-                    "removed": spans(student["removed"]),
-                    "params": student["params"],
-                    "source": source,
-                    "ppl": m["ppl"],
-                    "kl": m.get("kl"),
-                    "top1": m.get("top1"),
-                    "selection_kl": None,
+                _flat(student, student["n"], FINE_TUNED, source, m, selection_kl=None)
+                | {
                     "stock": student["stock"],
                     "fine_tuned": True,
                     "from": student["from"],
@@ -104,6 +84,23 @@ def flat_rows(points: list[dict], students: list[dict] = ()) -> list[dict]:
                 }
             )
     return rows
+
+
+def _flat(row: dict, n: int, criterion: str, source: str, m: dict, **rest) -> dict:
+    """A row's (or a student's) columns up to `top1` on one source, then `rest`."""
+    return {
+        "blocks_removed": n,
+        "criterion": criterion,
+        "view": row["view"],
+        "method": row["method"],
+        "removed": spans(row["removed"]),
+        "params": row["params"],
+        "source": source,
+        "ppl": m["ppl"],
+        "kl": m.get("kl"),
+        "top1": m.get("top1"),
+        **rest,
+    }
 
 
 def _pruned_ppl(point: dict, source: str) -> float | None:
