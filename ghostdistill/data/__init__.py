@@ -8,20 +8,18 @@ bound to its tokenizer and cached in its folder; `lit/datamodule.py` is only Lig
 """
 
 from .answers import ChatWindows
-from .sources import GENERATE, HUB_SOURCES, ChatSettings, TextSource, load_documents, validate_source
-from .windows import calibration_windows, evaluation_windows, generate_windows, shared_ngrams, tokenize_documents
+from .sources import GENERATE, ChatSettings, TextSource, load_documents, validate_source
+from .windows import calibration_windows, evaluation_windows, generate_windows, shared_ngrams
 
 __all__ = [
     "ChatSettings",
     "ChatWindows",
     "GENERATE",
-    "HUB_SOURCES",
     "TextSource",
     "calibration_windows",
     "evaluation_windows",
     "generate_windows",
     "load_documents",
     "shared_ngrams",
-    "tokenize_documents",
     "validate_source",
 ]
