@@ -213,14 +213,6 @@ def export_gguf(
         return write_gguf_files(prepared, root, types, overwrite=overwrite, imatrix=imatrix, log=log)
 
 
-def check_files(root, view: str, types: list[str], overwrite: bool, imatrix: bool, calibration, write: bool) -> None:
-    """What may stand where `view`'s GGUF files go, and the calibration windows an importance matrix needs."""
-    if quantized(types) and imatrix and calibration is None:
-        raise ValueError("an importance matrix needs the run's calibration windows: pass calibration, or imatrix=False")
-    for path in [gguf_path(root, view, t) for t in types] if write else ():
-        check_target(path, "file", overwrite, "overwrite (export.overwrite / --overwrite)")
-
-
 def write_gguf_files(
     view: ViewExport,
     root: str | os.PathLike,
@@ -235,8 +227,11 @@ def write_gguf_files(
     types = list(types)
     if view.kind != "plain":
         raise ValueError(refusal(view.view, view.method))
-    check_files(root, view.view, types, overwrite, imatrix, view.calibration, view.write)
+    if quantized(types) and imatrix and view.calibration is None:
+        raise ValueError("an importance matrix needs the run's calibration windows: pass calibration, or imatrix=False")
     paths = [gguf_path(root, view.view, t) for t in types]
+    for path in paths if view.write else ():  # what may stand where the files go
+        check_target(path, "file", overwrite, "overwrite (export.overwrite / --overwrite)")
     written = dict(zip(types, paths))
     quants = {t: written[t] for t in quantized(types)}
     with contextlib.ExitStack() as stack:
