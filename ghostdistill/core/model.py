@@ -261,6 +261,10 @@ def load_model(cfg: ModelConfig, device: torch.device | str | None = None) -> nn
         load_model(replace(cfg, offload="none"))
         name, kwargs = _from_pretrained(cfg)
     kwargs["dtype"] = resolve_torch_dtype(cfg.dtype)
+    # The model's own layers, never kernels fetched from the hub: transformers >= 5.2x swaps them in by default on
+    # CUDA when the model first trains (`model.train()`), which needs the network (so an offline GPU run failed
+    # at its first step) and changes the numerics that the teacher, the students and the exports must share.
+    kwargs["use_kernels"] = False
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     with _readable_gguf(name, kwargs):

@@ -8,13 +8,16 @@ ghostdistill and vLLM together; ghostdistill itself is not imported here). Reads
      "windows": LongTensor [n, seq_len] (the run's evaluation windows), "dtype": "float32",
      "throughput": {"variants": {name: [view, model_impl]}, "repeats": 5, "prefill": [prompts, tokens],
      "decode": [prompts, prompt tokens, new tokens]} or None, "eager": true,
-     "keep_going": [names of views whose failure to load is reported, not raised]}
+     "keep_going": [names of views whose failure to load is reported, not raised],
+     "skip": [names of views measured by an earlier process, not served again]}
 
-and writes JSON: per view the greedy continuation of every prompt (token ids), the perplexity over the windows
+and writes JSON (again after each view, atomically, with `"done": false` until the last): per view the greedy continuation of every prompt (token ids), the perplexity over the windows
 (mean next-token NLL over every position but the last of each window, as `fit` evaluates), the load time;
 and, with `throughput`, tokens per second of each view in interleaved repeats (a, b, a, b, ...). A view in
 `keep_going` (a quantized folder, whose scheme this build of vLLM may not serve) that fails gets its error's
-last line instead.
+last line instead. vLLM's CPU build has been seen to abort (`terminate called without an active exception`, once
+in many CI runs): what was measured before is on disk, `"done": true` once everything is, and
+`check_serving.run_vllm` serves once more only the views an aborted process did not reach.
 
 Every prompt is passed as token ids (`TokensPrompt`), so no stack's tokenizer decides what the model sees.
 vLLM packs the sequences of a batch into one row; the exported operator decides the first position from the
@@ -167,7 +170,17 @@ def main(request_path: str, out_path: str) -> None:
     result: dict = {"vllm": __import__("vllm").__version__, "eager": eager, "views": {}}
     dtype = request.get("dtype", "float32")
     keep_going = set(request.get("keep_going") or [])
+
+    def write(done: bool) -> None:
+        tmp = f"{out_path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(result | {"done": done}, f, indent=2)
+        os.replace(tmp, out_path)
+
+    skip = set(request.get("skip") or [])
     for view, folder in request["views"].items():
+        if view in skip:
+            continue
         try:
             missing = missing_kernel(folder)
             if missing:
@@ -181,9 +194,11 @@ def main(request_path: str, out_path: str) -> None:
                 raise
             result["views"][view] = {"error": f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}"}
             print(f"vllm {view}: {result['views'][view]['error']}", flush=True)
+            write(done=False)
             continue
         result["views"][view] = entry
         print(f"vllm {view}: {json.dumps({k: v for k, v in entry.items() if k != 'tokens'})}", flush=True)
+        write(done=False)
         del llm
     spec = request.get("throughput")
     if spec:
@@ -194,8 +209,7 @@ def main(request_path: str, out_path: str) -> None:
             for name, (view, impl) in spec["variants"].items()
         }
         result["throughput"] = throughput(llms, spec)
-    with open(out_path, "w") as f:
-        json.dump(result, f, indent=2)
+    write(done=True)
 
 
 if __name__ == "__main__":  # vLLM starts worker processes, which import this file again

@@ -51,6 +51,17 @@ def test_load_from_folder_with_dtype(tiny_dir):
     assert tok.pad_token_id is not None
 
 
+def test_the_model_keeps_its_own_layers_not_hub_kernels(tiny_dir, monkeypatch):
+    """transformers >= 5.2x kernelizes a model with kernels from the hub by default, again on CUDA at its first
+    `train()`: offline that stopped a GPU run at its first step, and online it would change the numerics the
+    teacher and the exports share. The loaded model has kernels off, so `train()` fetches nothing."""
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    model = load_model(ModelConfig(source=str(tiny_dir)))
+    assert getattr(model, "use_kernels", False) is False
+    model.train()
+    assert getattr(model, "use_kernels", False) is False
+
+
 def test_bad_sources_and_dtypes_are_named(tmp_path):
     with pytest.raises(ValueError, match="float8"):
         resolve_torch_dtype("float8")

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -145,3 +146,86 @@ def test_a_w4a16_folder_this_cpu_build_cannot_run_is_named_before_loading(tmp_pa
         assert out["w4a16"] is None, out
     else:
         assert "cpu_gemm_wna16" in out["w4a16"] and "W4A16" in out["w4a16"], out
+
+
+FAKE_VLLM = """
+import json, os, sys
+from pathlib import Path
+here = Path(__file__).parent
+sys.path.insert(0, str(here))  # the fake `vllm` module
+sys.path.insert(0, sys.argv[1])  # scripts/serving
+import vllm_check
+plan = json.loads((here / "plan.json").read_text())
+calls = here / "calls.txt"
+attempt = calls.read_text().count("start") + 1 if calls.is_file() else 1
+calls.open("a").write("start\\n")
+
+def load(folder, dtype, max_len, eager, impl="auto"):
+    view = Path(folder).name
+    calls.open("a").write(view + "\\n")
+    if view in plan["abort_at"] and attempt <= plan["abort_at"][view]:
+        os.abort()  # what vLLM's engine did: `terminate called without an active exception`
+    return view, 0.1
+
+vllm_check.load = load
+vllm_check.greedy = lambda llm, prompts, new: [[len(llm)]]
+vllm_check.perplexity = lambda llm, windows: {"ppl": 10.0}
+if os.fork() == 0:  # an engine process that outlives its parent and holds its output open
+    import time
+    time.sleep(600)
+vllm_check.main(sys.argv[2], sys.argv[3])
+if attempt <= plan["abort_after"]:
+    os.abort()  # in the teardown, after every result is written
+"""
+
+
+def _fake_vllm(tmp_path: Path, abort_at: dict, abort_after: int = 0) -> tuple[str, dict, Path]:
+    """A `python` for `run_vllm` that runs the real `vllm_check.main` with vLLM's calls replaced, aborting as
+    `abort_at` ({view: on attempts up to}) and `abort_after` (attempts that abort once the file is complete) say."""
+    fake = tmp_path / "fake"
+    fake.mkdir(parents=True)
+    (fake / "vllm.py").write_text("__version__ = 'fake'\n")
+    (fake / "plan.json").write_text(json.dumps({"abort_at": abort_at, "abort_after": abort_after}))
+    (fake / "fake_vllm.py").write_text(FAKE_VLLM)
+    python = fake / "python"
+    python.write_text(
+        f'#!/bin/sh\nexec "{sys.executable}" "{fake / "fake_vllm.py"}" "{ROOT / "scripts" / "serving"}" "$2" "$3"\n'
+    )
+    python.chmod(0o755)
+    views = {v: str(tmp_path / "folders" / v) for v in ("a", "bb", "ccc")}
+    for folder in views.values():
+        Path(folder).mkdir(parents=True)
+        Path(folder, "config.json").write_text("{}")
+    request = {"views": views, "prompts": [[1, 2]], "new": 1, "windows": None, "throughput": None}
+    return str(python), request, fake / "calls.txt"
+
+
+def test_a_vllm_process_that_aborts_keeps_what_it_measured_and_serves_the_rest_once_more(tmp_path, capsys):
+    """vLLM's CPU engine once aborted a CI run between views (`terminate called without an active exception`).
+    `run_vllm` keeps the views the process finished, serves only the others in a second process, and says so;
+    a process that aborts in its teardown after writing every result counts as done; a view that aborts its
+    process twice, or a first view that does, fails the check with the exit code. An engine process left
+    behind (each fake one sleeps 10 minutes) neither keeps the check waiting nor outlives it."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from check_serving import run_vllm
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    started = time.monotonic()
+    python, request, calls = _fake_vllm(tmp_path / "once", {"bb": 1})
+    served = run_vllm(python, request, tmp_path / "once")
+    assert {v: e["tokens"] for v, e in served["views"].items()} == {"a": [[1]], "bb": [[2]], "ccc": [[3]]}
+    assert served["done"]
+    assert calls.read_text().split() == ["start", "a", "bb", "start", "bb", "ccc"]  # `a` was not served again
+    assert "after ['a']: once more for ['bb', 'ccc']" in capsys.readouterr().err
+
+    python, request, calls = _fake_vllm(tmp_path / "teardown", {}, abort_after=1)
+    served = run_vllm(python, request, tmp_path / "teardown")
+    assert sorted(served["views"]) == ["a", "bb", "ccc"] and calls.read_text().count("start") == 1
+    assert "after writing every result" in capsys.readouterr().err
+
+    for name, abort_at in (("twice", {"bb": 2}), ("first", {"a": 1})):
+        python, request, _ = _fake_vllm(tmp_path / name, abort_at)
+        with pytest.raises(SystemExit, match="vLLM failed \\(exit code -6\\)"):
+            run_vllm(python, request, tmp_path / name)
+    assert time.monotonic() - started < 300, "a left-behind engine process kept the check waiting"  # not a speed test
