@@ -93,7 +93,8 @@ def tokenize(tool: Path, model: Path, text: Path) -> list[int]:
 
 
 def perplexity(tool: Path, model: Path, text: Path, n_ctx: int, chunks: int, f32_cache: bool) -> dict:
-    cmd = [tool, "-m", model, "-f", text, "-c", n_ctx, "--chunks", chunks, "--no-escape", "-t", threads()]
+    # --no-repack: the weights as the file lays them out, as llama-greedy-ids reads them (llama_greedy.cpp says why).
+    cmd = [tool, "-m", model, "-f", text, "-c", n_ctx, "--chunks", chunks, "--no-escape", "-t", threads(), "-nr"]
     if f32_cache:
         cmd += ["-ctk", "f32", "-ctv", "f32"]
     start = time.perf_counter()

@@ -19,9 +19,16 @@ version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 root=.serve/llama.cpp
 stamp="$root/complete"
 targets=(llama-perplexity llama-simple llama-tokenize llama-quantize llama-imatrix)
-want="llama-cpp-python==$version ${targets[*]}"
+# The stamp names the greedy tool's source too: a changed scripts/serving/llama_greedy.cpp is compiled again.
+want="llama-cpp-python==$version ${targets[*]} greedy:$(sha256sum scripts/serving/llama_greedy.cpp | cut -c1-16)"
 pip=(python3 -m pip)
 for venv in .venv-serve .venv; do [ -x "$venv/bin/pip" ] && { pip=("$venv/bin/pip"); break; }; done
+greedy_tool() {
+  g++ -O2 -std=c++17 scripts/serving/llama_greedy.cpp -I"$root/src/include" -I"$root/src/ggml/include" \
+    -L"$root/build/bin" -lllama -lggml -lggml-base -Wl,-rpath,'$ORIGIN' -o "$root/build/bin/llama-greedy-ids"
+  ln -sfn build/bin "$root/bin"
+  "$root/bin/llama-greedy-ids" 2>/dev/null || [ $? -eq 2 ]  # loads its libraries (usage exits 2)
+}
 pydeps() {
   # convert_hf_to_gguf.py imports sentencepiece before it looks for a tokenizer.json; it goes beside the
   # build (PYTHONPATH=src/gguf-py:pydeps), not into an environment.
@@ -37,8 +44,10 @@ for tool in gcc g++ cmake ninja; do
   command -v "$tool" >/dev/null || { echo "error: '$tool' not found; the llama.cpp build needs gcc, g++, cmake, ninja" >&2; exit 2; }
 done
 if [ -f "$stamp" ] && [ "$(cut -d' ' -f1 "$stamp")" = "llama-cpp-python==$version" ]; then
-  # The same sources, built before with fewer targets: build what is missing (ninja reuses the rest).
+  # The same sources, built before with fewer targets or another greedy tool: build what is missing (ninja
+  # reuses the rest).
   cmake --build "$root/build" --target "${targets[@]}"
+  greedy_tool
   pydeps
   echo "$want" >"$stamp"
   echo "llama.cpp from llama-cpp-python==$version is built in $root"
@@ -56,11 +65,7 @@ rm -rf "$root/download"
 cmake -S "$root/src" -B "$root/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF >/dev/null
 cmake --build "$root/build" --target "${targets[@]}"
-bin="$root/build/bin"
-g++ -O2 -std=c++17 scripts/serving/llama_greedy.cpp -I"$root/src/include" -I"$root/src/ggml/include" \
-  -L"$bin" -lllama -lggml -lggml-base -Wl,-rpath,'$ORIGIN' -o "$bin/llama-greedy-ids"
-ln -sfn build/bin "$root/bin"
-"$root/bin/llama-greedy-ids" 2>/dev/null || [ $? -eq 2 ]  # loads its libraries (usage exits 2)
+greedy_tool
 pydeps
 echo "$want" >"$stamp"
 echo "llama.cpp from llama-cpp-python==$version is built in $root"
