@@ -202,6 +202,7 @@ def llama_perplexity(path: Path, windows: dict, work: Path) -> dict | None:
     cmd = [
         str(tool), "-m", str(path), "-f", str(text), "-c", str(windows["seq_len"]),
         "--chunks", str(windows["eval_windows"]), "-t", "2", "-b", str(windows["seq_len"]), "--no-escape",
+        "-nr",  # the file's own layout: repacked Q8_0 crashed on AVX-512 + AMX here (scripts/serving/llama_greedy.cpp)
     ]  # fmt: skip
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
