@@ -134,6 +134,13 @@ def residual_identity(cfg: MethodConfig | None, hidden_size: int, *, fused: bool
     return GapFit(operator=GhostOperator(hidden_size, fused=fused))
 
 
+def operator_of(w: torch.Tensor, *, fused: bool = False) -> GhostOperator:
+    """The operator x ↦ W·x (stored as M = W − I), for a method whose fit is W itself."""
+    op = GhostOperator(w.shape[0], fused=fused)
+    op.load_solution(w - torch.eye(w.shape[0], dtype=w.dtype, device=w.device))
+    return op
+
+
 class Method:
     """A recovery method; the module docstring says what each member does. Subclasses set `name` and
     `config` and override what differs from these defaults."""
