@@ -112,22 +112,6 @@ def disk_space(what: str, folder: str | os.PathLike, needed: dict | None = None)
         raise full from None
 
 
-def _atomic(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with disk_space(str(path), path.parent):
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            os.fchmod(fd, 0o666 & ~current_umask())
-            with os.fdopen(fd, "wb") as f:
-                write(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-
-
 @contextmanager
 def atomic_path(path: str | os.PathLike, needed: int | None = None) -> Iterator[Path]:
     """A temporary path beside `path` for a writer that opens the file itself (e.g. `gguf.GGUFWriter`):
@@ -147,6 +131,11 @@ def atomic_path(path: str | os.PathLike, needed: int | None = None) -> Iterator[
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def _atomic(path: Path, write) -> None:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:  # closed (flushed) before it is synced and renamed
+        write(f)
 
 
 def check_writable(folder: str | os.PathLike, what: str, fix: str = "choose another dir") -> None:
