@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -231,3 +231,18 @@ def read_mapping(path: str | os.PathLike, what: str) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{what} {p} holds a {type(data).__name__}, not a mapping of keys")
     return data
+
+
+def read_spec(path: str, what: str, valid: Sequence[str], required: Sequence[str]) -> dict:
+    """A study's file (`read_mapping`; ``compare file``, ``frontier file``): no key but the `valid` ones, every
+    `required` one, and a `base` fit config that exists."""
+    spec = read_mapping(path, what)
+    unknown = set(spec) - set(valid)
+    if unknown:
+        raise ValueError(f"{what} {path}: unknown keys {sorted(unknown)}; valid: {', '.join(valid)}")
+    for key in required:
+        if key not in spec:
+            raise ValueError(f"{what} {path}: missing {key!r}")
+    if not isinstance(spec["base"], str) or not Path(spec["base"]).is_file():
+        raise FileNotFoundError(f"{what} {path}: base config {spec['base']!r} does not exist")
+    return spec
