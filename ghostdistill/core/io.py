@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -112,22 +112,6 @@ def disk_space(what: str, folder: str | os.PathLike, needed: dict | None = None)
         raise full from None
 
 
-def _atomic(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with disk_space(str(path), path.parent):
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            os.fchmod(fd, 0o666 & ~current_umask())
-            with os.fdopen(fd, "wb") as f:
-                write(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-
-
 @contextmanager
 def atomic_path(path: str | os.PathLike, needed: int | None = None) -> Iterator[Path]:
     """A temporary path beside `path` for a writer that opens the file itself (e.g. `gguf.GGUFWriter`):
@@ -147,6 +131,11 @@ def atomic_path(path: str | os.PathLike, needed: int | None = None) -> Iterator[
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def _atomic(path: Path, write) -> None:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:  # closed (flushed) before it is synced and renamed
+        write(f)
 
 
 def check_writable(folder: str | os.PathLike, what: str, fix: str = "choose another dir") -> None:
@@ -242,3 +231,18 @@ def read_mapping(path: str | os.PathLike, what: str) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{what} {p} holds a {type(data).__name__}, not a mapping of keys")
     return data
+
+
+def read_spec(path: str, what: str, valid: Sequence[str], required: Sequence[str]) -> dict:
+    """A study's file (`read_mapping`; ``compare file``, ``frontier file``): no key but the `valid` ones, every
+    `required` one, and a `base` fit config that exists."""
+    spec = read_mapping(path, what)
+    unknown = set(spec) - set(valid)
+    if unknown:
+        raise ValueError(f"{what} {path}: unknown keys {sorted(unknown)}; valid: {', '.join(valid)}")
+    for key in required:
+        if key not in spec:
+            raise ValueError(f"{what} {path}: missing {key!r}")
+    if not isinstance(spec["base"], str) or not Path(spec["base"]).is_file():
+        raise FileNotFoundError(f"{what} {path}: base config {spec['base']!r} does not exist")
+    return spec

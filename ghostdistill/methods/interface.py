@@ -134,6 +134,13 @@ def residual_identity(cfg: MethodConfig | None, hidden_size: int, *, fused: bool
     return GapFit(operator=GhostOperator(hidden_size, fused=fused))
 
 
+def operator_of(w: torch.Tensor, *, fused: bool = False) -> GhostOperator:
+    """The operator x ↦ W·x (stored as M = W − I), for a method whose fit is W itself."""
+    op = GhostOperator(w.shape[0], fused=fused)
+    op.load_solution(w - torch.eye(w.shape[0], dtype=w.dtype, device=w.device))
+    return op
+
+
 class Method:
     """A recovery method; the module docstring says what each member does. Subclasses set `name` and
     `config` and override what differs from these defaults."""
@@ -240,11 +247,8 @@ def setting_keys() -> tuple[str, ...]:
 
 
 def _defaults(config: type[MethodConfig]) -> dict[str, Any]:
-    out = {}
-    for f in fields(config):
-        if f.name != "name":
-            out[f.name] = f.default if f.default is not MISSING else f.default_factory()
-    return out
+    default = lambda f: f.default if f.default is not MISSING else f.default_factory()  # noqa: E731
+    return {f.name: default(f) for f in fields(config) if f.name != "name"}
 
 
 def method_keys(method: Method) -> dict[str, Any]:
@@ -262,6 +266,7 @@ def _fill_defaults(cfg: RecoveryConfig) -> None:
 
 
 _METHODS: Registry[Method] = Registry("recovery method", "recovery method", Method)
+registered, get_method = _METHODS.names, _METHODS.get
 
 
 def _check_config(method: Method) -> dict[str, Any]:
@@ -303,14 +308,6 @@ def register(method: Method) -> Method:
 def unregister(name: str) -> None:
     _METHODS.unregister(name)
     _sync_keys()
-
-
-def registered() -> tuple[str, ...]:
-    return _METHODS.names()
-
-
-def get_method(name: str) -> Method:
-    return _METHODS.get(name)
 
 
 def _sync_keys() -> None:

@@ -14,10 +14,9 @@ from typing import Literal
 
 import torch
 
-from ..core.operator import GhostOperator
 from ..core.plan import Gap
 from .hadamard import hadamard_matrix, has_hadamard
-from .interface import GapFit, GapTaps, Method, Ordered, register
+from .interface import GapFit, GapTaps, Method, Ordered, operator_of, register
 
 
 @functools.lru_cache(maxsize=2)
@@ -82,11 +81,19 @@ class LinearPatchConfig(Ordered):
 class LinearPatch(Method):
     name = "linearpatch"
     config = LinearPatchConfig
-    statistics = LinearPatchStatistics
     card = "LinearPatch: W = H·diag(s)·Hᵀ at each gap (H an orthonormal Hadamard matrix)"
+    statistics = LinearPatchStatistics
 
     def fit(self, cfg: LinearPatchConfig, gap: Gap, stats: LinearPatchStatistics, hidden_size: int) -> GapFit:
-        return GapFit(operator=fit_linearpatch(cfg, stats, hidden_size))
+        """W = H·diag(s)·Hᵀ (H = I for `diag`)."""
+        scale = channel_scales(cfg, stats)
+        if cfg.variant == "rotate":
+            h = stats.hadamard()
+            w = (h * scale) @ h.T
+            w = 0.5 * (w + w.T)  # exact symmetry despite rounding
+        else:
+            w = torch.diag(scale)
+        return GapFit(operator=operator_of(w))
 
 
 def channel_scales(cfg: LinearPatchConfig, stats: LinearPatchStatistics) -> torch.Tensor:
@@ -95,20 +102,6 @@ def channel_scales(cfg: LinearPatchConfig, stats: LinearPatchStatistics) -> torc
         stats.hadamard()  # raises for a hidden size with no known Hadamard matrix, naming it
         return stats.sums["post_rot"] / stats.sums["pre_rot"].clamp_min(1e-12)
     return stats.sums["post"] / stats.sums["pre"].clamp_min(1e-12)
-
-
-def fit_linearpatch(cfg: LinearPatchConfig, stats: LinearPatchStatistics, hidden_size: int) -> GhostOperator:
-    """W = H·diag(s)·Hᵀ (H = I for `diag`), stored as M = W − I."""
-    scale = channel_scales(cfg, stats)
-    if cfg.variant == "rotate":
-        h = stats.hadamard()
-        w = (h * scale) @ h.T
-        w = 0.5 * (w + w.T)  # exact symmetry despite rounding
-    else:
-        w = torch.diag(scale)
-    op = GhostOperator(hidden_size)
-    op.load_solution(w - torch.eye(hidden_size, dtype=w.dtype, device=w.device))
-    return op
 
 
 register(LinearPatch())

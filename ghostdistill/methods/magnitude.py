@@ -20,7 +20,7 @@ from torch import nn
 from ..core.model import ATTN_OUT, MLP_OUT, last_linear, mlp_module
 from ..core.operator import GhostOperator, ReparametrisedOperator
 from ..core.plan import Gap
-from .interface import GapFit, GapTaps, Method, Ordered, register, residual_identity
+from .interface import GapFit, GapTaps, Method, Ordered, operator_of, register, residual_identity
 
 
 class MagnitudeStatistics:
@@ -54,9 +54,9 @@ class Magnitude(Method):
 
     def fit(self, cfg: Ordered, gap: Gap, stats: MagnitudeStatistics, hidden_size: int) -> GapFit:
         s = stats.norm_post / stats.norm_pre.clamp_min(1e-12)
-        op = GhostOperator(hidden_size, fused=True)
-        op.load_solution((s - 1.0) * torch.eye(hidden_size, dtype=torch.float64, device=s.device))
-        return GapFit(operator=op)
+        return GapFit(
+            operator=operator_of(s * torch.eye(hidden_size, dtype=torch.float64, device=s.device), fused=True)
+        )
 
     def identity(self, cfg: Ordered, hidden_size: int) -> GapFit:
         return residual_identity(cfg, hidden_size, fused=True)

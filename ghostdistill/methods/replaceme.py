@@ -15,7 +15,7 @@ from ..core.model import MLP_OUT, last_linear, mlp_module
 from ..core.operator import GhostOperator
 from ..core.plan import Gap
 from ..core.solver import solve
-from .interface import GapFit, GapTaps, Method, Solved, register
+from .interface import GapFit, GapTaps, Method, Solved, operator_of, register
 
 
 class ReplaceMeStatistics:
@@ -67,9 +67,7 @@ class ReplaceMe(Method):
             tokens=stats.tokens,
             what=f"{cfg.name} (replaceme) gap {gap.key}",
         )
-        op = GhostOperator(t.shape[0], fused=True)
-        op.load_solution(t - torch.eye(t.shape[0], dtype=t.dtype, device=t.device))
-        return GapFit(mlp_map=op)
+        return GapFit(mlp_map=operator_of(t, fused=True))
 
     def identity(self, cfg: Solved, hidden_size: int) -> GapFit:
         return GapFit(mlp_map=GhostOperator(hidden_size, fused=True))

@@ -44,7 +44,7 @@ from ..core.model import decoder_stack, text_config
 from ..core.plan import PruningPlan
 from ..core.views import DENSE, PRUNED, PrunedModel
 from ..methods import ships_stock
-from ..planning import check_plan, score_runs
+from ..planning import PlanInputs, check_plan, score_runs
 from ..planning.candidates import first_windows
 from ..planning.fitting import RepairFitter
 from ..planning.greedy import repair_greedy_plan
@@ -194,9 +194,8 @@ def greedy_rows(
             greedy_start=sorted(start_blocks), greedy_from=None, criterion_samples=samples,
         )  # fmt: skip
         t0 = time.perf_counter()
-        plan = repair_greedy_plan(
-            plan_cfg, entry, llm, stack, list(first_windows(batches, samples)), selection, progress
-        )
+        inputs = PlanInputs(llm, stack, list(first_windows(batches, samples)), progress, selection=selection)
+        plan = repair_greedy_plan(plan_cfg, entry, inputs)
         t1 = time.perf_counter()
         fitter = RepairFitter(llm, [entry], batches, progress)
         fitter.collect_dense(fitter.needed(plan), f"greedy n={n} ({view}): the chosen plan's statistics")

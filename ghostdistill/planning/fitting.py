@@ -14,6 +14,7 @@ need it), reused by every later candidate whose gaps up to g_k are the same.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -26,7 +27,7 @@ from ..core.plan import Gap, PruningPlan
 from ..core.views import PrunedModel
 from ..methods import Collector, RecoveryConfig, make_collectors, registered
 from .candidates import first_windows
-from .interface import Batch, PlanConfig, PlanInputs
+from .interface import Batch, Criterion, PlanConfig, PlanInputs
 
 
 def repair_config(plan_cfg: PlanConfig, recovery: Sequence[RecoveryConfig]) -> RecoveryConfig:
@@ -48,18 +49,26 @@ def repair_config(plan_cfg: PlanConfig, recovery: Sequence[RecoveryConfig]) -> R
     )
 
 
-def repair_inputs(cfg: PlanConfig, inputs: PlanInputs) -> tuple[RecoveryConfig, list[Batch]]:
-    """What a repair-aware criterion starts from: the entry that repairs every candidate, and the
-    calibration batches its candidates' statistics read (the first `criterion_samples` windows; the chosen
-    plan's fits read them all). Refuses a run without selection windows, where the candidates are scored."""
-    entry = repair_config(cfg, inputs.recovery)
-    if not inputs.selection:
-        raise ValueError(
-            f"plan.criterion {cfg.criterion!r} scores each repaired candidate on held-out windows, and "
-            "there are none: set data.selection (a source and num_windows, disjoint from calibration and "
-            "evaluation)"
-        )
-    return entry, list(first_windows(inputs.batches, cfg.criterion_samples))
+class RepairAware(Criterion):
+    """A repair-aware criterion: `search(cfg, entry, inputs)` is its plan, from the entry that repairs every
+    candidate and the calibration batches its candidates' statistics read (the first `criterion_samples`
+    windows; the chosen plan's fits read them all). Refuses a run without selection windows, where the
+    candidates are scored."""
+
+    costly = True
+    repair_aware = True
+    search: Callable[[PlanConfig, RecoveryConfig, PlanInputs], PruningPlan]
+
+    def choose(self, cfg: PlanConfig, inputs: PlanInputs) -> PruningPlan:
+        entry = repair_config(cfg, inputs.recovery)
+        if not inputs.selection:
+            raise ValueError(
+                f"plan.criterion {cfg.criterion!r} scores each repaired candidate on held-out windows, and "
+                "there are none: set data.selection (a source and num_windows, disjoint from calibration and "
+                "evaluation)"
+            )
+        batches = list(first_windows(inputs.batches, cfg.criterion_samples))
+        return self.search(cfg, entry, replace(inputs, batches=batches))
 
 
 class RepairFitter:

@@ -25,40 +25,29 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
-from torch import nn
-
-from ..core.model import DecoderStack
 from ..core.plan import PruningPlan
 from ..methods import RecoveryConfig
 from .candidates import candidate_blocks, protected_edges
-from .fitting import RepairFitter, repair_inputs
-from .interface import Batch, Criterion, PlanConfig, PlanInputs, register
+from .fitting import RepairAware, RepairFitter
+from .interface import PlanConfig, PlanInputs, register
 from .scoring import SelectionScorer
 
 
-def repair_greedy_plan(
-    plan_cfg: PlanConfig,
-    cfg: RecoveryConfig,
-    model: nn.Module,
-    stack: DecoderStack,
-    batches: Sequence[Batch],
-    selection: Sequence[Batch],
-    progress: Callable[[Iterable, str], Iterable] = lambda it, desc: it,
-    taken: Sequence[dict] = (),
-) -> PruningPlan:
-    """The plan ``criterion: repair_greedy`` chooses; `candidates` holds per step the KL of every block
-    tried ("step t": {block: KL}, and the block kept), `costs` the seconds and passes. `taken`: the steps
-    of an earlier search with these settings (each {"kept", "kl", "tried"}), the first of this one; they
-    are marked ``reused`` and cost nothing here."""
+def repair_greedy_plan(plan_cfg: PlanConfig, cfg: RecoveryConfig, inputs: PlanInputs) -> PruningPlan:
+    """The plan ``criterion: repair_greedy`` chooses, repairing with `cfg` and reading `inputs`' batches as
+    they are; `candidates` holds per step the KL of every block tried ("step t": {block: KL}, and the block
+    kept), `costs` the seconds and passes. `inputs.taken`: the steps of an earlier search with these settings
+    (each {"kept", "kl", "tried"}), the first of this one; they are marked ``reused`` and cost nothing here."""
+    model, stack, progress, taken = inputs.model, inputs.stack, inputs.progress, inputs.taken
     n, num_layers = plan_cfg.num_layers, len(stack.layers)
     keep_first, keep_last = protected_edges(plan_cfg)
     blocks = candidate_blocks(num_layers, n, keep_first, keep_last)
     start = time.perf_counter()
-    scorer = SelectionScorer(model, selection, starts=blocks)
-    fitter = RepairFitter(model, [cfg], batches, progress)
+    scorer = SelectionScorer(model, inputs.selection, starts=blocks)
+    fitter = RepairFitter(model, [cfg], inputs.batches, progress)
     removed = [int(step["kept"]) for step in taken[:n]]
     steps = {f"step {t + 1}": {**step, "reused": True} for t, step in enumerate(taken[:n])}
     start_blocks = list(plan_cfg.greedy_start or ())
@@ -148,19 +137,12 @@ def greedy_steps(plan_cfg: PlanConfig, fingerprint_at: Callable[[int], str]) -> 
     return [steps[f"step {t}"] for t in range(1, len(steps) + 1)]
 
 
-class RepairGreedy(Criterion):
+class RepairGreedy(RepairAware):
     """``criterion: repair_greedy``: one block at a time, any block, each step keeping the removal whose
     repaired model is closest to the dense one on the selection windows."""
 
     name = "repair_greedy"
-    costly = True
-    repair_aware = True
-
-    def choose(self, cfg: PlanConfig, inputs: PlanInputs) -> PruningPlan:
-        entry, batches = repair_inputs(cfg, inputs)
-        return repair_greedy_plan(
-            cfg, entry, inputs.model, inputs.stack, batches, inputs.selection, inputs.progress, inputs.taken
-        )
+    search = staticmethod(repair_greedy_plan)
 
 
 register(RepairGreedy())

@@ -29,8 +29,8 @@ from ..core.plan import Gap, PruningPlan
 from ..core.views import PRUNED
 from ..methods import GapFit, RecoveryConfig
 from .candidates import protected_edges
-from .fitting import RepairFitter, repair_inputs
-from .interface import Batch, Criterion, PlanConfig, PlanInputs, register
+from .fitting import RepairAware, RepairFitter
+from .interface import Batch, PlanConfig, PlanInputs, register
 from .scoring import SelectionScorer
 from .similarity import block_similarity
 
@@ -126,18 +126,12 @@ def score_runs(
     return runs
 
 
-def repair_plan(
-    plan_cfg: PlanConfig,
-    cfg: RecoveryConfig,
-    model: nn.Module,
-    stack: DecoderStack,
-    batches: Sequence[Batch],
-    selection: Sequence[Batch],
-    progress: Callable[[Iterable, str], Iterable] = lambda it, desc: it,
-) -> PruningPlan:
-    """The plan ``criterion: repair`` chooses; `PruningPlan.candidates` holds every candidate's row
-    (start, streamline's cosine, pruned and repaired KL and top-1) and `costs` the seconds of each part."""
-    runs = score_runs(plan_cfg, [cfg], model, stack, batches, selection, progress)
+def repair_plan(plan_cfg: PlanConfig, cfg: RecoveryConfig, inputs: PlanInputs) -> PruningPlan:
+    """The plan ``criterion: repair`` chooses, repairing with `cfg` and reading `inputs`' batches as they are;
+    `PruningPlan.candidates` holds every candidate's row (start, streamline's cosine, pruned and repaired KL
+    and top-1) and `costs` the seconds of each part."""
+    stack = inputs.stack
+    runs = score_runs(plan_cfg, [cfg], inputs.model, stack, inputs.batches, inputs.selection, inputs.progress)
     n = plan_cfg.num_layers
     rows = {
         Gap(i, i + n).key: {
@@ -162,18 +156,13 @@ def repair_plan(
     )
 
 
-class Repair(Criterion):
+class Repair(RepairAware):
     """``criterion: repair``: every contiguous run of `num_layers` blocks, repaired from one dense pass and
     scored on the selection windows; the run with the lowest KL goes."""
 
     name = "repair"
     contiguous = True
-    costly = True
-    repair_aware = True
-
-    def choose(self, cfg: PlanConfig, inputs: PlanInputs) -> PruningPlan:
-        entry, batches = repair_inputs(cfg, inputs)
-        return repair_plan(cfg, entry, inputs.model, inputs.stack, batches, inputs.selection, inputs.progress)
+    search = staticmethod(repair_plan)
 
 
 register(Repair())

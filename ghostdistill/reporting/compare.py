@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import get_args, get_origin, get_type_hints
 
 from ..core.checks import check_unique
-from ..core.io import atomic_write_json, atomic_write_text, read_mapping
+from ..core.io import atomic_write_json, atomic_write_text, read_spec
 from ..core.settings import is_cost
 from ..planning import PlanConfig
 from .compare_tables import plot, to_csv
@@ -37,15 +37,7 @@ _NAMED = {name: f for name, f in PLAN_FIELDS.items() if "tag" in f.metadata}
 
 
 def load_spec(path: str) -> dict:
-    spec = read_mapping(path, "compare file")
-    unknown = set(spec) - {"base", "root", "plans"}
-    if unknown:
-        raise ValueError(f"compare file {path}: unknown keys {sorted(unknown)}; valid: base, root, plans")
-    for key in ("base", "plans"):
-        if key not in spec:
-            raise ValueError(f"compare file {path}: missing {key!r}")
-    if not isinstance(spec["base"], str) or not Path(spec["base"]).is_file():
-        raise FileNotFoundError(f"compare file {path}: base config {spec['base']!r} does not exist")
+    spec = read_spec(path, "compare file", ("base", "root", "plans"), ("base", "plans"))
     if not isinstance(spec["plans"], list) or not spec["plans"]:
         raise ValueError(f"compare file {path}: plans must be a non-empty list")
     for plan in spec["plans"]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..core.checks import check_unique
-from ..core.io import read_mapping
+from ..core.io import read_mapping, read_spec
 
 SPEC_KEYS = {"base", "root", "num_layers", "criteria", "greedy", "students"}
 CRITERIA = ("streamline", "repair", "greedy")
@@ -32,15 +32,7 @@ STUDENT_KEYS = {"config", "stock", "operators", "overrides"}
 
 
 def load_frontier_spec(path: str) -> dict:
-    spec = read_mapping(path, "frontier file")
-    unknown = set(spec) - SPEC_KEYS
-    if unknown:
-        raise ValueError(f"frontier file {path}: unknown keys {sorted(unknown)}; valid: {', '.join(sorted(SPEC_KEYS))}")
-    for key in ("base", "num_layers"):
-        if key not in spec:
-            raise ValueError(f"frontier file {path}: missing {key!r}")
-    if not isinstance(spec["base"], str) or not Path(spec["base"]).is_file():
-        raise FileNotFoundError(f"frontier file {path}: base config {spec['base']!r} does not exist")
+    spec = read_spec(path, "frontier file", sorted(SPEC_KEYS), ("base", "num_layers"))
     depths = spec["num_layers"]
     if isinstance(depths, dict):
         ends = [depths.get("first"), depths.get("last")]

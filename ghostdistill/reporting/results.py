@@ -190,18 +190,9 @@ def render_markdown(report: dict) -> str:
     for warning in (rank_warning(report), *view_warnings(report)):
         if warning:
             parts += [warning, ""]
-    candidates = plan_section(report)
-    if candidates:
-        parts += [candidates]
-    ds = distill_section(report)
-    if ds:
-        parts += [ds]
-    zs = zeroshot_table(report)
-    if zs:
-        parts += [zs, ""]
-    an = analysis_section(report)
-    if an:
-        parts += [an]
+    for make, after in ((plan_section, []), (distill_section, []), (zeroshot_table, [""]), (analysis_section, [])):
+        section = make(report)
+        parts += [section, *after] if section else []
     groups = cal.get("token_groups", {})
     if groups:
         parts.append("First-position tokens given their own map / massive activations seen (per gap):")

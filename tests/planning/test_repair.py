@@ -59,6 +59,11 @@ def built_model(linear: int = 2, quiet: int = 4):
     return model.eval()
 
 
+def inputs(model, batches, selection, **kw) -> PlanInputs:
+    """What `repair_plan` and `repair_greedy_plan` read, for `model` (its own decoder stack)."""
+    return PlanInputs(model, model.model, batches, selection=selection, **kw)
+
+
 def selection_batches():
     return random_batches(n=2, batch=4, seq=32, seed=99)
 
@@ -98,8 +103,8 @@ def test_greedy_at_one_block_is_repair_at_one_block():
     model = built_model()
     batches = random_batches(n=3)
     cfg = PlanConfig(criterion="repair", num_layers=1)
-    contiguous = repair_plan(cfg, PLAIN, model, model.model, batches, selection_batches())
-    greedy = repair_greedy_plan(cfg, PLAIN, model, model.model, batches, selection_batches())
+    contiguous = repair_plan(cfg, PLAIN, inputs(model, batches, selection_batches()))
+    greedy = repair_greedy_plan(cfg, PLAIN, inputs(model, batches, selection_batches()))
     assert greedy.removed == contiguous.removed
     tried = greedy.candidates["step 1"]["tried"]
     assert {int(b): kl for b, kl in tried.items()} == {
@@ -111,7 +116,7 @@ def test_greedy_builds_a_plan_block_by_block_and_reuses_fits():
     model = built_model()
     batches = random_batches(n=2)
     cfg = PlanConfig(criterion="repair_greedy", num_layers=3)
-    plan = repair_greedy_plan(cfg, PLAIN, model, model.model, batches, selection_batches())
+    plan = repair_greedy_plan(cfg, PLAIN, inputs(model, batches, selection_batches()))
     assert len(plan.removed) == 3 and plan.removed[0] != 0 and plan.removed[-1] != 6
     steps = plan.candidates
     assert [steps[f"step {t}"]["kept"] for t in (1, 2, 3)] == [int(b) for b in plan.scores]
@@ -136,12 +141,12 @@ def test_greedy_from_the_steps_of_another_depth_is_the_search_from_scratch():
     model = built_model()
     batches, selection = random_batches(n=2), selection_batches()
     cfg = PlanConfig(criterion="repair_greedy", num_layers=3)
-    scratch = repair_greedy_plan(cfg, PLAIN, model, model.model, batches, selection)
+    scratch = repair_greedy_plan(cfg, PLAIN, inputs(model, batches, selection))
     two = repair_greedy_plan(
-        PlanConfig(criterion="repair_greedy", num_layers=2), PLAIN, model, model.model, batches, selection
+        PlanConfig(criterion="repair_greedy", num_layers=2), PLAIN, inputs(model, batches, selection)
     )
     taken = [two.candidates["step 1"], two.candidates["step 2"]]
-    resumed = repair_greedy_plan(cfg, PLAIN, model, model.model, batches, selection, taken=taken)
+    resumed = repair_greedy_plan(cfg, PLAIN, inputs(model, batches, selection, taken=taken))
     assert resumed.removed == scratch.removed
     assert resumed.candidates["step 3"]["kept"] == scratch.candidates["step 3"]["kept"]
     for block, kl in scratch.candidates["step 3"]["tried"].items():
@@ -152,11 +157,7 @@ def test_greedy_from_the_steps_of_another_depth_is_the_search_from_scratch():
     shallow = repair_greedy_plan(
         PlanConfig(criterion="repair_greedy", num_layers=2),
         PLAIN,
-        model,
-        model.model,
-        batches,
-        selection,
-        taken=[scratch.candidates[f"step {t}"] for t in (1, 2, 3)],
+        inputs(model, batches, selection, taken=[scratch.candidates[f"step {t}"] for t in (1, 2, 3)]),
     )
     assert shallow.removed == two.removed
     assert shallow.costs["selection_forwards"] == 0 and shallow.costs["dense_passes"] == 0
@@ -255,15 +256,10 @@ def test_chunked_candidates_choose_the_same_plan():
     model = built_model()
     batches = random_batches(n=2)
     whole = repair_plan(
-        PlanConfig(criterion="repair", num_layers=2), PLAIN, model, model.model, batches, selection_batches()
+        PlanConfig(criterion="repair", num_layers=2), PLAIN, inputs(model, batches, selection_batches())
     )
     chunked = repair_plan(
-        PlanConfig(criterion="repair", num_layers=2, repair_chunk=2),
-        PLAIN,
-        model,
-        model.model,
-        batches,
-        selection_batches(),
+        PlanConfig(criterion="repair", num_layers=2, repair_chunk=2), PLAIN, inputs(model, batches, selection_batches())
     )
     assert chunked.removed == whole.removed and chunked.candidates == whole.candidates
     assert chunked.costs["dense_passes"] == 2 and whole.costs["dense_passes"] == 1
@@ -351,12 +347,12 @@ def test_greedy_from_a_start_is_the_search_after_those_blocks():
     model = built_model()
     batches, selection = random_batches(n=2), selection_batches()
     scratch = repair_greedy_plan(
-        PlanConfig(criterion="repair_greedy", num_layers=3), PLAIN, model, model.model, batches, selection
+        PlanConfig(criterion="repair_greedy", num_layers=3), PLAIN, inputs(model, batches, selection)
     )
     first_two = [scratch.candidates[f"step {t}"]["kept"] for t in (1, 2)]
     cfg = PlanConfig(criterion="repair_greedy", num_layers=3, greedy_start=first_two)
     cfg.validate()
-    started = repair_greedy_plan(cfg, PLAIN, model, model.model, batches, selection)
+    started = repair_greedy_plan(cfg, PLAIN, inputs(model, batches, selection))
     assert started.removed == scratch.removed
     assert list(started.candidates) == ["step 3"] and started.costs["start"] == sorted(first_two)
     for block, kl in scratch.candidates["step 3"]["tried"].items():
@@ -365,10 +361,7 @@ def test_greedy_from_a_start_is_the_search_after_those_blocks():
     other = repair_greedy_plan(
         PlanConfig(criterion="repair_greedy", num_layers=3, greedy_start=[4, 5]),
         PLAIN,
-        model,
-        model.model,
-        batches,
-        selection,
+        inputs(model, batches, selection),
     )
     assert {4, 5} < set(other.removed) and list(other.scores) == [str(other.candidates["step 3"]["kept"])]
 
@@ -392,4 +385,4 @@ def test_a_greedy_start_block_that_is_not_removable_is_named():
     model = built_model()
     cfg = PlanConfig(criterion="repair_greedy", num_layers=3, greedy_start=[0])  # keep_first 1 protects block 0
     with pytest.raises(ValueError, match=r"blocks \[0\] are not removable"):
-        repair_greedy_plan(cfg, PLAIN, model, model.model, random_batches(n=1), selection_batches())
+        repair_greedy_plan(cfg, PLAIN, inputs(model, random_batches(n=1), selection_batches()))
