@@ -11,9 +11,9 @@ ghostdistill and vLLM together; ghostdistill itself is not imported here). Reads
      "keep_going": [names of views whose failure to load is reported, not raised],
      "skip": [names of views measured by an earlier process, not served again]}
 
-and writes JSON (again after each view, atomically, with `"done": false` until the last): per view the greedy continuation of every prompt (token ids), the perplexity over the windows
-(mean next-token NLL over every position but the last of each window, as `fit` evaluates), the load time;
-and, with `throughput`, tokens per second of each view in interleaved repeats (a, b, a, b, ...). A view in
+and writes JSON (again after each view, atomically, with `"done": false` until the last): per view the greedy
+continuation of every prompt (token ids), the perplexity over the windows (mean next-token NLL over every
+position but the last of each window, as `fit` evaluates), the load time; and, with `throughput`, tokens per second of each view in interleaved repeats (a, b, a, b, ...). A view in
 `keep_going` (a quantized folder, whose scheme this build of vLLM may not serve) that fails gets its error's
 last line instead. vLLM's CPU build has been seen to abort (`terminate called without an active exception`, once
 in many CI runs): what was measured before is on disk, `"done": true` once everything is, and
