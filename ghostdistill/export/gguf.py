@@ -38,7 +38,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import gguf
@@ -49,7 +49,7 @@ from ..core.checks import check_names
 from ..core.io import atomic_path
 from ..core.lock import hold, lock_path
 from ..core.views import PrunedModel
-from .gguf_arch import TensorStream, add_hparams, arch_name, gguf_tensors
+from .gguf_arch import TensorStream, add_hparams, family, gguf_tensors
 from .gguf_vocab import add_vocab, adds, copy_vocab
 from .parts import exporting
 from .quantize import QUANTIZE_TYPES, check_quantize, quantize_view, quantized
@@ -82,17 +82,13 @@ def refusal(view: str, method: str | None) -> str:
     )
 
 
-def _storage(name: str, shape: tuple[int, ...], gguf_type: str) -> gguf.GGMLQuantizationType:
-    """The converter's rule: 1-D tensors, norms and anything but a weight stay F32; the rest take the type."""
-    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
-        return gguf.GGMLQuantizationType.F32
-    return GGUF_TYPES[gguf_type][0]
-
-
 def _stored(name: str, shape: tuple[int, ...], gguf_type: str) -> tuple[gguf.GGMLQuantizationType, tuple, type, int]:
-    """(storage type, stored shape, stored dtype, bytes) of a tensor: what `gguf.quants.quantize` will give it; a
-    row length Q8_0 cannot block falls back to F16, as in the converter."""
-    storage = _storage(name, shape, gguf_type)
+    """(storage type, stored shape, stored dtype, bytes) of a tensor: what `gguf.quants.quantize` will give it. The
+    converter's rule: 1-D tensors, norms and anything but a weight stay F32, the rest take the type; a row length
+    Q8_0 cannot block falls back to F16."""
+    storage = GGUF_TYPES[gguf_type][0]
+    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
+        storage = gguf.GGMLQuantizationType.F32
     if storage == gguf.GGMLQuantizationType.F32:
         return storage, shape, np.float32, 4 * math.prod(shape)
     if storage != gguf.GGMLQuantizationType.F16:
@@ -118,7 +114,7 @@ def _quantize(data: np.ndarray, storage: gguf.GGMLQuantizationType) -> np.ndarra
 
 def write_gguf(
     path: str | os.PathLike,
-    tensors: Mapping[str, np.ndarray] | TensorStream,
+    tensors: TensorStream,
     config,
     tokenizer,
     gguf_type: str,
@@ -128,21 +124,19 @@ def write_gguf(
     vocab_source: Path | None = None,
     write: bool = True,
 ) -> Path:
-    """Write one GGUF file of `gguf_type` (F32, F16 or Q8_0) from `gguf_tensors`' output (or GGUF-named float32
-    arrays), the view's config and tokenizer: the header with every tensor's name, shape and storage, then each
-    tensor as it is made. A tokenizer `gguf_vocab` does not read takes the vocabulary of `vocab_source`, the GGUF
-    file the model came from, if any (`gguf_vocab.copy_vocab`). `write` false: every tensor is made (a sharded
-    model's gathers, in rank 0's order), nothing written."""
-    check_names("GGUF type written by ghostdistill", [gguf_type], GGUF_TYPES)
+    """Write one GGUF file of `gguf_type` (F32, F16 or Q8_0) from `gguf_tensors`' output, the view's config and
+    tokenizer: the header with every tensor's name, shape and storage, then each tensor as it is made. A tokenizer
+    `gguf_vocab` does not read takes the vocabulary of `vocab_source`, the GGUF file the model came from, if any
+    (`gguf_vocab.copy_vocab`). `write` false: every tensor is made (a sharded model's gathers, in rank 0's order),
+    nothing written."""
     if not write:
-        if isinstance(tensors, TensorStream):
-            for _ in tensors.arrays():
-                pass
+        for _ in tensors.arrays():
+            pass
         return Path(path)
     if tokenizer is None:
         raise ValueError("GGUF export needs the tokenizer: llama.cpp reads the vocabulary from the file")
     path = Path(path)
-    writer = gguf.GGUFWriter(path=None, arch=arch_name(config))
+    writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[family(config).arch])
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name)
     add_hparams(writer, config, GGUF_TYPES[gguf_type][1])
@@ -162,8 +156,6 @@ def write_gguf(
         if vocab_source is None:
             raise
         copy_vocab(writer, vocab_source, config.vocab_size)
-    if not isinstance(tensors, TensorStream):
-        tensors = TensorStream({n: tuple(a.shape) for n, a in tensors.items()}, lambda held=tensors: iter(held.items()))
     plan = {n: _stored(n, shape, gguf_type) for n, shape in tensors.shapes.items()}
     for tensor_name, (storage, shape, dtype, nbytes) in plan.items():
         writer.add_tensor_info(tensor_name, shape, np.dtype(dtype), nbytes, raw_dtype=storage)

@@ -72,10 +72,6 @@ def family(config) -> Family:
     return FAMILIES[model_type]
 
 
-def arch_name(config) -> str:
-    return gguf.MODEL_ARCH_NAMES[family(config).arch]
-
-
 def permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     """Hugging Face's rotary layout to GGML's, per head (`LlamaModel.permute` of the converter)."""
     return (

@@ -43,10 +43,6 @@ PRE_TOKENIZERS = {
 }
 
 
-def check_text_hash(tokenizer) -> str:
-    return hashlib.sha256(str(tokenizer.encode(CHECK_TEXT)).encode()).hexdigest()
-
-
 def _backend(tokenizer) -> dict:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -59,7 +55,7 @@ def _backend(tokenizer) -> dict:
 
 def pre_tokenizer(tokenizer, spec: dict | None = None) -> str:
     """llama.cpp's name for the tokenizer's pre-tokenizer (see the module docstring)."""
-    digest = check_text_hash(tokenizer)
+    digest = hashlib.sha256(str(tokenizer.encode(CHECK_TEXT)).encode()).hexdigest()
     if digest in PRE_TOKENIZERS:
         return PRE_TOKENIZERS[digest]
     spec = spec if spec is not None else _backend(tokenizer)

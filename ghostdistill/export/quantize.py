@@ -64,18 +64,14 @@ BUILD = "bash scripts/serving/llama_cpp.sh"
 CHECKOUT = Path(__file__).resolve().parents[2]
 
 
-def llama_cpp_root() -> Path:
-    """The llama.cpp build the export uses: `$GHOSTDISTILL_LLAMA_CPP`, else the checkout's `.serve/llama.cpp`."""
-    return Path(os.environ.get(ENV) or CHECKOUT / ".serve" / "llama.cpp")
-
-
 def quantized(types: Iterable[str]) -> list[str]:
     return [t for t in types if t in QUANTIZE_TYPES]
 
 
 def find_tools(root: Path | None = None) -> dict[str, Path]:
-    """The tools under `root`/bin, or FileNotFoundError naming the build command."""
-    root = Path(root) if root is not None else llama_cpp_root()
+    """The tools under `root`/bin (default: `$GHOSTDISTILL_LLAMA_CPP`, else the checkout's `.serve/llama.cpp`), or
+    FileNotFoundError naming the build command."""
+    root = Path(root) if root is not None else Path(os.environ.get(ENV) or CHECKOUT / ".serve" / "llama.cpp")
     found = {name: root / "bin" / name for name in TOOLS}
     missing = [name for name, path in found.items() if not (path.is_file() and os.access(path, os.X_OK))]
     if missing:
@@ -112,8 +108,6 @@ def imatrix_text(tokenizer, windows: torch.Tensor, add_bos: bool = False) -> tup
     drop = 1 if add_bos else 0  # the first chunk's first position becomes BOS: start at the second token
     pieces = [tokenizer.decode(r, clean_up_tokenization_spaces=False) for r in rows]
     ok = [i for i, (p, r) in enumerate(zip(pieces, rows)) if _round_trips(tokenizer, p, r)]
-    if not ok:
-        raise ValueError("no calibration window decodes to text that tokenizes back to it: no importance matrix")
     first = next(
         (i for i in ok if drop == 0 or _round_trips(tokenizer, tokenizer.decode(rows[i][1:]), rows[i][1:])), None
     )
