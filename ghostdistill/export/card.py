@@ -58,8 +58,7 @@ def model_card(info: dict, kind: str) -> str:
             "|---|---|---|---|---|",
         ]
         for source, m in metrics.items():
-            kl = f"{m['kl']:.4f}" if "kl" in m else "–"
-            top1 = f"{m['top1']:.4f}" if "top1" in m else "–"
+            kl, top1 = (f"{m[k]:.4f}" if k in m else "–" for k in ("kl", "top1"))
             lines.append(f"| {source} | {m['ppl']:.4f} | {kl} | {top1} | {m.get('tokens', '–')} |")
         reference = info.get("reference_metrics") or {}
         for name, per_source in reference.items():

@@ -101,14 +101,16 @@ def view_parts(pruned: PrunedModel, view: str, method: str | None, info: dict) -
     text.architectures = [type(model).__name__]
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     own_head = view in pruned.modules_own and any(m is head for m in pruned.modules_own[view].values())
-    if head is not None and getattr(text, "tie_word_embeddings", False) and own_head:
-        text.tie_word_embeddings = False  # the view has its own head (a student that trains the tail)
     fold_embedding = folds and get_method(method).folds_embedding
-    if fold_embedding and getattr(text, "tie_word_embeddings", False):
-        text.tie_word_embeddings = False  # E·Q₁⋯Qₙ in, the original E stays the head's (`export.fold`)
+    if getattr(text, "tie_word_embeddings", False) and (own_head or fold_embedding):
+        # Untied: the view has its own head (a student that trains the tail), or the embedding is E·Q₁⋯Qₙ and
+        # the original E stays the head's (`export.fold`).
+        text.tie_word_embeddings = False
     prefix = "pruned." if operators and not folds else ""
-    layers_path = _path_of(model, pruned.stack.layers)
     names = {id(m): n for n, m in model.named_modules()}
+    if id(pruned.stack.layers) not in names:
+        raise ValueError(f"the decoder blocks are not a submodule of {type(model).__name__}")
+    layers_path = names[id(pruned.stack.layers)]
 
     def module(path: str) -> dict[str, torch.Tensor]:
         owner = model.get_submodule(path) if path else model
@@ -194,13 +196,6 @@ def _clean(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             continue
         out[name.replace(".base_layer.", ".")] = tensor
     return out
-
-
-def _path_of(model: nn.Module, target: nn.Module) -> str:
-    for name, module in model.named_modules():
-        if module is target:
-            return name
-    raise ValueError(f"the decoder blocks are not a submodule of {type(model).__name__}")
 
 
 def save_parts(parts: list[Part], folder: Path, drop: set[str] = frozenset()) -> None:

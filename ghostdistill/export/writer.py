@@ -75,9 +75,6 @@ def export_view(
         return write_folder(prepare(pruned, view, method, tokenizer, info, write=write), folder, overwrite=overwrite)
 
 
-OVERWRITE = "overwrite (export.overwrite: true / --overwrite)"
-
-
 def check_view(pruned: PrunedModel, view: str) -> None:
     if view not in pruned.views:
         raise ValueError(f"cannot export view {view!r}: the views are {pruned.views}")
@@ -141,7 +138,7 @@ def write_folder(view: ViewExport, folder: str | os.PathLike, *, overwrite: bool
     if not view.write:
         view.join()
         return target
-    check_target(target, "folder", overwrite, OVERWRITE)
+    check_target(target, "folder", overwrite, "overwrite (export.overwrite: true / --overwrite)")
     model = view.model
     with (
         staged_folder(target, f"export of view {view.view} to {target}") as tmp,

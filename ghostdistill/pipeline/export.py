@@ -84,12 +84,6 @@ def provenance(report: dict, view: str, method: str | None, seed: int | None, st
     return info
 
 
-def source_gguf(cfg: RunConfig) -> Path | None:
-    """The GGUF file the run's model was read from (SmolLM2's wheel, a `.gguf` source), or None."""
-    folder, name = resolve_source(cfg.model)
-    return Path(folder) / name if name else None
-
-
 @dataclass
 class ExportOptions:
     """What an export writes: the `export` section of a `fit` config (the `Export` callback, after the report)
@@ -202,6 +196,7 @@ def export_views(
     # Each writer holds its target's lock while it writes (`export.writer`, `export.gguf`).
     if write:
         check_export(cfg, options, root, flag="overwrite (--overwrite / export.overwrite: true)")
+    folder, name = resolve_source(cfg.model)  # a `.gguf` source (SmolLM2's wheel): its vocabulary serves GGUF
     paths: list[Path] = []
     for view in options.views:
         method, info = view_provenance(report, cfg, view, seed)
@@ -214,7 +209,7 @@ def export_views(
                 info,
                 write=write,
                 calibration=calibration,
-                vocab_source=source_gguf(cfg),
+                vocab_source=Path(folder) / name if name else None,
             )
             for fmt in formats:
                 paths += fmt.write(prepared, root, options)
