@@ -64,7 +64,6 @@ def check_schemes(schemes: Iterable[str]) -> list[str]:
 
 
 def compressed_path(root: str | os.PathLike, view: str, scheme: str) -> Path:
-    """Where a view's quantized folder goes: ``<root>/<view>.<scheme>``, beside the view's folder ``<root>/<view>``."""
     return Path(root) / f"{view}.{scheme}"
 
 

@@ -2,10 +2,8 @@
 that holds llm-compressor (`bash scripts/setup.sh --quantize` makes `.venv-quantize`).
 
 Self-contained (torch, transformers, datasets and llm-compressor; never ghostdistill), because llm-compressor
-cannot share an environment with ghostdistill and vLLM: each llm-compressor release pins one
-compressed-tensors and a transformers range (0.14.0.1: compressed-tensors 0.19.0, transformers <= 5.17.0),
-while vLLM 0.32 pins compressed-tensors 0.17.0 and ghostdistill needs transformers >= 5.19; no release of
-llm-compressor fits both (docs/export.md, "Quantized for vLLM").
+cannot share an environment with ghostdistill and vLLM: the pins that rule it out are in `export.compressed`'s
+docstring (and docs/export.md, "Quantized for vLLM").
 
     python compressed_oneshot.py <folder> <calibration_ids.pt> <scheme> <out> [<group size>]
 

@@ -113,7 +113,6 @@ register, unregister, formats = _FORMATS.register, _FORMATS.unregister, _FORMATS
 
 
 def check_formats(names: Iterable[str]) -> list[str]:
-    """`names` as a list when each is a registered format, once (`core.checks.check_names`)."""
     return check_names("export format", names, formats())
 
 

@@ -50,7 +50,7 @@ from ..core.io import atomic_path
 from ..core.lock import hold, lock_path
 from ..core.views import PrunedModel
 from .gguf_arch import TensorStream, add_hparams, family, gguf_tensors
-from .gguf_vocab import add_vocab, adds, copy_vocab
+from .gguf_vocab import add_vocab, copy_vocab
 from .parts import exporting
 from .quantize import QUANTIZE_TYPES, check_quantize, quantize_view, quantized
 from .writer import ViewExport, check_target, check_view, prepare
@@ -70,7 +70,6 @@ def check_gguf_types(types: Iterable[str]) -> list[str]:
 
 
 def gguf_path(root: str | os.PathLike, view: str, gguf_type: str) -> Path:
-    """Where a view's GGUF file goes: ``<root>/<view>.<type>.gguf``, beside the view's folder ``<root>/<view>``."""
     return Path(root) / f"{view}.{gguf_type}.gguf"
 
 
@@ -112,36 +111,25 @@ def _quantize(data: np.ndarray, storage: gguf.GGMLQuantizationType) -> np.ndarra
     return np.concatenate([gguf.quants.quantize(data[lo : lo + rows], storage) for lo in range(0, len(data), rows)])
 
 
-def write_gguf(
-    path: str | os.PathLike,
-    tensors: TensorStream,
-    config,
-    tokenizer,
-    gguf_type: str,
-    *,
-    name: str,
-    info: dict | None = None,
-    vocab_source: Path | None = None,
-    write: bool = True,
-) -> Path:
+def write_gguf(path: Path, tensors: TensorStream, view: ViewExport, gguf_type: str) -> None:
     """Write one GGUF file of `gguf_type` (F32, F16 or Q8_0) from `gguf_tensors`' output, the view's config and
     tokenizer: the header with every tensor's name, shape and storage, then each tensor as it is made. A tokenizer
-    `gguf_vocab` does not read takes the vocabulary of `vocab_source`, the GGUF file the model came from, if any
-    (`gguf_vocab.copy_vocab`). `write` false: every tensor is made (a sharded model's gathers, in rank 0's order),
-    nothing written."""
-    if not write:
+    `gguf_vocab` does not read takes the vocabulary of `view.vocab_source`, the GGUF file the model came from, if
+    any (`gguf_vocab.copy_vocab`). `view.write` false: every tensor is made (a sharded model's gathers, in rank 0's
+    order), nothing written."""
+    if not view.write:
         for _ in tensors.arrays():
             pass
-        return Path(path)
+        return
+    config, tokenizer, name = view.config, view.tokenizer, view.view
     if tokenizer is None:
         raise ValueError("GGUF export needs the tokenizer: llama.cpp reads the vocabulary from the file")
-    path = Path(path)
     writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[family(config).arch])
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name)
     add_hparams(writer, config, GGUF_TYPES[gguf_type][1])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    info = dict(info or {})
+    info = view.info
     plan = info.get("plan") or {}
     writer.add_string("ghostdistill.view", str(info.get("view", name)))
     if plan.get("num_layers") is not None:
@@ -153,9 +141,9 @@ def write_gguf(
     try:
         add_vocab(writer, tokenizer, config.vocab_size)
     except ValueError:
-        if vocab_source is None:
+        if view.vocab_source is None:
             raise
-        copy_vocab(writer, vocab_source, config.vocab_size)
+        copy_vocab(writer, view.vocab_source, config.vocab_size)
     plan = {n: _stored(n, shape, gguf_type) for n, shape in tensors.shapes.items()}
     for tensor_name, (storage, shape, dtype, nbytes) in plan.items():
         writer.add_tensor_info(tensor_name, shape, np.dtype(dtype), nbytes, raw_dtype=storage)
@@ -168,7 +156,6 @@ def write_gguf(
         for tensor_name, data in tensors.arrays():
             writer.write_tensor_data(_quantize(data, plan[tensor_name][0]))
         writer.close()
-    return path
 
 
 def export_gguf(
@@ -234,33 +221,16 @@ def write_gguf_files(
             Path(root).mkdir(parents=True, exist_ok=True)
             tmp = stack.enter_context(tempfile.TemporaryDirectory(dir=root, prefix=f".{view.view}.F32-"))
             source = Path(tmp) / f"{view.view}.F32.gguf"
-        tensors = gguf_tensors(view.tensors(), view.config)
+        tensors = gguf_tensors(view.parts if view.streamed else view.state, view.config)
         ours = [(t, written[t]) for t in types if t in GGUF_TYPES]
         if quants and "F32" not in written:
             ours.insert(0, ("F32", source))
         for gguf_type, path in ours:
-            write_gguf(
-                path,
-                tensors,
-                view.config,
-                view.tokenizer,
-                gguf_type,
-                name=view.view,
-                info=view.info,
-                vocab_source=view.vocab_source,
-                write=view.write,
-            )
+            write_gguf(path, tensors, view, gguf_type)
         del tensors
         if quants and view.write:
-            add_bos = adds(view.tokenizer, view.tokenizer.bos_token_id)[0]
             quantize_view(
-                source,
-                quants,
-                tokenizer=view.tokenizer,
-                calibration=view.calibration,
-                imatrix=imatrix,
-                add_bos=add_bos,
-                log=log,
+                source, quants, tokenizer=view.tokenizer, calibration=view.calibration, imatrix=imatrix, log=log
             )
     return paths
 

@@ -128,8 +128,8 @@ def adds(tokenizer, token_id: int | None) -> tuple[bool, bool]:
     return bool(ids) and ids[0] == token_id, bool(ids) and ids[-1] == token_id
 
 
-def add_vocab(writer: gguf.GGUFWriter, tokenizer, vocab_size: int) -> dict:
-    """Write the tokenizer's vocabulary metadata; returns what was written besides the lists (for logs, tests)."""
+def add_vocab(writer: gguf.GGUFWriter, tokenizer, vocab_size: int) -> None:
+    """Write the tokenizer's vocabulary metadata."""
     spec = _backend(tokenizer)
     merges = _merges(spec)
     pre = pre_tokenizer(tokenizer, spec)
@@ -139,28 +139,21 @@ def add_vocab(writer: gguf.GGUFWriter, tokenizer, vocab_size: int) -> dict:
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    special = {
-        "bos": tokenizer.bos_token_id,
-        "eos": tokenizer.eos_token_id,
-        "unk": tokenizer.unk_token_id,
-        "pad": tokenizer.pad_token_id,
-    }
-    for kind, token_id in special.items():
+    for kind in ("bos", "eos", "unk", "pad"):
+        token_id = getattr(tokenizer, f"{kind}_token_id")
         if token_id is not None:
             getattr(writer, f"add_{kind}_token_id")(token_id)
-    add_bos = adds(tokenizer, special["bos"])[0]
-    add_eos = adds(tokenizer, special["eos"])[1]
-    writer.add_add_bos_token(add_bos)
-    if add_eos:  # the converter writes it only when the tokenizer config sets it; llama.cpp's default is false
-        writer.add_add_eos_token(add_eos)
+    writer.add_add_bos_token(adds(tokenizer, tokenizer.bos_token_id)[0])
+    # The converter writes add_eos only when the tokenizer config sets it; llama.cpp's default is false.
+    if adds(tokenizer, tokenizer.eos_token_id)[1]:
+        writer.add_add_eos_token(True)
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, str) and template:
         writer.add_chat_template(template)
-    return {"pre": pre, "merges": len(merges), "add_bos": add_bos, "add_eos": add_eos, **special}
 
 
-def copy_vocab(writer: gguf.GGUFWriter, source, vocab_size: int) -> dict:
-    """Copy the ``tokenizer.*`` keys of the GGUF file `source` (the model's own); returns what was copied."""
+def copy_vocab(writer: gguf.GGUFWriter, source, vocab_size: int) -> None:
+    """Copy the ``tokenizer.*`` keys of the GGUF file `source` (the model's own)."""
     reader = gguf.GGUFReader(str(source))
     fields = {k: f for k, f in reader.fields.items() if k.startswith("tokenizer.")}
     tokens = fields.get("tokenizer.ggml.tokens")
@@ -173,4 +166,3 @@ def copy_vocab(writer: gguf.GGUFWriter, source, vocab_size: int) -> dict:
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), kind, sub_type=sub)
-    return {"copied_from": str(source), "keys": sorted(fields)}

@@ -130,8 +130,7 @@ def view_parts(pruned: PrunedModel, view: str, method: str | None, info: dict) -
             path = key.rpartition(".")[0]
             group, load = path, _prefixed(lambda path=path: module(path), prefix)
         part = parts.setdefault(group, Part({}, load))
-        if not any(f".{p}." in f".{key}." for p in _ADAPTER_PARTS):
-            part.names[prefix + key.replace(".base_layer.", ".")] = tuple(tensor.shape)
+        part.names.update({prefix + k: tuple(t.shape) for k, t in _clean({key: tensor}).items()})
     out = list(parts.values())
     if not (operators and not folds):
         text.ghostdistill = info

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from ..core.io import atomic_path
+from .gguf_vocab import adds
 
 QUANTIZE_TYPES = (
     "Q4_0",
@@ -153,9 +154,10 @@ def llama_tokens(tools: dict[str, Path], model: Path, text: Path) -> list[int]:
 
 
 def compute_imatrix(
-    tools: dict[str, Path], model: Path, tokenizer, windows: torch.Tensor, out: Path, add_bos: bool, log=print
-) -> dict:
-    """Run llama-imatrix on `model` (an F32 file) over `windows`; the matrix goes to `out`. Returns what it saw."""
+    tools: dict[str, Path], model: Path, tokenizer, windows: torch.Tensor, out: Path, log=print
+) -> None:
+    """Run llama-imatrix on `model` (an F32 file) over `windows`; the matrix goes to `out`."""
+    add_bos = adds(tokenizer, tokenizer.bos_token_id)[0]  # llama-imatrix puts BOS where the tokenizer adds it
     n_ctx = int(windows.shape[1])
     text, order = imatrix_text(tokenizer, windows, add_bos)
     path = out.with_name(f"calibration-{len(order)}x{n_ctx}.txt")
@@ -178,15 +180,13 @@ def compute_imatrix(
     log(
         f"importance matrix: llama-imatrix over {len(order)} calibration windows of {n_ctx} tokens ({left_out} left out)"
     )
-    return {"windows": len(order), "left_out": left_out, "tokens": n_ctx}
 
 
-def quantize(tools: dict[str, Path], source: Path, target: Path, gguf_type: str, imatrix: Path | None) -> Path:
+def quantize(tools: dict[str, Path], source: Path, target: Path, gguf_type: str, imatrix: Path | None) -> None:
     """`llama-quantize [--imatrix M] source target TYPE`, written beside `target` and renamed into place."""
     with atomic_path(target) as tmp:
         cmd = [tools["llama-quantize"]] + (["--imatrix", imatrix] if imatrix is not None else [])
         _run(cmd + [source, tmp, gguf_type, threads()], f"llama-quantize {gguf_type}")
-    return target
 
 
 def quantize_view(
@@ -196,19 +196,16 @@ def quantize_view(
     tokenizer,
     calibration,
     imatrix: bool = True,
-    add_bos: bool = False,
     log=print,
-) -> dict:
+) -> None:
     """Write each of `targets` (type -> path) from the view's F32 file with llama-quantize; with `imatrix`, one
-    importance matrix over `calibration()` (the run's windows) serves every type. Returns what was done."""
+    importance matrix over `calibration()` (the run's windows) serves every type."""
     tools = find_tools()
-    done: dict = {"imatrix": None}
     with tempfile.TemporaryDirectory(dir=f32.parent, prefix=".imatrix-") as tmp:
         matrix = None
         if imatrix:
             matrix = Path(tmp) / "imatrix.gguf"
-            done["imatrix"] = compute_imatrix(tools, f32, tokenizer, calibration(), matrix, add_bos, log)
+            compute_imatrix(tools, f32, tokenizer, calibration(), matrix, log)
         for gguf_type, target in targets.items():
             quantize(tools, f32, target, gguf_type, matrix)
             log(f"llama-quantize {gguf_type}{' with the importance matrix' if matrix else ''}: {target}")
-    return done

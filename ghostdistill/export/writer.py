@@ -86,7 +86,7 @@ class ViewExport:
     is written): its parts (`export.parts`), config and kind (``operators``: the wrapper with the gap operators;
     ``plain``: the model's own architecture), the model switched to it, the tokenizer and what produced it
     (`info`, config.json's ``ghostdistill`` record). A model held in memory makes its state once, for every
-    format (`tensors`); one off the device or sharded streams its parts to each. `write` false: a rank of a
+    format (`state`); one off the device or sharded streams its parts to each. `write` false: a rank of a
     sharded model other than rank 0 (the same gathers, nothing written); `calibration` gives the run's
     calibration windows, `vocab_source` the GGUF file the model was read from."""
 
@@ -113,10 +113,6 @@ class ViewExport:
         if self._state is None:
             self._state = {k: v for part in self.parts for k, v in part.load().items()}
         return self._state
-
-    def tensors(self) -> list[Part] | dict[str, torch.Tensor]:
-        """The parts, made as each is written (a streamed view), or the state (a model in memory)."""
-        return self.parts if self.streamed else self.state
 
     def join(self) -> None:
         """What a rank that writes nothing does: every part made (its gathers), in rank 0's order."""
@@ -150,7 +146,7 @@ def write_folder(view: ViewExport, folder: str | os.PathLike, *, overwrite: bool
             needed["bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
             save_parts(view.parts, tmp, _tied_names(model, view.config, view.kind))
         else:
-            state = dict(view.tensors())
+            state = dict(view.state)
             needed["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
             _save_weights(model, state, tmp)
         view.config.save_pretrained(tmp)
