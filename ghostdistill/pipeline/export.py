@@ -196,21 +196,14 @@ def export_views(
     # Each writer holds its target's lock while it writes (`export.writer`, `export.gguf`).
     if write:
         check_export(cfg, options, root, flag="overwrite (--overwrite / export.overwrite: true)")
-    folder, name = resolve_source(cfg.model)  # a `.gguf` source (SmolLM2's wheel): its vocabulary serves GGUF
+    # What every view is prepared with; a `.gguf` source (SmolLM2's wheel) lends GGUF files its vocabulary.
+    folder, name = resolve_source(cfg.model)
+    kw = {"write": write, "calibration": calibration, "vocab_source": Path(folder) / name if name else None}
     paths: list[Path] = []
     for view in options.views:
         method, info = view_provenance(report, cfg, view, seed)
         with exporting(pruned, view):
-            prepared = prepare(
-                pruned,
-                view,
-                method,
-                tokenizer,
-                info,
-                write=write,
-                calibration=calibration,
-                vocab_source=Path(folder) / name if name else None,
-            )
+            prepared = prepare(pruned, view, method, tokenizer, info, **kw)
             for fmt in formats:
                 paths += fmt.write(prepared, root, options)
     return paths
