@@ -111,11 +111,7 @@ def solve(
             stacklevel=2,
         )
         return solve_lstsq(xtx, xtd)
-    if solver == "ridge":
-        return solve_ridge(xtx, xtd, ridge)
-    if solver == "lstsq":
-        return solve_lstsq(xtx, xtd)
-    raise ValueError(f"solver {solver!r} is not known; choose 'ridge' or 'lstsq'")
+    return solve_ridge(xtx, xtd, ridge) if solver == "ridge" else solve_lstsq(xtx, xtd)
 
 
 def _check(xtx: torch.Tensor, xtd: torch.Tensor) -> None:

@@ -72,8 +72,6 @@ PAPER_TASKS: tuple[str, ...] = (
 #: Tasks that can be read from a local data folder (``data_dir``).
 OFFLINE_TASKS: tuple[str, ...] = tuple(_loaders.TASK_FILES)
 
-#: Metrics copied from lm-eval's results into the summary (when the task has them).
-
 #: lm-eval warnings that are expected here and say nothing about the run.
 _NOISE: tuple[str, ...] = (
     # We pass a model object on purpose: that is the point of this module.
@@ -113,10 +111,7 @@ def offline_task_name(task: str) -> str:
 def check_offline_tasks(tasks: Sequence[str], data_dir: str | os.PathLike[str]) -> None:
     """Fail early when a task has no offline definition (the paper's rte, copa and race have none) or
     its files are missing from `data_dir`; the error names the task and lists the valid ones."""
-    _check_offline(_as_list(tasks), data_dir)
-
-
-def _check_offline(tasks: list[str], data_dir: str | os.PathLike[str]) -> None:
+    tasks = _as_list(tasks)
     unknown = [t for t in tasks if t not in OFFLINE_TASKS]
     if unknown:
         raise ValueError(
@@ -131,7 +126,6 @@ def _check_offline(tasks: list[str], data_dir: str | os.PathLike[str]) -> None:
 @functools.cache
 def _registry() -> TaskManager:
     # Indexing lm-eval's ~15k task YAMLs takes tens of seconds; do it once per process.
-    require_lm_eval()
     from lm_eval.tasks import TaskManager
 
     return TaskManager()
@@ -150,7 +144,6 @@ def _check_online(tasks: list[str], manager: TaskManager) -> None:
 def _task_manager(data_dir: str | os.PathLike[str] | None) -> TaskManager:
     if data_dir is None:
         return _registry()
-    require_lm_eval()
     from lm_eval.tasks import TaskManager
 
     # Only our folder: the offline run must not fall back on a hub task, and
@@ -163,10 +156,8 @@ def _task_manager(data_dir: str | os.PathLike[str] | None) -> TaskManager:
     )
 
 
-class _DropNoise(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not any(noise in message for noise in _NOISE)
+def _not_noise(record: logging.LogRecord) -> bool:
+    return not any(noise in record.getMessage() for noise in _NOISE)
 
 
 @contextlib.contextmanager
@@ -175,14 +166,13 @@ def _quiet_lm_eval() -> Iterator[None]:
     # filter goes on every lm_eval.* logger that exists once lm-eval is imported.
     names = [n for n in logging.root.manager.loggerDict if n == "lm_eval" or n.startswith("lm_eval.")]
     loggers = [logging.getLogger(n) for n in names]
-    noise = _DropNoise()
     for lg in loggers:
-        lg.addFilter(noise)
+        lg.addFilter(_not_noise)  # a callable is a filter (logging accepts one since Python 3.2)
     try:
         yield
     finally:
         for lg in loggers:
-            lg.removeFilter(noise)
+            lg.removeFilter(_not_noise)
 
 
 @contextlib.contextmanager
@@ -250,7 +240,7 @@ def evaluate_zeroshot(
     names = _as_list(tasks)
     # Validate before importing lm-eval's model code or touching the model.
     if data_dir is not None:
-        _check_offline(names, data_dir)
+        check_offline_tasks(names, data_dir)
     require_lm_eval()
     manager = _task_manager(data_dir)
     if data_dir is None:

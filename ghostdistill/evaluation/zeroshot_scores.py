@@ -23,10 +23,6 @@ def as_list(tasks: Sequence[str] | str) -> list[str]:
     return list(dict.fromkeys(names))  # drop repeats, keep order
 
 
-def plain_name(lm_eval_name: str) -> str:
-    return lm_eval_name.removeprefix(_loaders.TASK_PREFIX)
-
-
 class ZeroShotResults(dict[str, dict[str, float]]):
     """The summary returned by :func:`evaluate_zeroshot`: a plain dict, plus ``raw``.
 
@@ -66,7 +62,7 @@ def summarize(raw: dict[str, Any], order: Sequence[str]) -> ZeroShotResults:
             log.warning("task %s reports no acc; left out of the summary", name)
             continue
         row["n"] = int(raw["n-samples"][name]["effective"])
-        per_task[plain_name(name)] = row
+        per_task[name.removeprefix(_loaders.TASK_PREFIX)] = row
 
     rank = {name: i for i, name in enumerate(order)}
     summary = ZeroShotResults(sorted(per_task.items(), key=lambda kv: rank.get(kv[0], len(rank))), raw=raw)

@@ -14,6 +14,7 @@ lm-eval imports this file by path (``!function loaders.<name>``), outside the
 from __future__ import annotations
 
 import bz2
+import functools
 import json
 import os
 import re
@@ -54,20 +55,12 @@ TASK_SPLIT: dict[str, str] = {
 }
 
 
-def task_paths(task: str, data_dir: str | os.PathLike[str]) -> list[Path]:
-    """Return the files ``task`` reads under ``data_dir``.
-
-    Raises:
-        ValueError: ``task`` is not an offline task.
-    """
+def check_files(task: str, data_dir: str | os.PathLike[str]) -> list[Path]:
+    """Return the files ``task`` reads under ``data_dir``, raising ``FileNotFoundError`` for the first missing
+    one (``ValueError`` when ``task`` is not an offline task)."""
     if task not in TASK_FILES:
         raise ValueError(f"unknown offline task {task!r}; valid offline tasks: {', '.join(TASK_FILES)}")
-    return [Path(data_dir) / rel for rel in TASK_FILES[task]]
-
-
-def check_files(task: str, data_dir: str | os.PathLike[str]) -> list[Path]:
-    """Return ``task``'s files, raising ``FileNotFoundError`` for the first missing one."""
-    paths = task_paths(task, data_dir)
+    paths = [Path(data_dir) / rel for rel in TASK_FILES[task]]
     for path in paths:
         if not path.is_file():
             raise FileNotFoundError(
@@ -87,11 +80,11 @@ def _labels(path: Path) -> list[str]:
         return [line.strip() for line in fh if line.strip()]
 
 
-def _arc_style(rows: list[dict[str, Any]], stem_key: str) -> list[dict[str, Any]]:
+def _arc_style(paths: list[Path], stem_key: str) -> list[dict[str, Any]]:
     # ARC and OpenBookQA publish choices as a list of {text, label}; the hub
     # copies lm-eval reads hold them as {"text": [...], "label": [...]}.
     docs = []
-    for row in rows:
+    for row in _jsonl(paths[0]):
         choices = row["question"]["choices"]
         docs.append(
             {
@@ -105,14 +98,6 @@ def _arc_style(rows: list[dict[str, Any]], stem_key: str) -> list[dict[str, Any]
             }
         )
     return docs
-
-
-def _arc(paths: list[Path]) -> list[dict[str, Any]]:
-    return _arc_style(_jsonl(paths[0]), "question")
-
-
-def _openbookqa(paths: list[Path]) -> list[dict[str, Any]]:
-    return _arc_style(_jsonl(paths[0]), "question_stem")
 
 
 def _piqa(paths: list[Path]) -> list[dict[str, Any]]:
@@ -196,12 +181,12 @@ def _hellaswag(paths: list[Path]) -> list[dict[str, Any]]:
 
 
 _READERS: dict[str, Callable[[list[Path]], list[dict[str, Any]]]] = {
-    "arc_easy": _arc,
-    "arc_challenge": _arc,
+    "arc_easy": functools.partial(_arc_style, stem_key="question"),
+    "arc_challenge": functools.partial(_arc_style, stem_key="question"),
     "hellaswag": _hellaswag,
     "winogrande": _winogrande,
     "boolq": _boolq,
-    "openbookqa": _openbookqa,
+    "openbookqa": functools.partial(_arc_style, stem_key="question_stem"),
     "piqa": _piqa,
 }
 
