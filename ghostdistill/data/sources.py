@@ -74,7 +74,6 @@ class ChatSettings:
             raise FileNotFoundError(f"{where}.chat.instructions file {self.instructions!r} does not exist")
 
     def answer_tokens(self, what: str) -> int:
-        """`max_new_tokens`, or its default for ``calibration`` or ``score``."""
         return self.max_new_tokens if self.max_new_tokens is not None else ANSWER_TOKENS[what]
 
 

@@ -53,9 +53,6 @@ __all__ = [
     "task_limits",
 ]
 
-#: What to install for zero-shot evaluation (the ``zeroshot`` extra of pyproject.toml).
-LM_EVAL_INSTALL = "pip install 'ghostdistill[zeroshot]'"
-
 #: The zero-shot suite of the layer-pruning papers we compare with.
 PAPER_TASKS: tuple[str, ...] = (
     "arc_easy",
@@ -97,8 +94,8 @@ def require_lm_eval() -> None:
         found = False
     if not found:
         raise ImportError(
-            f"zero-shot evaluation (evaluation.zeroshot) needs lm-evaluation-harness, which is not installed: "
-            f"{LM_EVAL_INSTALL}",
+            "zero-shot evaluation (evaluation.zeroshot) needs lm-evaluation-harness, which is not installed: "
+            "pip install 'ghostdistill[zeroshot]'",  # the `zeroshot` extra of pyproject.toml
             name="lm_eval",
         )
 
@@ -185,11 +182,8 @@ def _preserve_state(model: transformers.PreTrainedModel) -> Iterator[None]:
     modes = [(m, m.training) for m in model.modules()]
     py_state, np_state = random.getstate(), np.random.get_state()
     device = model_device(model)
-    devices = (
-        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
-    )
     try:
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             yield
     finally:
         random.setstate(py_state)
