@@ -233,20 +233,16 @@ class PrunedModel:
 _ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
 
 
-def count_parameters(module: nn.Module) -> int:
-    return sum(
-        p.numel()
-        for name, p in module.named_parameters()
-        if not any(f".{part}." in f".{name}." for part in _ADAPTER_PARTS)
-    )
-
-
 @torch.no_grad()
 def view_parameter_count(pruned: PrunedModel, view: str) -> int:
     """Parameters the view needs at inference: its blocks plus the operators it inserts (maps that
     export folds into existing weights add nothing)."""
     with pruned.use(view) as model:
-        total = count_parameters(model)
+        total = sum(
+            p.numel()
+            for name, p in model.named_parameters()
+            if not any(f".{part}." in f".{name}." for part in _ADAPTER_PARTS)
+        )
     if view not in (DENSE, PRUNED):
         for group in (pruned.operators[view], pruned.mlp_maps[view]):
             total += sum(op.inference_parameters() for op in group.values())

@@ -1,18 +1,15 @@
 """Zero-shot accuracy of an in-memory causal LM through lm-evaluation-harness.
 
-:func:`evaluate_zeroshot` scores the model object it is given (pruned, with
-forward hooks, mid-training...) on multiple-choice tasks, the way lm-eval's
-``simple_evaluate`` does with ``num_fewshot=0``, and returns a compact
+:func:`evaluate_zeroshot` scores the model object it is given (pruned, with forward hooks, mid-training...) on
+multiple-choice tasks, the way lm-eval's ``simple_evaluate`` does with ``num_fewshot=0``, and returns a compact
 ``{task: {"acc", "acc_stderr", "acc_norm", "n"}, "average": {...}}`` summary.
 
 Two sources of task data:
 
-* online (``data_dir=None``): task names go to lm-eval's own registry, which
-  downloads the datasets from the Hugging Face hub;
-* offline (``data_dir=...``): the tasks in :data:`OFFLINE_TASKS` are read from
-  a local folder holding the datasets' published files (layout of
-  ``shared/data/README.md``) by the task definitions in
-  :mod:`ghostdistill.tasks`, which copy lm-eval's prompts and metrics.
+* online (``data_dir=None``): task names go to lm-eval's own registry, which downloads the datasets from the hub;
+* offline (``data_dir=...``): the tasks in :data:`OFFLINE_TASKS` are read from a local folder holding the
+  datasets' published files (layout of ``shared/data/README.md``) by the task definitions in
+  :mod:`ghostdistill.evaluation.tasks`, which copy lm-eval's prompts and metrics.
 
 lm-eval is an optional dependency (``pip install 'ghostdistill[zeroshot]'``): this module imports it
 only when it scores or builds tasks, and :func:`require_lm_eval` says what to install when it is missing.
@@ -128,16 +125,6 @@ def _registry() -> TaskManager:
     return TaskManager()
 
 
-def _check_online(tasks: list[str], manager: TaskManager) -> None:
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    if unknown:
-        raise ValueError(
-            f"task(s) {', '.join(map(repr, unknown))} not in lm-eval's task registry "
-            f"(e.g. the paper's tasks: {', '.join(PAPER_TASKS)}; `lm-eval ls tasks` lists all); "
-            f"tasks readable from a data folder: {', '.join(OFFLINE_TASKS)}"
-        )
-
-
 def _task_manager(data_dir: str | os.PathLike[str] | None) -> TaskManager:
     if data_dir is None:
         return _registry()
@@ -206,25 +193,20 @@ def evaluate_zeroshot(
     """Zero-shot accuracy of ``model`` (the object itself, hooks and all) on ``tasks``.
 
     Args:
-        model: causal LM to score; it is wrapped, never reloaded or copied, so
-            forward hooks and in-place surgery stay in effect. Its train/eval
-            modes and the global RNG states are restored afterwards.
+        model: causal LM to score; it is wrapped, never reloaded or copied, so forward hooks and in-place
+            surgery stay in effect. Its train/eval modes and the global RNG states are restored afterwards.
         tokenizer: its tokenizer (lm-eval may set a missing pad token on it).
-        tasks: plain task names. Online: any lm-eval registry task, group or tag.
-            Offline: a subset of :data:`OFFLINE_TASKS`.
-        data_dir: folder with the published data files (``shared/data`` layout);
-            ``None`` uses lm-eval's registry and the Hugging Face hub.
+        tasks: plain task names. Online: any lm-eval registry task, group or tag; offline: of :data:`OFFLINE_TASKS`.
+        data_dir: folder with the published data files (``shared/data`` layout); ``None``: lm-eval's registry and
+            the Hugging Face hub.
         limit: score only the first ``limit`` documents of each task.
         batch_size: lm-eval batch size.
         max_length: context length in tokens; ``None`` takes it from the model config.
         log_samples: keep lm-eval's per-document records (``result.samples``).
 
     Returns:
-        ``{task: {"acc", "acc_stderr", "acc_norm" (if the task has it),
-        "acc_norm_stderr" (idem), "n"}, ..., "average": {"acc", "acc_norm"}}``
-        where the average ``acc`` is the mean over tasks (the papers' average)
-        and ``acc_norm`` the mean over the tasks that report it.  The dict also
-        carries lm-eval's full output as ``.raw``.
+        ``{task: {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr" (those the task has), "n"}, ...,
+        "average": {"acc", "acc_norm"}}`` (the papers' average: `average_scores`), lm-eval's output as ``.raw``.
 
     Raises:
         ValueError: an unknown task name (the message lists the valid ones).
@@ -237,8 +219,13 @@ def evaluate_zeroshot(
         check_offline_tasks(names, data_dir)
     require_lm_eval()
     manager = _task_manager(data_dir)
-    if data_dir is None:
-        _check_online(names, manager)
+    unknown = [] if data_dir is not None else [t for t in names if t not in manager.all_tasks]
+    if unknown:
+        raise ValueError(
+            f"task(s) {', '.join(map(repr, unknown))} not in lm-eval's task registry "
+            f"(e.g. the paper's tasks: {', '.join(PAPER_TASKS)}; `lm-eval ls tasks` lists all); "
+            f"tasks readable from a data folder: {', '.join(OFFLINE_TASKS)}"
+        )
     lm_eval_names = [offline_task_name(t) for t in names] if data_dir is not None else names
 
     import lm_eval

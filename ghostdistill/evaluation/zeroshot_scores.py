@@ -26,11 +26,10 @@ def as_list(tasks: Sequence[str] | str) -> list[str]:
 class ZeroShotResults(dict[str, dict[str, float]]):
     """The summary returned by :func:`evaluate_zeroshot`: a plain dict, plus ``raw``.
 
-    ``raw`` is lm-eval's full ``simple_evaluate`` output, with lm-eval's task
-    names (task configs, versions, sample counts and, with ``log_samples=True``,
-    its ``"samples"``), for anyone who needs more than the summary.  It is not
-    part of the dict's items and is dropped when the summary is pickled or
-    copied: it holds task callables that need not pickle.
+    ``raw`` is lm-eval's full ``simple_evaluate`` output, with lm-eval's task names (task configs, versions,
+    sample counts and, with ``log_samples=True``, its ``"samples"``), for anyone who needs more than the summary.
+    It is not among the dict's items and is dropped when the summary is pickled or copied: it holds task
+    callables that need not pickle.
     """
 
     def __init__(self, *args: Any, raw: dict[str, Any] | None = None, **kwargs: Any) -> None:
