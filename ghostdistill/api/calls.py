@@ -17,6 +17,7 @@ from ..core.errors import GhostdistillError
 from ..core.model import ModelConfig, load_model, load_tokenizer
 from ..core.plan import PruningPlan
 from ..core.views import DENSE
+from ..data import GENERATE, TextSource
 from ..distill.config import DistillConfig
 from ..methods import RecoveryConfig
 from ..pipeline.config import EvalConfig, RunConfig
@@ -29,7 +30,6 @@ from ..reporting.results import markdown_table
 from .options import (
     Options,
     bar,
-    calibration_source,
     console,
     evaluation_sources,
     log,
@@ -257,10 +257,10 @@ def _config(
     selection = SelectionData(
         source=None if opts.selection is None else text_source(opts.selection, "selection", opts, folder)
     )
+    # None: data-free (the model writes its own text, as the demo).
+    source = TextSource(GENERATE) if calibration is None else text_source(calibration, "calibration", opts, folder)
     data_cfg = DataConfig(
-        calibration=CalibrationData(
-            calibration_source(calibration, opts, folder), opts.num_samples, opts.seq_len, opts.seed
-        ),
+        calibration=CalibrationData(source, opts.num_samples, opts.seq_len, opts.seed),
         evaluation=evaluation if evaluation is not None else EvaluationData(sources=[]),
         batch_size=opts.batch_size,
         selection=selection,

@@ -24,7 +24,7 @@ import torch
 from ..core.errors import USER_ERRORS, GhostdistillError, one_line
 from ..core.io import atomic_write_text
 from ..core.model import DTYPES, ModelConfig
-from ..data import GENERATE, ChatSettings, TextSource
+from ..data import ChatSettings, TextSource
 
 
 @dataclass
@@ -211,13 +211,6 @@ def chat_source(value: Sequence, what: str, folder: Path, name: str | None) -> T
     digest = hashlib.sha256("\n".join(json.dumps(r) for r in records).encode()).hexdigest()[:16]
     path = records_file(folder / f"{what}-chat-{digest}.jsonl", records)
     return TextSource(source=str(path), name=name or what, chat=ChatSettings())
-
-
-def calibration_source(calibration, opts: Options, folder: Path) -> TextSource:
-    """None: data-free (the model writes its own text, as the demo); otherwise `text_source`."""
-    if calibration is None:
-        return TextSource(source=GENERATE)
-    return text_source(calibration, "calibration", opts, folder)
 
 
 def evaluation_sources(texts, opts: Options, folder: Path) -> list[TextSource]:

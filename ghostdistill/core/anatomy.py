@@ -18,12 +18,10 @@ _NORM_NAMES = ("norm", "ln_f", "final_layer_norm", "final_norm", "norm_f")
 
 
 def _get(root: nn.Module, dotted: str) -> nn.Module | None:
-    obj = root
-    for part in dotted.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
+    try:
+        return root.get_submodule(dotted)  # "" is `root` itself
+    except AttributeError:
+        return None
 
 
 @dataclass
@@ -57,14 +55,13 @@ def decoder_stack(model: nn.Module) -> DecoderStack:
             owner_path, attr = path.rsplit(".", 1)
             return _stack(_get(model, owner_path), attr)
     candidates = [
-        (name, mod)
+        name
         for name, mod in model.named_modules()
         if isinstance(mod, nn.ModuleList) and num_layers is not None and len(mod) == num_layers
     ]
     if len(candidates) == 1:
-        name, _ = candidates[0]
-        owner_path, _, attr = name.rpartition(".")
-        return _stack(_get(model, owner_path) if owner_path else model, attr)
+        owner_path, _, attr = candidates[0].rpartition(".")
+        return _stack(_get(model, owner_path), attr)
     raise TypeError(
         f"cannot find the decoder blocks of {type(model).__name__}: ghostdistill needs a decoder-only model "
         f"whose blocks sit in one nn.ModuleList of config.num_hidden_layers={num_layers} entries "

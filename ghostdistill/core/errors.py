@@ -14,8 +14,6 @@ class NoSpaceError(OSError):
     could not be written and, where known, the space it needed (raised by `core.io`)."""
 
 
-# What bad input (or a full disk, a place another process holds) raises; anything else is a bug and keeps its
-# traceback.
 USER_ERRORS = (
     NoSpaceError,
     ValueError,

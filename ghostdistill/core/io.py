@@ -55,7 +55,6 @@ def human_bytes(n: int | float) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _mount_of(path: Path) -> Path:

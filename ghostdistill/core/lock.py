@@ -147,13 +147,10 @@ def hold(path: str | os.PathLike, what: str, advice: str = "") -> Iterator[None]
 
 def _read_path(path: Path) -> dict:
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+        data = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
         return {}
-    try:
-        return _read(fd)
-    finally:
-        os.close(fd)
+    return data if isinstance(data, dict) else {}
 
 
 # The lock file of a run folder (`fit`, `frontier`, `compare`), inside it.

@@ -9,6 +9,7 @@ the peak is None.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -16,25 +17,12 @@ import torch
 _STATUS, _CLEAR = Path("/proc/self/status"), Path("/proc/self/clear_refs")
 
 
-def _cuda() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
-
-
 def _rss_peak() -> int | None:
-    try:
+    with contextlib.suppress(OSError):
         for line in _STATUS.read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
-    except OSError:
-        return None
     return None
-
-
-def _reset_rss_peak() -> None:
-    try:
-        _CLEAR.write_text("5")  # resets VmHWM to the current resident set
-    except OSError:
-        pass
 
 
 class PeakMemory:
@@ -43,21 +31,17 @@ class PeakMemory:
     def __init__(self) -> None:
         self._open: list[int | None] = []
 
-    def _now(self) -> int | None:
-        return torch.cuda.max_memory_allocated() if _cuda() else _rss_peak()
-
-    def _reset(self) -> None:
-        if _cuda():
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            _reset_rss_peak()
-
     def _fold(self) -> None:
         """The counter's value since the last reset, into every open span; then reset."""
-        now = self._now()
+        cuda = torch.cuda.is_initialized()  # never true without a GPU
+        now = torch.cuda.max_memory_allocated() if cuda else _rss_peak()
         if now is not None:
             self._open = [now if p is None else max(p, now) for p in self._open]
-        self._reset()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            with contextlib.suppress(OSError):
+                _CLEAR.write_text("5")  # resets VmHWM to the current resident set
 
     def start(self) -> None:
         self._fold()

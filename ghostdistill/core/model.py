@@ -29,7 +29,7 @@ from .anatomy import mlp_module as mlp_module
 from .anatomy import model_inputs as model_inputs
 from .anatomy import text_config as text_config
 from .io import json_digest, no_space
-from .offload import Offload, check_offload, load_from_disk, offload_to_cpu
+from .offload import OFFLOAD_MODES, Offload, load_from_disk, offload_to_cpu
 from .settings import cost_only
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -80,7 +80,11 @@ class ModelConfig:
     offload_folder: str | None = cost_only(None)
 
     def __post_init__(self) -> None:
-        check_offload(self.offload)
+        if self.offload not in OFFLOAD_MODES:
+            raise ValueError(
+                f"model.model.offload {self.offload!r} is not one of {list(OFFLOAD_MODES)}: none (weights on the "
+                "device), cpu (in host memory) or disk (read from the checkpoint's files)"
+            )
 
 
 # What only decides where the weights wait, not what the model computes: left out of every key and fingerprint.
@@ -175,25 +179,18 @@ def cache_root() -> Path:
     return root
 
 
-def _config_dict(name: str, revision: str | None) -> dict:
-    """The raw `config.json` of a folder or hub id (no model class resolved), or {} when it cannot be read
-    here (the load that follows reports that)."""
-    from transformers import PretrainedConfig
-
-    try:
-        data, _ = PretrainedConfig.get_config_dict(name, revision=revision)
-    except Exception:  # noqa: BLE001 - unreadable or offline: the model load names the problem
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def check_source_model(cfg: ModelConfig, name: str, revision: str | None = None) -> None:
     """Refuse, before anything loads, a source that is a ghostdistill export with operators (`config.json`
     model_type ``ghostdistill``): a pruned model with its repair, not a model to prune. Pruning it would put a
     second set of operators around the first and export a folder that neither transformers nor this package
     loads as what was measured. A plain or folded (stock) export is the family's own architecture: usable."""
-    config = _config_dict(name, revision)
-    if config.get("model_type") != GHOST_MODEL_TYPE:
+    from transformers import PretrainedConfig
+
+    try:  # the raw `config.json` of a folder or hub id, no model class resolved
+        config, _ = PretrainedConfig.get_config_dict(name, revision=revision)
+    except Exception:  # noqa: BLE001 - unreadable or offline: the model load that follows names the problem
+        return
+    if not isinstance(config, dict) or config.get("model_type") != GHOST_MODEL_TYPE:
         return
     info = config.get("ghostdistill") or {}
     plan, base = info.get("plan") or {}, info.get("base_model")

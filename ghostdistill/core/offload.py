@@ -37,14 +37,6 @@ OFFLOAD_MODES = ("none", "cpu", "disk")
 _MODE, _DEVICE = "ghostdistill_offload", "ghostdistill_device"
 
 
-def check_offload(mode: str) -> None:
-    if mode not in OFFLOAD_MODES:
-        raise ValueError(
-            f"model.model.offload {mode!r} is not one of {list(OFFLOAD_MODES)}: none (weights on the device), cpu "
-            "(in host memory) or disk (read from the checkpoint's files)"
-        )
-
-
 def offload_mode(model: nn.Module) -> str:
     return getattr(model, _MODE, "none")
 
@@ -111,19 +103,6 @@ def onloaded(*modules: nn.Module) -> Iterator[None]:
         for sub, hook in reversed(held):
             hook.offload = True
             hook.post_forward(sub, None)
-
-
-def hook_memo(module: nn.Module) -> dict[int, None]:
-    """A `copy.deepcopy` memo that leaves accelerate's hooks out of a copy of `module` (a hook maps every
-    weight of the model: copying it would copy them all); `strip_hooks` then clears the copy's hook wiring."""
-    return {id(sub._hf_hook): None for sub in module.modules() if getattr(sub, "_hf_hook", None) is not None}
-
-
-def strip_hooks(clone: nn.Module) -> None:
-    for sub in clone.modules():
-        if "_old_forward" in sub.__dict__:  # accelerate's wiring: the hook, the wrapped forward, the original
-            for attr in ("_hf_hook", "_old_forward", "forward"):
-                sub.__dict__.pop(attr, None)
 
 
 def materialised(module: nn.Module) -> bool:

@@ -29,7 +29,6 @@ class Registry(Generic[T]):
         self._items: dict[str, T] = {}
 
     def register(self, item: T) -> T:
-        """Register `item` under `item.name`; returns it."""
         if not isinstance(item, self.base):
             raise TypeError(f"{item!r} does not implement {origin(self.base)} (subclass it)")
         name = getattr(item, "name", None)

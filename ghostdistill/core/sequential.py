@@ -141,13 +141,6 @@ def _recording(store: list, stop: bool = False):
     return hook
 
 
-def _mlp_recording(store: list):
-    def hook(module, args, output):
-        store.append(_output(output))
-
-    return hook
-
-
 @torch.no_grad()
 def _run(stream: Stream, windows: Windows, tap: list | None, mlp: list | None) -> None:
     """Stream's block `at` over every batch (the caller has it on the device)."""
@@ -158,7 +151,7 @@ def _run(stream: Stream, windows: Windows, tap: list | None, mlp: list | None) -
     if tap is not None:
         handles.append(block.register_forward_pre_hook(_recording(tap), with_kwargs=True))
     if mlp is not None:
-        handles.append(mlp_module(block).register_forward_hook(_mlp_recording(mlp)))
+        handles.append(mlp_module(block).register_forward_hook(lambda _module, _args, out: mlp.append(_output(out))))
     start = time.perf_counter()
     try:
         for b, hidden in enumerate(stream.hidden):
@@ -254,15 +247,6 @@ def dense_sweep(
         yield windows, point, taps[0][point], mlp
 
 
-def final_norm(pruned, view: str) -> nn.Module:
-    """The final norm `view` ends with (a student that trains the tail has its own)."""
-    with pruned.use(view) as model:
-        norm = decoder_stack(model).norm
-    if norm is None:
-        raise TypeError(f"cannot find the final norm of {type(pruned.model).__name__}: it cannot run block by block")
-    return norm
-
-
 @torch.no_grad()
 def final_states(streams: Sequence[Stream], windows: Windows, progress: Progress | None = None) -> list[list]:
     """Each stream (of a view: `view_stream`) run to the end of its view and through its final norm: per stream
@@ -270,7 +254,10 @@ def final_states(streams: Sequence[Stream], windows: Windows, progress: Progress
     advance(streams, [len(s.blocks) for s in streams], windows, progress=progress, desc="evaluation, block by block")
     out = []
     for s in streams:
-        norm = final_norm(s.pruned, s.view)
+        with s.pruned.use(s.view) as model:
+            norm = decoder_stack(model).norm  # the view's own (a student that trains the tail has its own)
+        if norm is None:
+            raise TypeError(f"cannot find the final norm of {type(model).__name__}: it cannot run block by block")
         with onloaded(norm):
             out.append([norm(h) for h in s.hidden])
     return out

@@ -42,7 +42,6 @@ import torch.distributed as dist
 from torch import nn
 
 from .model import ModelConfig, _from_pretrained, decoder_stack, load_model, resolve_torch_dtype
-from .offload import hook_memo, strip_hooks
 
 # Hook tables a copy does not carry over: the forward ones (FSDP2's gathers, the views' operator hooks,
 # which would act twice) of every module, and an FSDP2 unit's state-dict ones (bound to its process group).
@@ -77,13 +76,6 @@ def is_sharded(module: nn.Module) -> bool:
     return unit is not None and any(isinstance(m, unit) for m in module.modules())
 
 
-def shard_block(block: nn.Module, mesh) -> None:
-    """Shard `block`'s parameters over `mesh` in place (the object stays the same, so views keep it)."""
-    from torch.distributed.fsdp import fully_shard
-
-    fully_shard(block, mesh=mesh, reshard_after_forward=True)
-
-
 @contextmanager
 def gathered(module: nn.Module) -> Iterator[nn.Module]:
     """Within the span, every FSDP2 unit inside `module` holds its whole weights as plain tensors (an
@@ -111,9 +103,11 @@ def plain_copy(module: nn.Module) -> nn.Module:
     and hook tables mapped to nothing."""
     unit = _fsdp_module()
     with gathered(module):
-        memo: dict[int, object] = dict(hook_memo(module))  # an offloaded module's accelerate hooks stay out
+        memo: dict[int, object] = {}
         swapped = []
         for m in module.modules():
+            if getattr(m, "_hf_hook", None) is not None:  # an offload hook maps every weight of the model: left out
+                memo[id(m._hf_hook)] = None
             is_unit = unit is not None and isinstance(m, unit)
             for name in (*_FORWARD_HOOKS, *(_UNIT_HOOKS if is_unit else ())):
                 table = getattr(m, name, None)
@@ -133,7 +127,9 @@ def plain_copy(module: nn.Module) -> nn.Module:
     for m in clone.modules():
         for key in [k for k in m.__dict__ if _fsdp_key(k)]:
             del m.__dict__[key]
-    strip_hooks(clone)
+        if "_old_forward" in m.__dict__:  # accelerate's wiring: the hook, the wrapped forward, the original
+            for attr in ("_hf_hook", "_old_forward", "forward"):
+                m.__dict__.pop(attr, None)
     return clone
 
 
@@ -197,6 +193,7 @@ def load_sharded(cfg: ModelConfig, mesh, device: torch.device | str) -> nn.Modul
     `device`, in eval mode and frozen; no process ever holds the whole model (module docstring)."""
     from accelerate import init_empty_weights
     from safetensors import safe_open
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, distribute_tensor
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -209,7 +206,7 @@ def load_sharded(cfg: ModelConfig, mesh, device: torch.device | str) -> nn.Modul
         model = AutoModelForCausalLM.from_config(config, **kwargs)
     model.eval()
     for block in decoder_stack(model).layers:
-        shard_block(block, mesh)
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)  # in place: the views keep the same object
     buffers = {name: b.clone() for name, b in model.named_buffers()}  # `to_empty` leaves storage uninitialised
     model.to_empty(device=device)
     for name, b in model.named_buffers():

@@ -32,12 +32,8 @@ def solve_ridge(xtx: torch.Tensor, xtd: torch.Tensor, ridge: float = 1e-4) -> to
     ε scales with the mean eigenvalue of A, so one `ridge` value means the same thing for a model
     whose residual stream has norm 1 or 1000, and for 10 or 10⁶ calibration tokens.
     """
-    _check(xtx, xtd)
-    c = xtx.shape[0]
-    eps = ridge * torch.trace(xtx) / c
-    if not torch.isfinite(eps) or eps < 0:
-        raise ValueError(f"statistics are not finite or not positive semi-definite (trace {float(torch.trace(xtx))})")
-    eye = torch.eye(c, dtype=xtx.dtype, device=xtx.device)
+    eps = _check(xtx, xtd, ridge)
+    eye = torch.eye(xtx.shape[0], dtype=xtx.dtype, device=xtx.device)
     a = xtx + max(float(eps), torch.finfo(xtx.dtype).tiny) * eye
     chol, info = torch.linalg.cholesky_ex(a)
     if int(info) == 0:
@@ -68,16 +64,12 @@ def solve_symmetric(xtx: torch.Tensor, xtd: torch.Tensor, ridge: float = 1e-4) -
     With ridge 0 and a singular A, pairs of null directions (λ_i + λ_j = 0) get 0: the minimum-norm
     symmetric solution.
     """
-    _check(xtx, xtd)
-    c = xtx.shape[0]
-    eps = ridge * torch.trace(xtx) / c
-    if not torch.isfinite(eps) or eps < 0:
-        raise ValueError(f"statistics are not finite or not positive semi-definite (trace {float(torch.trace(xtx))})")
+    eps = _check(xtx, xtd, ridge)
     evals, q = torch.linalg.eigh(xtx)
     evals = evals.clamp_min(0) + eps
     rhs = q.T @ (xtd + xtd.T) @ q
     denom = evals.unsqueeze(0) + evals.unsqueeze(1)
-    cutoff = c * torch.finfo(xtx.dtype).eps * float(denom.max())
+    cutoff = xtx.shape[0] * torch.finfo(xtx.dtype).eps * float(denom.max())
     tilde = torch.where(denom > cutoff, rhs / denom.clamp_min(cutoff), torch.zeros_like(rhs))
     m = q @ tilde @ q.T
     return (m + m.T) / 2  # exact symmetry, not up to rounding
@@ -111,15 +103,18 @@ def solve(
             stacklevel=2,
         )
         return solve_lstsq(xtx, xtd)
-    if solver == "ridge":
-        return solve_ridge(xtx, xtd, ridge)
-    if solver == "lstsq":
-        return solve_lstsq(xtx, xtd)
-    raise ValueError(f"solver {solver!r} is not known; choose 'ridge' or 'lstsq'")
+    return solve_ridge(xtx, xtd, ridge) if solver == "ridge" else solve_lstsq(xtx, xtd)
 
 
-def _check(xtx: torch.Tensor, xtd: torch.Tensor) -> None:
+def _check(xtx: torch.Tensor, xtd: torch.Tensor, ridge: float | None = None) -> torch.Tensor | None:
+    """Refuse statistics that are not float64 or do not match; with `ridge`, ε = ridge · tr(A)/C."""
     if xtx.dtype != torch.float64 or xtd.dtype != torch.float64:
         raise TypeError(f"solve in float64 (got {xtx.dtype} and {xtd.dtype}); half precision has no linalg")
     if xtx.ndim != 2 or xtx.shape[0] != xtx.shape[1] or xtd.shape[0] != xtx.shape[0]:
         raise ValueError(f"shapes do not match: XᵀX {tuple(xtx.shape)}, XᵀD {tuple(xtd.shape)}")
+    if ridge is None:
+        return None
+    eps = ridge * torch.trace(xtx) / xtx.shape[0]
+    if not torch.isfinite(eps) or eps < 0:
+        raise ValueError(f"statistics are not finite or not positive semi-definite (trace {float(torch.trace(xtx))})")
+    return eps

@@ -18,7 +18,6 @@ from .modeling_ghostdistill import attach
 from .offload import model_device
 from .operator import GhostOperator
 from .plan import Gap, PruningPlan
-from .sharded import plain_copy
 
 DENSE = "dense"
 PRUNED = "pruned"
@@ -137,12 +136,10 @@ class PrunedModel:
         self.mlp_maps[name] = nn.ModuleDict(mlp_maps).to(device)
         for gap in self.plan.gaps:
             if gap.key in mlp_maps and gap.key not in self._mlp_hooked:
-                self._handles.append(self._host_mlp(gap, self.dense_layers))
+                self._handles.append(self._host_mlp(gap, self.dense_layers[gap.start - 1]))
                 for own in self.blocks.values():
                     if str(gap.start - 1) in own:
-                        self._handles.append(
-                            self._host_mlp(gap, [own.get(str(i), b) for i, b in enumerate(self.dense_layers)])
-                        )
+                        self._handles.append(self._host_mlp(gap, own[str(gap.start - 1)]))
                 self._mlp_hooked.add(gap.key)
 
     def substitute_blocks(self, view: str, blocks: dict[int, nn.Module]) -> None:
@@ -161,7 +158,7 @@ class PrunedModel:
             if host in blocks:
                 self._handles.append(self._host(gap, layers))
             if gap.key in self._mlp_hooked and gap.start - 1 in blocks:
-                self._handles.append(self._host_mlp(gap, layers))
+                self._handles.append(self._host_mlp(gap, blocks[gap.start - 1]))
 
     def substitute_modules(self, view: str, modules: dict[str, nn.Module]) -> None:
         """Give `view` its own modules in place of others, by their path in the dense model (``lm_head``,
@@ -205,7 +202,7 @@ class PrunedModel:
             return None
         return self.operators[self.view][gap.key]
 
-    def _host_mlp(self, gap: Gap, layers: list[nn.Module]):
+    def _host_mlp(self, gap: Gap, block: nn.Module):
         if gap.start == 0:
             raise ValueError(f"gap {gap.key} starts at block 0: there is no MLP before it to fuse into")
 
@@ -214,7 +211,7 @@ class PrunedModel:
                 return None
             return self.mlp_maps[self.view][gap.key](output)
 
-        return mlp_module(layers[gap.start - 1]).register_forward_hook(hook)
+        return mlp_module(block).register_forward_hook(hook)
 
     def _host(self, gap: Gap, layers: list[nn.Module]):
         """The operator acts on the residual stream entering the first block after the gap; when the
@@ -236,28 +233,16 @@ class PrunedModel:
 _ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
 
 
-def count_parameters(module: nn.Module) -> int:
-    return sum(
-        p.numel()
-        for name, p in module.named_parameters()
-        if not any(f".{part}." in f".{name}." for part in _ADAPTER_PARTS)
-    )
-
-
-def copy_block(block: nn.Module) -> nn.Module:
-    """A deep copy of a block without the hooks of the original (the views' operator hooks would act
-    twice otherwise): what `substitute_blocks` expects. A sharded block (FSDP2) is gathered for the copy,
-    which is whole and plain (`core.sharded.plain_copy`; every rank must call it); an offloaded block
-    (`core.offload`) is copied with its tensors as they are now (onloaded), accelerate's hooks left out."""
-    return plain_copy(block)
-
-
 @torch.no_grad()
 def view_parameter_count(pruned: PrunedModel, view: str) -> int:
     """Parameters the view needs at inference: its blocks plus the operators it inserts (maps that
     export folds into existing weights add nothing)."""
     with pruned.use(view) as model:
-        total = count_parameters(model)
+        total = sum(
+            p.numel()
+            for name, p in model.named_parameters()
+            if not any(f".{part}." in f".{name}." for part in _ADAPTER_PARTS)
+        )
     if view not in (DENSE, PRUNED):
         for group in (pruned.operators[view], pruned.mlp_maps[view]):
             total += sum(op.inference_parameters() for op in group.values())

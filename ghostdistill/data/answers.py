@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from ..core.head import final_hidden, output_head
 from .chat import check_chat_template, conversations, encode_prompt, pack
@@ -144,7 +145,10 @@ def score_windows(model: nn.Module, tokenizer, src, progress: bool = True) -> Ch
     for lo in tqdm(range(0, len(prompts), ANSWER_BATCH), desc="the dense model's answers", disable=not progress):
         batch = prompts[lo : lo + ANSWER_BATCH]
         seqs += [(p, a) for p, a in zip(batch, answer(model, batch, n, stop, pad))]
-    windows = _right_padded(seqs, pad)
+    ids = pad_sequence([torch.tensor(p + a) for p, a in seqs], batch_first=True, padding_value=pad)
+    mask = pad_sequence([torch.ones(len(p) + len(a), dtype=torch.long) for p, a in seqs], batch_first=True)
+    answers = pad_sequence([torch.tensor([0] * len(p) + [1] * len(a)) for p, a in seqs], batch_first=True)
+    windows = ChatWindows(ids, mask, answers)
     device, head = next(model.parameters()).device, output_head(model)
     for lo in range(0, len(windows), ANSWER_BATCH):
         rows = slice(lo, lo + ANSWER_BATCH)
@@ -157,14 +161,3 @@ def score_windows(model: nn.Module, tokenizer, src, progress: bool = True) -> Ch
             first = int(differs[row].nonzero()[0]) + 1  # the first answer token the dense argmax does not reproduce
             windows.answers[lo + row, first:] = 0
     return windows
-
-
-def _right_padded(seqs: list[tuple[list[int], list[int]]], pad: int) -> ChatWindows:
-    width = max(len(p) + len(a) for p, a in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask, answers = torch.zeros_like(ids), torch.zeros_like(ids)
-    for row, (p, a) in enumerate(seqs):
-        ids[row, : len(p) + len(a)] = torch.tensor(p + a)
-        mask[row, : len(p) + len(a)] = 1
-        answers[row, len(p) : len(p) + len(a)] = 1
-    return ChatWindows(ids, mask, answers)

@@ -107,14 +107,6 @@ def read_records(path: Path) -> list[tuple[str, object]]:
     return records
 
 
-def hub_records(source: str, subset: str | None, split: str) -> list[tuple[str, object]]:
-    """A Hugging Face dataset's rows (a hub id or a dataset folder), read by `datasets.load_dataset`."""
-    from datasets import load_dataset
-
-    rows = load_dataset(source, subset, split=split)
-    return [(f"{source} ({split}) row {i}", r) for i, r in enumerate(rows)]
-
-
 def conversations(src: TextSource, *, for_eval: bool) -> list[Messages]:
     """The conversations of a chat source (`src`: a `TextSource` with `chat`), after its first/max document
     selection. With ``source: generate`` and for evaluation, each ends with its last user message: the dense
@@ -127,8 +119,12 @@ def conversations(src: TextSource, *, for_eval: bool) -> list[Messages]:
         raw = read_records(Path(chat.instructions).expanduser() if chat.instructions else default)
     elif Path(src.source).expanduser().is_file():
         raw = read_records(Path(src.source).expanduser())
-    else:
-        raw = hub_records(src.source, chat.subset, src.split or ("test" if for_eval else "train"))
+    else:  # a Hugging Face dataset: a hub id or a dataset folder
+        from datasets import load_dataset
+
+        split = src.split or ("test" if for_eval else "train")
+        rows = load_dataset(src.source, chat.subset, split=split)
+        raw = [(f"{src.source} ({split}) row {i}", r) for i, r in enumerate(rows)]
     stop = None if src.max_documents is None else src.first_document + src.max_documents
     raw = raw[src.first_document : stop]
     if not raw:

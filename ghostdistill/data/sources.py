@@ -74,7 +74,6 @@ class ChatSettings:
             raise FileNotFoundError(f"{where}.chat.instructions file {self.instructions!r} does not exist")
 
     def answer_tokens(self, what: str) -> int:
-        """`max_new_tokens`, or its default for ``calibration`` or ``score``."""
         return self.max_new_tokens if self.max_new_tokens is not None else ANSWER_TOKENS[what]
 
 
@@ -247,25 +246,21 @@ def _file_documents(src: TextSource) -> list[str]:
 def _hub_documents(src: TextSource, for_eval: bool) -> list[str]:
     from datasets import load_dataset
 
+    split = src.split or (("validation" if src.source == "c4" else "test") if for_eval else "train")
     if src.source == "wikitext2":
-        split = src.split or ("test" if for_eval else "train")
         rows = load_dataset("Salesforce/wikitext", "wikitext-2-raw-v1", split=split)["text"]
         # The usual perplexity protocol joins the rows with "\n\n" into one document.
         return ["\n\n".join(rows)] if for_eval else [r for r in rows if r.strip()]
     if src.source == "c4":
-        split = src.split or ("validation" if for_eval else "train")
         shard = (
             "en/c4-validation.00000-of-00008.json.gz" if split == "validation" else "en/c4-train.00000-of-01024.json.gz"
         )
         return load_dataset("allenai/c4", data_files={split: shard}, split=split)["text"]
-    if src.source == "ptb":
-        split = src.split or ("test" if for_eval else "train")
-        try:
-            rows = load_dataset(PTB_REPO, revision=PARQUET_REVISION, split=split)["sentence"]
-        except FileNotFoundError as err:  # datasets' DatasetNotFoundError: no such revision or split
-            raise FileNotFoundError(
-                f"ptb: the hub's parquet conversion of {PTB_REPO} ({PARQUET_REVISION}, split {split!r}) "
-                f"cannot be loaded ({err}); give the PTB text as a local file source instead"
-            ) from err
-        return [" ".join(rows)] if for_eval else rows
-    raise ValueError(f"unknown hub source {src.source!r}; choose one of {HUB_SOURCES}")
+    try:  # ptb, the one of HUB_SOURCES left (load_documents passes no other source)
+        rows = load_dataset(PTB_REPO, revision=PARQUET_REVISION, split=split)["sentence"]
+    except FileNotFoundError as err:  # datasets' DatasetNotFoundError: no such revision or split
+        raise FileNotFoundError(
+            f"ptb: the hub's parquet conversion of {PTB_REPO} ({PARQUET_REVISION}, split {split!r}) "
+            f"cannot be loaded ({err}); give the PTB text as a local file source instead"
+        ) from err
+    return [" ".join(rows)] if for_eval else rows

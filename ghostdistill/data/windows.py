@@ -11,15 +11,11 @@ from ..core.offload import model_device
 from .sources import TextSource, load_documents
 
 
-def tokenize_documents(tokenizer, docs: list[str]) -> list[list[int]]:
-    # Documents longer than model_max_length are fine (transformers warns once): we cut windows ourselves.
-    return [tokenizer(d).input_ids for d in docs]
-
-
 def evaluation_windows(tokenizer, src: TextSource, seq_len: int, max_windows: int | None = None) -> torch.Tensor:
     """Non-overlapping windows over the joined documents (the usual perplexity protocol)."""
     docs = load_documents(src, for_eval=True)
-    ids = tokenize_documents(tokenizer, [src.join.join(docs)])[0]
+    # Longer than model_max_length is fine (transformers warns once): we cut windows ourselves.
+    ids = tokenizer(src.join.join(docs)).input_ids
     n = len(ids) // seq_len
     if n == 0:
         raise ValueError(f"{src.label}: {len(ids)} tokens is fewer than one window of seq_len={seq_len}")

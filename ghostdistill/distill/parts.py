@@ -22,7 +22,8 @@ from torch import nn
 
 from ..core.head import decoder_of
 from ..core.plan import PruningPlan
-from ..core.views import DENSE, PrunedModel, copy_block
+from ..core.sharded import plain_copy
+from ..core.views import DENSE, PrunedModel
 from ..methods import get_method, registered
 from .config import Student
 from .interface import Part, Students, register
@@ -205,7 +206,7 @@ class Blocks(Part):
         pruned = students.pruned
         for view in views:
             pruned.substitute_blocks(
-                view, {i: copy_block(pruned.dense_layers[i]) for i in adjacent_blocks(pruned.plan)}
+                view, {i: plain_copy(pruned.dense_layers[i]) for i in adjacent_blocks(pruned.plan)}
             )
 
     def params(self, students: Students, view: str, student: Student) -> dict[str, nn.Parameter]:
@@ -227,7 +228,7 @@ class Tail(Part):
         pruned = students.pruned
         for view in views:
             copies = tail_blocks(pruned.plan, students.specs[view].tail_blocks)
-            pruned.substitute_blocks(view, {i: copy_block(pruned.dense_layers[i]) for i in copies})
+            pruned.substitute_blocks(view, {i: plain_copy(pruned.dense_layers[i]) for i in copies})
             own_modules(students, view, tail_modules(pruned.model))
 
     def params(self, students: Students, view: str, student: Student) -> dict[str, nn.Parameter]:

@@ -1,18 +1,15 @@
 """Zero-shot accuracy of an in-memory causal LM through lm-evaluation-harness.
 
-:func:`evaluate_zeroshot` scores the model object it is given (pruned, with
-forward hooks, mid-training...) on multiple-choice tasks, the way lm-eval's
-``simple_evaluate`` does with ``num_fewshot=0``, and returns a compact
+:func:`evaluate_zeroshot` scores the model object it is given (pruned, with forward hooks, mid-training...) on
+multiple-choice tasks, the way lm-eval's ``simple_evaluate`` does with ``num_fewshot=0``, and returns a compact
 ``{task: {"acc", "acc_stderr", "acc_norm", "n"}, "average": {...}}`` summary.
 
 Two sources of task data:
 
-* online (``data_dir=None``): task names go to lm-eval's own registry, which
-  downloads the datasets from the Hugging Face hub;
-* offline (``data_dir=...``): the tasks in :data:`OFFLINE_TASKS` are read from
-  a local folder holding the datasets' published files (layout of
-  ``shared/data/README.md``) by the task definitions in
-  :mod:`ghostdistill.tasks`, which copy lm-eval's prompts and metrics.
+* online (``data_dir=None``): task names go to lm-eval's own registry, which downloads the datasets from the hub;
+* offline (``data_dir=...``): the tasks in :data:`OFFLINE_TASKS` are read from a local folder holding the
+  datasets' published files (layout of ``shared/data/README.md``) by the task definitions in
+  :mod:`ghostdistill.evaluation.tasks`, which copy lm-eval's prompts and metrics.
 
 lm-eval is an optional dependency (``pip install 'ghostdistill[zeroshot]'``): this module imports it
 only when it scores or builds tasks, and :func:`require_lm_eval` says what to install when it is missing.
@@ -53,9 +50,6 @@ __all__ = [
     "task_limits",
 ]
 
-#: What to install for zero-shot evaluation (the ``zeroshot`` extra of pyproject.toml).
-LM_EVAL_INSTALL = "pip install 'ghostdistill[zeroshot]'"
-
 #: The zero-shot suite of the layer-pruning papers we compare with.
 PAPER_TASKS: tuple[str, ...] = (
     "arc_easy",
@@ -71,8 +65,6 @@ PAPER_TASKS: tuple[str, ...] = (
 
 #: Tasks that can be read from a local data folder (``data_dir``).
 OFFLINE_TASKS: tuple[str, ...] = tuple(_loaders.TASK_FILES)
-
-#: Metrics copied from lm-eval's results into the summary (when the task has them).
 
 #: lm-eval warnings that are expected here and say nothing about the run.
 _NOISE: tuple[str, ...] = (
@@ -99,8 +91,8 @@ def require_lm_eval() -> None:
         found = False
     if not found:
         raise ImportError(
-            f"zero-shot evaluation (evaluation.zeroshot) needs lm-evaluation-harness, which is not installed: "
-            f"{LM_EVAL_INSTALL}",
+            "zero-shot evaluation (evaluation.zeroshot) needs lm-evaluation-harness, which is not installed: "
+            "pip install 'ghostdistill[zeroshot]'",  # the `zeroshot` extra of pyproject.toml
             name="lm_eval",
         )
 
@@ -113,10 +105,7 @@ def offline_task_name(task: str) -> str:
 def check_offline_tasks(tasks: Sequence[str], data_dir: str | os.PathLike[str]) -> None:
     """Fail early when a task has no offline definition (the paper's rte, copa and race have none) or
     its files are missing from `data_dir`; the error names the task and lists the valid ones."""
-    _check_offline(_as_list(tasks), data_dir)
-
-
-def _check_offline(tasks: list[str], data_dir: str | os.PathLike[str]) -> None:
+    tasks = _as_list(tasks)
     unknown = [t for t in tasks if t not in OFFLINE_TASKS]
     if unknown:
         raise ValueError(
@@ -131,26 +120,14 @@ def _check_offline(tasks: list[str], data_dir: str | os.PathLike[str]) -> None:
 @functools.cache
 def _registry() -> TaskManager:
     # Indexing lm-eval's ~15k task YAMLs takes tens of seconds; do it once per process.
-    require_lm_eval()
     from lm_eval.tasks import TaskManager
 
     return TaskManager()
 
 
-def _check_online(tasks: list[str], manager: TaskManager) -> None:
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    if unknown:
-        raise ValueError(
-            f"task(s) {', '.join(map(repr, unknown))} not in lm-eval's task registry "
-            f"(e.g. the paper's tasks: {', '.join(PAPER_TASKS)}; `lm-eval ls tasks` lists all); "
-            f"tasks readable from a data folder: {', '.join(OFFLINE_TASKS)}"
-        )
-
-
 def _task_manager(data_dir: str | os.PathLike[str] | None) -> TaskManager:
     if data_dir is None:
         return _registry()
-    require_lm_eval()
     from lm_eval.tasks import TaskManager
 
     # Only our folder: the offline run must not fall back on a hub task, and
@@ -163,10 +140,8 @@ def _task_manager(data_dir: str | os.PathLike[str] | None) -> TaskManager:
     )
 
 
-class _DropNoise(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not any(noise in message for noise in _NOISE)
+def _not_noise(record: logging.LogRecord) -> bool:
+    return not any(noise in record.getMessage() for noise in _NOISE)
 
 
 @contextlib.contextmanager
@@ -175,14 +150,13 @@ def _quiet_lm_eval() -> Iterator[None]:
     # filter goes on every lm_eval.* logger that exists once lm-eval is imported.
     names = [n for n in logging.root.manager.loggerDict if n == "lm_eval" or n.startswith("lm_eval.")]
     loggers = [logging.getLogger(n) for n in names]
-    noise = _DropNoise()
     for lg in loggers:
-        lg.addFilter(noise)
+        lg.addFilter(_not_noise)  # a callable is a filter (logging accepts one since Python 3.2)
     try:
         yield
     finally:
         for lg in loggers:
-            lg.removeFilter(noise)
+            lg.removeFilter(_not_noise)
 
 
 @contextlib.contextmanager
@@ -195,11 +169,8 @@ def _preserve_state(model: transformers.PreTrainedModel) -> Iterator[None]:
     modes = [(m, m.training) for m in model.modules()]
     py_state, np_state = random.getstate(), np.random.get_state()
     device = model_device(model)
-    devices = (
-        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
-    )
     try:
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             yield
     finally:
         random.setstate(py_state)
@@ -222,25 +193,20 @@ def evaluate_zeroshot(
     """Zero-shot accuracy of ``model`` (the object itself, hooks and all) on ``tasks``.
 
     Args:
-        model: causal LM to score; it is wrapped, never reloaded or copied, so
-            forward hooks and in-place surgery stay in effect. Its train/eval
-            modes and the global RNG states are restored afterwards.
+        model: causal LM to score; it is wrapped, never reloaded or copied, so forward hooks and in-place
+            surgery stay in effect. Its train/eval modes and the global RNG states are restored afterwards.
         tokenizer: its tokenizer (lm-eval may set a missing pad token on it).
-        tasks: plain task names. Online: any lm-eval registry task, group or tag.
-            Offline: a subset of :data:`OFFLINE_TASKS`.
-        data_dir: folder with the published data files (``shared/data`` layout);
-            ``None`` uses lm-eval's registry and the Hugging Face hub.
+        tasks: plain task names. Online: any lm-eval registry task, group or tag; offline: of :data:`OFFLINE_TASKS`.
+        data_dir: folder with the published data files (``shared/data`` layout); ``None``: lm-eval's registry and
+            the Hugging Face hub.
         limit: score only the first ``limit`` documents of each task.
         batch_size: lm-eval batch size.
         max_length: context length in tokens; ``None`` takes it from the model config.
         log_samples: keep lm-eval's per-document records (``result.samples``).
 
     Returns:
-        ``{task: {"acc", "acc_stderr", "acc_norm" (if the task has it),
-        "acc_norm_stderr" (idem), "n"}, ..., "average": {"acc", "acc_norm"}}``
-        where the average ``acc`` is the mean over tasks (the papers' average)
-        and ``acc_norm`` the mean over the tasks that report it.  The dict also
-        carries lm-eval's full output as ``.raw``.
+        ``{task: {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr" (those the task has), "n"}, ...,
+        "average": {"acc", "acc_norm"}}`` (the papers' average: `average_scores`), lm-eval's output as ``.raw``.
 
     Raises:
         ValueError: an unknown task name (the message lists the valid ones).
@@ -250,11 +216,16 @@ def evaluate_zeroshot(
     names = _as_list(tasks)
     # Validate before importing lm-eval's model code or touching the model.
     if data_dir is not None:
-        _check_offline(names, data_dir)
+        check_offline_tasks(names, data_dir)
     require_lm_eval()
     manager = _task_manager(data_dir)
-    if data_dir is None:
-        _check_online(names, manager)
+    unknown = [] if data_dir is not None else [t for t in names if t not in manager.all_tasks]
+    if unknown:
+        raise ValueError(
+            f"task(s) {', '.join(map(repr, unknown))} not in lm-eval's task registry "
+            f"(e.g. the paper's tasks: {', '.join(PAPER_TASKS)}; `lm-eval ls tasks` lists all); "
+            f"tasks readable from a data folder: {', '.join(OFFLINE_TASKS)}"
+        )
     lm_eval_names = [offline_task_name(t) for t in names] if data_dir is not None else names
 
     import lm_eval

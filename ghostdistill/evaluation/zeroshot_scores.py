@@ -23,18 +23,13 @@ def as_list(tasks: Sequence[str] | str) -> list[str]:
     return list(dict.fromkeys(names))  # drop repeats, keep order
 
 
-def plain_name(lm_eval_name: str) -> str:
-    return lm_eval_name.removeprefix(_loaders.TASK_PREFIX)
-
-
 class ZeroShotResults(dict[str, dict[str, float]]):
     """The summary returned by :func:`evaluate_zeroshot`: a plain dict, plus ``raw``.
 
-    ``raw`` is lm-eval's full ``simple_evaluate`` output, with lm-eval's task
-    names (task configs, versions, sample counts and, with ``log_samples=True``,
-    its ``"samples"``), for anyone who needs more than the summary.  It is not
-    part of the dict's items and is dropped when the summary is pickled or
-    copied: it holds task callables that need not pickle.
+    ``raw`` is lm-eval's full ``simple_evaluate`` output, with lm-eval's task names (task configs, versions,
+    sample counts and, with ``log_samples=True``, its ``"samples"``), for anyone who needs more than the summary.
+    It is not among the dict's items and is dropped when the summary is pickled or copied: it holds task
+    callables that need not pickle.
     """
 
     def __init__(self, *args: Any, raw: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -66,7 +61,7 @@ def summarize(raw: dict[str, Any], order: Sequence[str]) -> ZeroShotResults:
             log.warning("task %s reports no acc; left out of the summary", name)
             continue
         row["n"] = int(raw["n-samples"][name]["effective"])
-        per_task[plain_name(name)] = row
+        per_task[name.removeprefix(_loaders.TASK_PREFIX)] = row
 
     rank = {name: i for i, name in enumerate(order)}
     summary = ZeroShotResults(sorted(per_task.items(), key=lambda kv: rank.get(kv[0], len(rank))), raw=raw)

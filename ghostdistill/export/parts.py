@@ -27,8 +27,8 @@ from torch import nn
 
 from ..core.modeling_ghostdistill import GhostPrunedConfig
 from ..core.offload import onloaded
-from ..core.sharded import gathered, is_sharded
-from ..core.views import _ADAPTER_PARTS, DENSE, PRUNED, PrunedModel, copy_block
+from ..core.sharded import gathered, is_sharded, plain_copy
+from ..core.views import _ADAPTER_PARTS, DENSE, PRUNED, PrunedModel
 from ..methods import GapFit, get_method
 from . import fold as residual_fold
 
@@ -85,8 +85,8 @@ def view_parts(pruned: PrunedModel, view: str, method: str | None, info: dict) -
         with onloaded(layers[new]):
             if not changed and not is_sharded(layers[new]):
                 return dict(layers[new].state_dict())
-            # A sharded block (FSDP2) is gathered into a whole copy (`copy_block`: collective, every rank).
-            own = copy_block(layers[new])
+            # A sharded block (FSDP2) is gathered into a whole copy (`plain_copy`: collective, every rank).
+            own = plain_copy(layers[new])
         _merge_and_unwrap(own, view)
         if folds:
             by_dense: list[nn.Module | None] = [None] * plan.num_layers

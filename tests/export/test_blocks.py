@@ -7,7 +7,7 @@ import torch
 from conftest import fit_all, tiny_model
 
 from ghostdistill.core.plan import PruningPlan
-from ghostdistill.core.views import copy_block
+from ghostdistill.core.sharded import plain_copy
 from ghostdistill.export.parts import view_parts
 from ghostdistill.export.writer import export_view
 from ghostdistill.methods import GapFit, RecoveryConfig, get_method
@@ -19,7 +19,7 @@ def _folded_whole(pruned, view: str, method: str) -> dict[str, torch.Tensor]:
     """The view's blocks folded as export did before it went block by block: copies of every block at once."""
     plan = pruned.plan
     with pruned.use(view):
-        layers = [copy_block(b) for b in pruned.stack.layers]
+        layers = [plain_copy(b) for b in pruned.stack.layers]
     by_dense: list = [None] * plan.num_layers
     for new, dense in enumerate(plan.kept):
         by_dense[dense] = layers[new]

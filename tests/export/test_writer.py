@@ -226,12 +226,12 @@ def test_a_view_with_its_own_blocks_exports_them(tmp_path):
     """A fine-tuned view that trains whole blocks (per-view copies) ships its copies, not the originals."""
     import copy
 
-    from ghostdistill.core.views import copy_block
+    from ghostdistill.core.sharded import plain_copy
 
     torch.manual_seed(0)
     pm, _ = fit_all(tiny_model("llama"), PruningPlan.from_layers([2, 3], 6), [METHODS[0]])
     pm.add_method("ghost_ft", {k: copy.deepcopy(op) for k, op in pm.operators["ghost"].items()})
-    own = copy_block(pm.dense_layers[4])
+    own = plain_copy(pm.dense_layers[4])
     for p in own.parameters():
         p.mul_(1.1)
     pm.substitute_blocks("ghost_ft", {4: own})

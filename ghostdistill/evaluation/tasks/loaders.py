@@ -1,19 +1,18 @@
 """Readers that turn the published offline files into lm-eval documents.
 
-Each ``load_<task>`` function is an lm-eval ``custom_dataset`` callable: lm-eval
-calls it with the task's ``metadata`` (where ``evaluate_zeroshot`` puts
-``data_dir``) and gets back a ``datasets.DatasetDict``.  The documents use the
-same field names as the Hugging Face datasets that lm-eval's own task YAMLs
-read, so the YAMLs next to this file can copy lm-eval's prompts verbatim and
-offline scores are comparable with online ones.
+Each ``load_<task>`` function is an lm-eval ``custom_dataset`` callable: lm-eval calls it with the task's
+``metadata`` (where ``evaluate_zeroshot`` puts ``data_dir``) and gets back a ``datasets.DatasetDict``. The
+documents use the field names of the Hugging Face datasets that lm-eval's own task YAMLs read, so the YAMLs
+next to this file copy lm-eval's prompts verbatim and offline scores are comparable with online ones.
 
-lm-eval imports this file by path (``!function loaders.<name>``), outside the
-``ghostdistill`` package, so it must stay self-contained: no relative imports.
+lm-eval imports this file by path (``!function loaders.<name>``), outside the ``ghostdistill`` package, so it
+must stay self-contained: no relative imports.
 """
 
 from __future__ import annotations
 
 import bz2
+import functools
 import json
 import os
 import re
@@ -24,12 +23,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import datasets
 
-#: Prefix of the lm-eval task names defined in this folder; it keeps them from
-#: shadowing (or being shadowed by) lm-eval's registry tasks of the same name.
+#: Prefix of the lm-eval task names defined here: they neither shadow nor are shadowed by lm-eval's own.
 TASK_PREFIX = "ghostdistill_"
 
-#: Files each offline task reads, relative to the data folder (the layout of
-#: ``shared/data/README.md``: the files exactly as their authors publish them).
+#: Files each offline task reads, relative to the data folder (``shared/data/README.md``: as published).
 TASK_FILES: dict[str, tuple[str, ...]] = {
     "arc_easy": ("arc_easy/ARC-Easy-Dev.jsonl",),
     "arc_challenge": ("arc_challenge/ARC-Challenge-Dev.jsonl",),
@@ -40,9 +37,8 @@ TASK_FILES: dict[str, tuple[str, ...]] = {
     "piqa": ("piqa/valid.jsonl", "piqa/valid-labels.lst"),
 }
 
-#: Split name each task's documents are published under in the DatasetDict;
-#: it matches the split lm-eval evaluates where the published file is that
-#: split (ARC's file is the dev split, lm-eval scores ARC's test split).
+#: Split each task's documents are published under in the DatasetDict: the split lm-eval evaluates where the
+#: published file is that split (ARC's file is the dev split; lm-eval scores ARC's test split).
 TASK_SPLIT: dict[str, str] = {
     "arc_easy": "validation",
     "arc_challenge": "validation",
@@ -54,20 +50,12 @@ TASK_SPLIT: dict[str, str] = {
 }
 
 
-def task_paths(task: str, data_dir: str | os.PathLike[str]) -> list[Path]:
-    """Return the files ``task`` reads under ``data_dir``.
-
-    Raises:
-        ValueError: ``task`` is not an offline task.
-    """
+def check_files(task: str, data_dir: str | os.PathLike[str]) -> list[Path]:
+    """Return the files ``task`` reads under ``data_dir``, raising ``FileNotFoundError`` for the first missing
+    one (``ValueError`` when ``task`` is not an offline task)."""
     if task not in TASK_FILES:
         raise ValueError(f"unknown offline task {task!r}; valid offline tasks: {', '.join(TASK_FILES)}")
-    return [Path(data_dir) / rel for rel in TASK_FILES[task]]
-
-
-def check_files(task: str, data_dir: str | os.PathLike[str]) -> list[Path]:
-    """Return ``task``'s files, raising ``FileNotFoundError`` for the first missing one."""
-    paths = task_paths(task, data_dir)
+    paths = [Path(data_dir) / rel for rel in TASK_FILES[task]]
     for path in paths:
         if not path.is_file():
             raise FileNotFoundError(
@@ -87,11 +75,10 @@ def _labels(path: Path) -> list[str]:
         return [line.strip() for line in fh if line.strip()]
 
 
-def _arc_style(rows: list[dict[str, Any]], stem_key: str) -> list[dict[str, Any]]:
-    # ARC and OpenBookQA publish choices as a list of {text, label}; the hub
-    # copies lm-eval reads hold them as {"text": [...], "label": [...]}.
+def _arc_style(paths: list[Path], stem_key: str) -> list[dict[str, Any]]:
+    # ARC and OpenBookQA publish choices as a list of {text, label}; lm-eval's hub copies as {"text", "label"} lists.
     docs = []
-    for row in rows:
+    for row in _jsonl(paths[0]):
         choices = row["question"]["choices"]
         docs.append(
             {
@@ -105,14 +92,6 @@ def _arc_style(rows: list[dict[str, Any]], stem_key: str) -> list[dict[str, Any]
             }
         )
     return docs
-
-
-def _arc(paths: list[Path]) -> list[dict[str, Any]]:
-    return _arc_style(_jsonl(paths[0]), "question")
-
-
-def _openbookqa(paths: list[Path]) -> list[dict[str, Any]]:
-    return _arc_style(_jsonl(paths[0]), "question_stem")
 
 
 def _piqa(paths: list[Path]) -> list[dict[str, Any]]:
@@ -148,12 +127,10 @@ def _boolq(paths: list[Path]) -> list[dict[str, Any]]:
     ]
 
 
-# lm-eval builds the HellaSwag query as ``label + ": " + ctx_a + " " +
-# ctx_b.capitalize()``.  The llama.cpp file keeps ctx_b (the unfinished last
-# sentence of ActivityNet items, lower-cased in the source data) as published,
-# e.g. "... on a roof. he".  Capitalising a lower-case final fragment restores
-# lm-eval's query; WikiHow items end in a full, capitalised sentence and are
-# left alone.
+# lm-eval builds the HellaSwag query as ``label + ": " + ctx_a + " " + ctx_b.capitalize()``. The llama.cpp file
+# keeps ctx_b (the unfinished last sentence of ActivityNet items, lower-cased in the source data) as published,
+# e.g. "... on a roof. he". Capitalising a lower-case final fragment restores lm-eval's query; WikiHow items end
+# in a full, capitalised sentence and are left alone.
 _SENTENCE_END = re.compile(r"[.!?]\s+")
 
 
@@ -196,12 +173,12 @@ def _hellaswag(paths: list[Path]) -> list[dict[str, Any]]:
 
 
 _READERS: dict[str, Callable[[list[Path]], list[dict[str, Any]]]] = {
-    "arc_easy": _arc,
-    "arc_challenge": _arc,
+    "arc_easy": functools.partial(_arc_style, stem_key="question"),
+    "arc_challenge": functools.partial(_arc_style, stem_key="question"),
     "hellaswag": _hellaswag,
     "winogrande": _winogrande,
     "boolq": _boolq,
-    "openbookqa": _openbookqa,
+    "openbookqa": functools.partial(_arc_style, stem_key="question_stem"),
     "piqa": _piqa,
 }
 
@@ -244,9 +221,8 @@ load_openbookqa = _loader("openbookqa")
 load_piqa = _loader("piqa")
 
 
-# Winogrande's "partial evaluation": the choices are the sentence up to the
-# blank filled with each option, the continuation is the rest of the sentence
-# (copied from lm_eval/tasks/winogrande/preprocess_winogrande.py).
+# Winogrande's "partial evaluation": the choices are the sentence up to the blank filled with each option, the
+# continuation is the rest of the sentence (copied from lm_eval/tasks/winogrande/preprocess_winogrande.py).
 def winogrande_doc_to_text(doc: dict[str, Any]) -> int:
     """Index of the gold context (lm-eval's multiple-input convention)."""
     return {"1": 0, "2": 1}[doc["answer"]]
