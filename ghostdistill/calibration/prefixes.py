@@ -10,6 +10,7 @@ as a separate pass over those windows would (to float64 rounding in the order of
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -40,26 +41,6 @@ def prefix_batches(num_windows: int, sizes: Sequence[int], batch_size: int) -> l
     return out
 
 
-def _copy(
-    stats: Stats, methods: set[str], hidden: int, device: torch.device | str, recovery: list[RecoveryConfig] | None
-) -> Stats:
-    out = {}
-    for key, collectors in stats.items():
-        fresh = make_collectors(methods, hidden, device, recovery)
-        for name, c in collectors.items():
-            fresh[name].load_state_dict({k: _clone(v) for k, v in c.state_dict().items()})
-        out[key] = fresh
-    return out
-
-
-def _clone(value):
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    return value
-
-
 @torch.no_grad()
 def accumulate_prefixes(
     model: nn.Module,
@@ -81,4 +62,8 @@ def accumulate_prefixes(
     for start, stop in prefix_batches(len(windows), sizes, batch_size):
         accumulate(model, stack, gaps, [{"input_ids": windows[start:stop]}], stats)
         if stop in wanted:
-            yield stop, _copy(stats, methods, hidden, device, recovery)
+            copies = {key: make_collectors(methods, hidden, device, recovery) for key in stats}
+            for key, collectors in stats.items():
+                for name, c in collectors.items():
+                    copies[key][name].load_state_dict(copy.deepcopy(c.state_dict()))
+            yield stop, copies
