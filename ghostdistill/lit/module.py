@@ -92,7 +92,6 @@ class GhostDistill(LightningModule):
     def cfg(self) -> RunConfig:
         return self.run.cfg
 
-    # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
         """Load the model once (registered here, so it moves with the module); under FSDP2
         (`ModelParallelStrategy`) its blocks are sharded as it loads, and the students once they exist."""
@@ -130,10 +129,7 @@ class GhostDistill(LightningModule):
 
     @property
     def distilling(self) -> bool:
-        try:
-            trainer = self.trainer
-        except RuntimeError:  # not attached to a Trainer
-            return False
+        trainer = self._trainer  # None: not attached to a Trainer
         return trainer is not None and trainer.max_steps != 0 and bool(self.cfg.distill.views())
 
     def dist(self) -> Dist:
@@ -151,7 +147,6 @@ class GhostDistill(LightningModule):
                     module.train(True)
         return self
 
-    # --------------------------------------------------------------- training
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if not self.distilling or self.run.students is None:
             raise RuntimeError(NO_DISTILL_METHODS)
@@ -176,7 +171,6 @@ class GhostDistill(LightningModule):
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         clip_per_student(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
-    # ------------------------------------------------------------- validation
     # Validation is `pipeline.train.validate`, called here rather than by Lightning's validation loop: that
     # loop cannot validate before the first step (its sanity check is not part of the history and reruns on
     # resume), does not validate after a last step that `val_check_interval` does not divide, and counts
@@ -210,7 +204,6 @@ class GhostDistill(LightningModule):
         finally:
             self.train(was_training)
 
-    # ------------------------------------------------------------ checkpoints
     def state_dict(self, *args, **kwargs):
         """Only what trains: checkpoints never hold the frozen base (it comes from `model.source` on resume), and
         under FSDP2 the full-state gather of a checkpoint (`get_model_state_dict`) then never assembles the
@@ -237,7 +230,6 @@ class GhostDistill(LightningModule):
         self.run.tracker = BestSteps(list(extra.get("history", [])), dict(extra.get("best", {})))
         self.run.last_validated = extra.get("last_validated")
 
-    # ------------------------------------------------------------- evaluation
     def on_test_start(self) -> None:
         self.run.start_evaluation(self.device)
 

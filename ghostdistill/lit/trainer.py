@@ -23,17 +23,14 @@ from .datamodule import GhostDataModule
 from .module import GhostDistill
 
 
-class _DropTips(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("💡 Tip")
-
-
 def quiet_console() -> None:
     """A run's console shows the plan, progress, the result table and where files went, not library chatter:
     Lightning's advertising tip, a deprecation inside Lightning's own pytree helper, and LightningCLI's note on
     `args` (calls of `main` from Python pass their own arguments on purpose)."""
     # rank_zero_info logs through this logger (a filter on a logger sees only its own records).
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropTips())
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: not str(record.msg).startswith("💡 Tip")
+    )
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
@@ -125,8 +122,7 @@ def fit_run(
     data = GhostDataModule(**{f.name: getattr(run.cfg.data, f.name) for f in fields(run.cfg.data)})
     options = {**TRAINER_DEFAULTS, "enable_progress_bar": progress, **trainer_options}
     options.update(default_root_dir=str(root), max_steps=max_steps)
-    extra = [Calibration(progress=progress)]
-    callbacks = run_callbacks(extra, root, max_steps, run.cfg.distill.checkpoint_every)
+    callbacks = run_callbacks([Calibration(progress=progress)], root, max_steps, run.cfg.distill.checkpoint_every)
     trainer = Trainer(callbacks=callbacks, **options)
     ckpt = resolve_ckpt_path(ckpt_path, Path(root), trainer.is_global_zero) if max_steps else None
     fit_and_test(trainer, module, data, ckpt)
