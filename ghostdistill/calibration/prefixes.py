@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator, Sequence
+from itertools import pairwise
 
 import torch
 from torch import nn
@@ -31,14 +32,8 @@ def prefix_batches(num_windows: int, sizes: Sequence[int], batch_size: int) -> l
     bad = [s for s in sizes if not 0 < s <= num_windows]
     if bad:
         raise ValueError(f"calibration sizes {bad} are not in 1..{num_windows} (the windows available)")
-    cuts = sorted(set(sizes) | {num_windows})
-    out, start = [], 0
-    for cut in cuts:
-        while start < cut:
-            stop = min(start + batch_size, cut)
-            out.append((start, stop))
-            start = stop
-    return out
+    cuts = [0, *sorted(set(sizes) | {num_windows})]
+    return [(a, min(a + batch_size, cut)) for prev, cut in pairwise(cuts) for a in range(prev, cut, batch_size)]
 
 
 @torch.no_grad()
