@@ -8,6 +8,7 @@ from functools import partial
 from pathlib import Path
 
 from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from tqdm.auto import tqdm
 
@@ -87,8 +88,6 @@ def check_before_run(trainer: Trainer, pl_module: GhostDistill) -> None:
 def check_strategy(trainer: Trainer, distill: DistillConfig | None = None) -> None:
     """Strategies the views work with: single device, DDP, FSDP2 (`ModelParallelStrategy`; not for students
     that train a part FSDP2 does not shard, `Part.fsdp`: their own head or norms)."""
-    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-
     strategy = trainer.strategy
     if isinstance(strategy, FSDPStrategy):
         raise ValueError(

@@ -16,6 +16,7 @@ from dataclasses import asdict
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from ..core.model import ModelConfig, decoder_stack
@@ -23,7 +24,7 @@ from ..core.offload import is_offloaded
 from ..core.views import PrunedModel
 from ..distill.config import DistillConfig
 from ..distill.optim import clip_per_student, make_optimizer
-from ..distill.parallel import ranks_agree, shard_mesh
+from ..distill.parallel import average_replicated_grads, ranks_agree, shard_for_fsdp2, shard_mesh
 from ..methods import RecoveryConfig
 from ..pipeline.calibrate import Dist
 from ..pipeline.config import EvalConfig, RunConfig
@@ -95,8 +96,6 @@ class GhostDistill(LightningModule):
     def configure_model(self) -> None:
         """Load the model once (registered here, so it moves with the module); under FSDP2
         (`ModelParallelStrategy`) its blocks are sharded as it loads, and the students once they exist."""
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
         strategy = self._trainer.strategy if self._trainer is not None else None
         fsdp2 = isinstance(strategy, ModelParallelStrategy)
         if self.llm is None:
@@ -114,8 +113,6 @@ class GhostDistill(LightningModule):
             return
         students = self.run.students
         if students is not None and self._replicated is None and fsdp2:
-            from ..distill.parallel import shard_for_fsdp2
-
             lora, group, units = shard_for_fsdp2(students, shard_mesh(self.device_mesh))
             self._replicated = (lora, group)
             rank_zero_info(f"FSDP2: {units} units sharded over {self.trainer.world_size} ranks")
@@ -164,8 +161,6 @@ class GhostDistill(LightningModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         if self._replicated is not None:
-            from ..distill.parallel import average_replicated_grads
-
             average_replicated_grads(*self._replicated)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:

@@ -8,12 +8,13 @@ distil through one loop: `GhostDistill`'s hooks, the data module's windows, the 
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from dataclasses import fields
 from pathlib import Path
 
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback, Trainer, seed_everything
 
 from ..core.lock import hold_folder
 from ..pipeline.run import Run
@@ -71,8 +72,6 @@ OWNED = {"max_steps": "max_steps (the API's steps)", "default_root_dir": "the ru
 def check_trainer_options(options: dict) -> None:
     """`options` are Trainer keywords that `fit_run` leaves to its caller: a one-line error before any work
     otherwise (a misspelt key would be a TypeError from deep inside Lightning)."""
-    import inspect
-
     known = set(inspect.signature(Trainer.__init__).parameters) - {"self", "callbacks", *OWNED}
     owned = [f"{k}: set by {OWNED[k]}" for k in options if k in OWNED]
     unknown = sorted(k for k in options if k not in known and k not in OWNED)
@@ -84,8 +83,6 @@ def check_trainer_options(options: dict) -> None:
 def fit_and_test(trainer: Trainer, module: GhostDistill, data: GhostDataModule, ckpt_path: str | None = None) -> None:
     """Distil when there are steps to take (resuming from `ckpt_path`), then evaluate every view (on the
     evaluation sources: a run without any, the Python API's `distill_student` of no `texts`, ends after training)."""
-    import inspect
-
     # One run per run folder at a time (rank 0 of several holds it); the lock goes with the process.
     root = Path(trainer.default_root_dir)
     advice = "wait for it to finish, or choose another trainer.default_root_dir"
@@ -113,8 +110,6 @@ def fit_run(
     `ckpt_path`: resume as `fit --ckpt_path` does (``last``: `<root>/checkpoints/last.ckpt`, when there is one).
     `trainer_options`: further Trainer keywords (e.g. `gradient_clip_val`, `precision`, `accelerator`), as a
     config file's `trainer` section."""
-    from lightning.pytorch import seed_everything
-
     check_trainer_options(trainer_options)
     if seed is not None:
         seed_everything(seed, verbose=False)
