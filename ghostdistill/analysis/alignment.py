@@ -17,7 +17,7 @@ ReplaceMe, its map T on the MLP output u of the block before the gap: X_pre + uÂ
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -25,9 +25,8 @@ import torch
 from ..core.capture import gap_points, residual_streams
 from ..core.model import model_inputs
 from ..core.offload import is_offloaded
-from ..core.operator import GhostOperator
 from ..core.sequential import dense_sweep
-from ..core.views import DENSE, PRUNED, PrunedModel
+from ..core.views import DENSE, PrunedModel
 from .anatomy import operator_anatomy
 
 GROUPS = ("other", "first")
@@ -75,11 +74,15 @@ class AlignmentErrors:
         }
 
 
-def _maps(pruned: PrunedModel, view: str, key: str) -> tuple[GhostOperator | None, GhostOperator | None]:
-    # nn.ModuleDict has no `get`.
-    ops = pruned.operators[view] if view in pruned.operators else {}  # noqa: SIM401
-    mlps = pruned.mlp_maps[view] if view in pruned.mlp_maps else {}  # noqa: SIM401
-    return (ops[key] if key in ops else None), (mlps[key] if key in mlps else None)  # noqa: SIM401
+def _repairs(pruned: PrunedModel, views: list[str], key: str) -> Iterator[tuple]:
+    """(view, operator, MLP map) at gap `key` for each of `views` with either there (`dense` and `pruned` never)."""
+    for view in views:
+        # nn.ModuleDict has no `get`.
+        ops = pruned.operators[view] if view in pruned.operators else {}  # noqa: SIM401
+        mlps = pruned.mlp_maps[view] if view in pruned.mlp_maps else {}  # noqa: SIM401
+        op, mlp_map = (ops[key] if key in ops else None), (mlps[key] if key in mlps else None)  # noqa: SIM401
+        if op is not None or mlp_map is not None:
+            yield view, op, mlp_map
 
 
 @torch.no_grad()
@@ -92,7 +95,7 @@ def held_out_alignment(
     model, stack = pruned.model, pruned.stack
     out = {g.key: {} for g in gaps}
     mlp_blocks = sorted(
-        {g.start - 1 for g in gaps for v in views if g.start > 0 and _maps(pruned, v, g.key)[1] is not None}
+        {g.start - 1 for g in gaps if g.start > 0 for _, _, m in _repairs(pruned, views, g.key) if m is not None}
     )
     if is_offloaded(model):
         # Block by block (offloaded weights): each gap measured, batch after batch, once the pass reaches its end.
@@ -117,12 +120,7 @@ def held_out_alignment(
 
 def _measure(pruned, views, gap, x_pre, x_post, mlp, mask, first, out) -> None:
     """One batch's alignment errors at `gap` for every view with something there (`mlp`: block â†’ MLP output)."""
-    for view in views:
-        if view in (DENSE, PRUNED):
-            continue
-        op, mlp_map = _maps(pruned, view, gap.key)
-        if op is None and mlp_map is None:
-            continue
+    for view, op, mlp_map in _repairs(pruned, views, gap.key):
         x_hat = x_pre
         if mlp_map is not None:
             u = mlp[gap.start - 1]
@@ -139,19 +137,13 @@ def analyse(pruned: PrunedModel, views: list[str], batches: list[dict[str, torch
     gaps = {}
     for gap in pruned.plan.gaps:
         entry = {}
-        for view in views:
-            if view in (DENSE, PRUNED):
-                continue
-            op, mlp_map = _maps(pruned, view, gap.key)
-            row: dict = {}
+        for view, op, _ in _repairs(pruned, views, gap.key):
+            row = {"anatomy": "n/a: folded into existing weights (a scalar or a map on the MLP output)"}
             if op is not None and not op.fused:
                 row["anatomy"] = operator_anatomy(op.delta)
-            elif op is not None or mlp_map is not None:
-                row["anatomy"] = "n/a: folded into existing weights (a scalar or a map on the MLP output)"
             if view in errors[gap.key]:
                 row.update(errors[gap.key][view].summary())
-            if row:
-                entry[view] = row
+            entry[view] = row
         gaps[gap.key] = entry
     windows = sum(int(b["input_ids"].shape[0]) for b in batches)
     return {"held_out_windows": windows, "gaps": gaps}

@@ -25,8 +25,7 @@ def operator_anatomy(delta: torch.Tensor, top: int = 16) -> dict:
     if delta.ndim != 2 or delta.shape[0] != delta.shape[1]:
         raise ValueError(f"an operator is square; got shape {tuple(delta.shape)}")
     m = delta.detach().to(torch.float64).cpu()
-    c = m.shape[0]
-    w = m + torch.eye(c, dtype=torch.float64)
+    w = m + torch.eye(m.shape[0], dtype=torch.float64)
     anti = (m - m.T) / 2
     m2, w2, k2 = float((m * m).sum()), float((w * w).sum()), float((anti * anti).sum())
     sv = torch.linalg.svdvals(m)

@@ -54,10 +54,6 @@ def student_pass(
     return run
 
 
-def _key(gaps: Sequence[Gap]) -> tuple[tuple[int, int], ...]:
-    return tuple((g.start, g.stop) for g in gaps)
-
-
 class SequentialFitter:
     """Fits every entry of `cfgs` to the gaps of a plan in order, each gap from the dense statistics or, for a
     sequential entry past the first gap, from a student pass of its own (`student`); each entry's fits are
@@ -100,7 +96,8 @@ class SequentialFitter:
             register_view(pruned, name, f)
         for k, gap in enumerate(gaps):
             keys = {
-                c.name: _key(gaps[: k + 1]) if self.sequential[c.name] and k > 0 else _key([gap]) for c in self.cfgs
+                c.name: tuple((g.start, g.stop) for g in (gaps[: k + 1] if self.sequential[c.name] else [gap]))
+                for c in self.cfgs
             }
             fresh = self._student_statistics(pruned, gap, fits, k, keys)
             for c in self.cfgs:

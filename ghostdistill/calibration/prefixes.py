@@ -10,7 +10,9 @@ as a separate pass over those windows would (to float64 rounding in the order of
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sequence
+from itertools import pairwise
 
 import torch
 from torch import nn
@@ -30,34 +32,8 @@ def prefix_batches(num_windows: int, sizes: Sequence[int], batch_size: int) -> l
     bad = [s for s in sizes if not 0 < s <= num_windows]
     if bad:
         raise ValueError(f"calibration sizes {bad} are not in 1..{num_windows} (the windows available)")
-    cuts = sorted(set(sizes) | {num_windows})
-    out, start = [], 0
-    for cut in cuts:
-        while start < cut:
-            stop = min(start + batch_size, cut)
-            out.append((start, stop))
-            start = stop
-    return out
-
-
-def _copy(
-    stats: Stats, methods: set[str], hidden: int, device: torch.device | str, recovery: list[RecoveryConfig] | None
-) -> Stats:
-    out = {}
-    for key, collectors in stats.items():
-        fresh = make_collectors(methods, hidden, device, recovery)
-        for name, c in collectors.items():
-            fresh[name].load_state_dict({k: _clone(v) for k, v in c.state_dict().items()})
-        out[key] = fresh
-    return out
-
-
-def _clone(value):
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    return value
+    cuts = [0, *sorted(set(sizes) | {num_windows})]
+    return [(a, min(a + batch_size, cut)) for prev, cut in pairwise(cuts) for a in range(prev, cut, batch_size)]
 
 
 @torch.no_grad()
@@ -81,4 +57,8 @@ def accumulate_prefixes(
     for start, stop in prefix_batches(len(windows), sizes, batch_size):
         accumulate(model, stack, gaps, [{"input_ids": windows[start:stop]}], stats)
         if stop in wanted:
-            yield stop, _copy(stats, methods, hidden, device, recovery)
+            copies = {key: make_collectors(methods, hidden, device, recovery) for key in stats}
+            for key, collectors in stats.items():
+                for name, c in collectors.items():
+                    copies[key][name].load_state_dict(copy.deepcopy(c.state_dict()))
+            yield stop, copies

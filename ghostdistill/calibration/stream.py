@@ -61,12 +61,11 @@ def accumulate(
         streams, first = residual_streams(model, stack, ids, mask, points, mlp_blocks, mlp)
         if not counted(batch):  # a padding batch: run (sharded blocks gather in lockstep), not counted
             continue
+        where = f"calibration batch {index}"
         for point, stream in streams.items():
-            check_finite(
-                stream, mask, f"calibration batch {index}", f"the residual stream entering block {point}", model
-            )
+            check_finite(stream, mask, where, f"the residual stream entering block {point}", model)
         for block, out in mlp.items():
-            check_finite(out, mask, f"calibration batch {index}", f"the MLP output of block {block}", model)
+            check_finite(out, mask, where, f"the MLP output of block {block}", model)
         summed = counted_tokens(batch, mask)
         for gap in gaps:
             taps = GapTaps(streams[gap.start], streams[gap.stop], summed, first, mlp.get(gap.start - 1))

@@ -11,10 +11,10 @@ rest of the package reads.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
-from ..core.checks import check_unique
+from ..core.checks import check_unique, repeated
 from ..core.settings import cost_only
 from ..methods.config import FT_SUFFIX
 from .interface import get_part, parts
@@ -140,17 +140,8 @@ class DistillConfig:
 
     def run_wide(self, name: str, method: str) -> Student:
         """A student named `name` from `method` with the run-wide recipe."""
-        return Student(
-            name,
-            method,
-            tuple(self.train),
-            self.lr,
-            self.block_lr,
-            self.norm_lr,
-            self.tail_blocks,
-            self.lora,
-            self.loss,
-        )
+        recipe = {f.name: getattr(self, f.name) for f in fields(Student) if f.name not in ("name", "method")}
+        return Student(name, method, **{**recipe, "train": tuple(self.train)})
 
     def specs(self) -> list[Student]:
         """Every student, resolved: the `methods` shorthand first, then `students`, in order (a student's
@@ -204,8 +195,7 @@ class DistillConfig:
                 raise ValueError(
                     f"{where}.method {s.method!r} is not a recovery name of this run; available: {recovery_names}"
                 )
-        views = self.views()
-        twice = sorted({v for v in views if views.count(v) > 1})
+        twice = sorted(repeated(self.views()))
         if twice:
             raise ValueError(
                 f"distill: students {twice} are named twice (distill.methods makes '<method>_ft'); give each "
@@ -240,8 +230,7 @@ class DistillConfig:
                 f"{where}: train {whole} adapt the same blocks (lora adapts them, blocks and tail train copies "
                 "of them); choose one of them"
             )
-        for key in dict.fromkeys(get_part(t).lr_key for t in known):
-            value = next(get_part(t).lr(s) for t in known if get_part(t).lr_key == key)
+        for key, value in {get_part(t).lr_key: get_part(t).lr(s) for t in known}.items():
             if not value > 0:
                 raise ValueError(f"{where}: {key} must be > 0, got {value}")
         if s.tail_blocks < 0:

@@ -164,14 +164,17 @@ def chunked_distillation_loss(
             t_logits = (teacher_head or head)(t_chunk)
         return token_losses(head(s_chunk), t_logits, y_chunk, cfg).sum()
 
-    total = student_hidden.new_zeros((), dtype=torch.float32)
-    for part in token_chunks(n, cfg.chunk_tokens):
-        y_chunk = y[part] if y is not None else None
-        if s.requires_grad:
-            total = total + checkpoint(chunk_loss, s[part], t[part], y_chunk, use_reentrant=False)
-        else:
-            total = total + chunk_loss(s[part], t[part], y_chunk)
-    return total / n
+    return _chunked_sum(chunk_loss, n, cfg.chunk_tokens, s, t, y) / n
+
+
+def _chunked_sum(loss: Callable, n: int, chunk_tokens: int, s: torch.Tensor, *others) -> torch.Tensor:
+    """Σ `loss` over chunks of `chunk_tokens` of the `n` rows of `s` and `others` (None stays None), in float32;
+    each chunk inside activation checkpointing when `s` needs gradients."""
+    total = s.new_zeros((), dtype=torch.float32)
+    for part in token_chunks(n, chunk_tokens):
+        args = [s[part], *(x[part] if x is not None else None for x in others)]
+        total = total + (checkpoint(loss, *args, use_reentrant=False) if s.requires_grad else loss(*args))
+    return total
 
 
 def hidden_positions(mask: torch.Tensor, first: bool) -> torch.Tensor:
@@ -211,11 +214,5 @@ def hidden_state_loss(
         s = s_full[valid]
         with torch.no_grad():
             t = t_full[valid]
-        part_total = s.new_zeros((), dtype=torch.float32)
-        for part in token_chunks(n, chunk_tokens):
-            if s.requires_grad:
-                part_total = part_total + checkpoint(chunk_loss, s[part], t[part], use_reentrant=False)
-            else:
-                part_total = part_total + chunk_loss(s[part], t[part])
-        total = total + part_total / n
+        total = total + _chunked_sum(chunk_loss, n, chunk_tokens, s, t) / n
     return total / len(student)

@@ -19,7 +19,7 @@ embeddings calls the same weight as its head outside the decoder. The decoder bl
 model loads (`core.sharded.load_sharded`), before calibration; what is sharded here is what the students
 add: their block copies (made whole from the gathered blocks, then sharded) and trainable operators. LoRA
 adapters injected into an already sharded block are not FSDP2 parameters at all: whole on every rank, as
-`replicated` asks.
+`Part.fsdp` ``replicate`` asks.
 """
 
 from __future__ import annotations
@@ -30,35 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..core.sharded import is_sharded
-from ..core.views import PrunedModel
 from .interface import get_part
-
-
-def shard_students(pruned: PrunedModel, views: list[str], mesh, replicated: list[nn.Parameter] = ()) -> int:
-    """Apply `fully_shard` to the units above over `mesh`, leaving the `replicated` parameters (LoRA
-    adapters) whole; returns how many units were sharded."""
-    from torch.distributed.fsdp import fully_shard
-
-    if len(pruned.modules_own):
-        raise ValueError(
-            f"FSDP2 (ModelParallelStrategy) does not shard the students' own head, final norm or norm copies "
-            f"(distill.train tail or norms: {list(pruned.modules_own)}) yet; train them with DDP or on one device"
-        )
-    ignored = set(replicated)
-
-    blocks: list[nn.Module] = list(pruned.dense_layers)
-    for own in pruned.blocks.values():
-        blocks += list(own.values())
-    operators = []
-    for view in views:
-        for group in (pruned.operators[view], pruned.mlp_maps[view]):
-            operators += [op for op in group.values() if any(p.requires_grad for p in op.parameters())]
-    units = [(u, True) for u in blocks if not is_sharded(u)] + [(u, None) for u in operators if not is_sharded(u)]
-    for unit, reshard in units:
-        own = {p for p in unit.parameters() if p in ignored}
-        # A block's weights are freed after its forward (explicit: a unit that is its own root keeps them).
-        fully_shard(unit, mesh=mesh, ignored_params=own or None, reshard_after_forward=reshard)
-    return len(units)
 
 
 def average_replicated_grads(params: list[nn.Parameter], group=None) -> int:
@@ -82,6 +54,14 @@ def shard_for_fsdp2(students, mesh) -> tuple[list[nn.Parameter], object, int]:
     (the parts FSDP2 replicates, `Part.fsdp`: LoRA) and their process group (for `average_replicated_grads`) and
     the number of units sharded. The students' parameter lists are refreshed: sharding replaced the parameter
     objects."""
+    from torch.distributed.fsdp import fully_shard
+
+    pruned = students.pruned
+    if len(pruned.modules_own):
+        raise ValueError(
+            f"FSDP2 (ModelParallelStrategy) does not shard the students' own head, final norm or norm copies "
+            f"(distill.train tail or norms: {list(pruned.modules_own)}) yet; train them with DDP or on one device"
+        )
     whole = [
         p
         for view in students.views
@@ -89,9 +69,19 @@ def shard_for_fsdp2(students, mesh) -> tuple[list[nn.Parameter], object, int]:
         if get_part(kind).fsdp == "replicate"
         for p in ps
     ]
-    units = shard_students(students.pruned, students.views, mesh, replicated=whole)
+    ignored = set(whole)
+    blocks = [*pruned.dense_layers, *(block for own in pruned.blocks.values() for block in own.values())]
+    operators = []
+    for view in students.views:
+        for group in (pruned.operators[view], pruned.mlp_maps[view]):
+            operators += [op for op in group.values() if any(p.requires_grad for p in op.parameters())]
+    units = [(u, True) for u in blocks if not is_sharded(u)] + [(u, None) for u in operators if not is_sharded(u)]
+    for unit, reshard in units:
+        own = {p for p in unit.parameters() if p in ignored}
+        # A block's weights are freed after its forward (explicit: a unit that is its own root keeps them).
+        fully_shard(unit, mesh=mesh, ignored_params=own or None, reshard_after_forward=reshard)
     students.refresh_params()
-    return whole, mesh.get_group(), units
+    return whole, mesh.get_group(), len(units)
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -36,19 +36,12 @@ def is_norm(module: nn.Module) -> bool:
 
 def adjacent_blocks(plan: PruningPlan) -> list[int]:
     """Surviving blocks next to a gap: the one after it and the one before it."""
-    out = set()
-    for gap in plan.gaps:
-        if gap.stop < plan.num_layers:
-            out.add(gap.stop)
-        if gap.start > 0:
-            out.add(gap.start - 1)
-    return sorted(out)
+    return sorted({i for gap in plan.gaps for i in (gap.start - 1, gap.stop) if 0 <= i < plan.num_layers})
 
 
 def tail_blocks(plan: PruningPlan, k: int) -> list[int]:
     """The last `k` surviving blocks (dense indices)."""
-    kept = list(plan.kept)
-    return kept[len(kept) - min(k, len(kept)) :]
+    return list(plan.kept)[max(len(plan.kept) - k, 0) :]
 
 
 def tail_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -161,7 +154,31 @@ class Lora(Part):
         return plan.kept[0] if plan.kept else None
 
     def build(self, students: Students, views: list[str]) -> None:
-        layers = add_lora(students.pruned, {v: students.specs[v] for v in views})
+        """One peft adapter named after each of `views` on the surviving blocks."""
+        from peft import LoraConfig, inject_adapter_in_model
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        pruned = students.pruned
+        with pruned.use(DENSE) as model:
+            for view in views:
+                settings = students.specs[view].lora
+                config = LoraConfig(
+                    r=settings.rank,
+                    lora_alpha=settings.alpha,
+                    lora_dropout=settings.dropout,
+                    target_modules=list(settings.target_modules),
+                    layers_to_transform=list(pruned.plan.kept),
+                    layers_pattern=pruned.stack.attr,
+                )
+                with warnings.catch_warnings():
+                    # One adapter per student on the same blocks is the point; peft warns about it.
+                    warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+                    inject_adapter_in_model(config, model, adapter_name=view)
+                if not any(view in getattr(m, "lora_A", {}) for m in model.modules() if isinstance(m, BaseTunerLayer)):
+                    raise ValueError(
+                        f"distill.lora.target_modules {settings.target_modules} ({view}) matched no layer of the blocks"
+                    )
+        layers = [m for m in pruned.model.modules() if isinstance(m, BaseTunerLayer)]
         students.state["lora"] = layers
 
         def on_view(view: str) -> None:
@@ -246,8 +263,7 @@ class Norms(Part):
     lr_key = "norm_lr"
     fsdp = "refuse"
 
-    def first_block(self, plan: PruningPlan, student: Student) -> int | None:
-        return plan.kept[0] if plan.kept else None
+    first_block = Lora.first_block  # like the adapters, the norms of every surviving block
 
     def build(self, students: Students, views: list[str]) -> None:
         for view in views:
@@ -263,32 +279,3 @@ class Norms(Part):
 
 for _part in (Operators(), Lora(), Blocks(), Tail(), Norms()):
     register(_part)
-
-
-def add_lora(pruned: PrunedModel, specs: dict[str, Student]) -> list[nn.Module]:
-    """One peft adapter named after each student of `specs` on the surviving blocks; returns every adapted
-    layer."""
-    from peft import LoraConfig, inject_adapter_in_model
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    with pruned.use(DENSE) as model:
-        for view, spec in specs.items():
-            settings = spec.lora
-            config = LoraConfig(
-                r=settings.rank,
-                lora_alpha=settings.alpha,
-                lora_dropout=settings.dropout,
-                target_modules=list(settings.target_modules),
-                layers_to_transform=list(pruned.plan.kept),
-                layers_pattern=pruned.stack.attr,
-            )
-            with warnings.catch_warnings():
-                # One adapter per student on the same blocks is the point; peft warns about it.
-                warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
-                inject_adapter_in_model(config, model, adapter_name=view)
-            layers = [m for m in pruned.model.modules() if isinstance(m, BaseTunerLayer)]
-            if not any(view in getattr(m, "lora_A", {}) for m in layers):
-                raise ValueError(
-                    f"distill.lora.target_modules {settings.target_modules} ({view}) matched no layer of the blocks"
-                )
-    return [m for m in pruned.model.modules() if isinstance(m, BaseTunerLayer)]

@@ -85,7 +85,6 @@ class Students:
         self._heads: dict[str, object] = {}
         self._sites: dict[str, list[nn.Module]] = {}
 
-    # ---------------------------------------------------------------- building
     def _first_trained_block(self, spec: Student) -> int:
         plan = self.pruned.plan
         firsts = [get_part(kind).first_block(plan, spec) for kind in spec.train]
@@ -95,9 +94,8 @@ class Students:
         """Create every fine-tuned view from its method's fitted view, then each part it trains; freeze
         everything else."""
         pruned = self.pruned
-        pruned.model.requires_grad_(False)
-        pruned.operators.requires_grad_(False)
-        pruned.mlp_maps.requires_grad_(False)
+        for frozen in (pruned.model, pruned.operators, pruned.mlp_maps):
+            frozen.requires_grad_(False)
         for view, spec in self.specs.items():
             operators = {k: copy.deepcopy(op) for k, op in pruned.operators[spec.method].items()}
             mlp_maps = {k: copy.deepcopy(op) for k, op in pruned.mlp_maps[spec.method].items()}
@@ -123,7 +121,6 @@ class Students:
             for p in self.params[view].all():
                 p.requires_grad_(True)
 
-    # ---------------------------------------------------------------- forwards
     def head(self, view: str):
         """hidden → logits of `view` (a `tail` student has its own head)."""
         if view not in self._heads:
@@ -136,45 +133,37 @@ class Students:
             self._sites[view] = stream_sites(self.pruned, view)
         return self._sites[view]
 
-    def needs_streams(self) -> bool:
-        return any(s.loss.hidden_weight > 0 for s in self.specs.values())
-
     @staticmethod
-    def _grab(store: dict, key):
+    def _grab(seen: list, k: int):
         def hook(module, args, kwargs):
-            store[key] = args[0] if args else kwargs["hidden_states"]
+            seen[k] = args[0] if args else kwargs["hidden_states"]
 
         return hook
 
-    def _forward(self, view: str, batch, skip: int, embeds, taps: dict) -> torch.Tensor:
-        """The decoder of `view` on `batch` (from `embeds` entering block `skip` when given), with forward
-        pre-hooks capturing the input of each module of `taps` (module → key) into the returned store."""
-        model = self.pruned.model
-        ids, mask = model_inputs(model, batch)
-        store: dict = {}
-        handles = [m.register_forward_pre_hook(self._grab(store, key), with_kwargs=True) for m, key in taps.items()]
+    def _forward(self, view: str, batch, skip: int, embeds, taps: list[nn.Module]) -> tuple[torch.Tensor, list]:
+        """The decoder of `view` on `batch` (from `embeds` entering block `skip` when given): its final hidden
+        states and the input of each module of `taps`, captured by forward pre-hooks."""
+        ids, mask = model_inputs(self.pruned.model, batch)
+        inputs = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
+        seen: list = [None] * len(taps)
+        handles = [m.register_forward_pre_hook(self._grab(seen, k), with_kwargs=True) for k, m in enumerate(taps)]
         try:
             with self.pruned.use(view, skip=skip) as m:
-                if embeds is None:
-                    out = decoder_of(m)(input_ids=ids, attention_mask=mask, use_cache=False)
-                else:
-                    out = decoder_of(m)(inputs_embeds=embeds, attention_mask=mask, use_cache=False)
+                out = decoder_of(m)(**inputs, attention_mask=mask, use_cache=False)
         finally:
             for h in handles:
                 h.remove()
-        store["hidden"] = out.last_hidden_state
-        return store
+        return out.last_hidden_state, seen
 
     def teacher(self, batch: dict[str, torch.Tensor]) -> TeacherPass:
         """One dense pass: final hidden states, the stream entering each student's start, and (with a
         hidden-state term) the stream after each gap."""
         starts = sorted({i for i in self.starts.values() if i > 0}) if self.share_prefix else []
-        sites = self._stream_sites(DENSE) if self.needs_streams() else []
-        taps = {m: k for k, m in enumerate([*(self.pruned.dense_layers[i] for i in starts), *sites])}
+        sites = self._stream_sites(DENSE) if any(s.loss.hidden_weight > 0 for s in self.specs.values()) else []
+        taps = [*(self.pruned.dense_layers[i] for i in starts), *sites]
         with torch.no_grad():
-            store = self._forward(DENSE, batch, 0, None, taps)
-        prefixes = {i: store[taps[self.pruned.dense_layers[i]]] for i in starts}
-        return TeacherPass(store["hidden"], prefixes, [store[taps[m]] for m in sites] if sites else None)
+            hidden, seen = self._forward(DENSE, batch, 0, None, taps)
+        return TeacherPass(hidden, dict(zip(starts, seen)), seen[len(starts) :] or None)
 
     def student(self, view: str, batch: dict[str, torch.Tensor], teacher: TeacherPass | None = None) -> StudentPass:
         """A student's final hidden states (from the teacher's stream at its start when shared), and the
@@ -185,9 +174,8 @@ class Students:
         # skips exactly `start` of its blocks.
         skip = start if embeds is not None else 0
         sites = self._stream_sites(view) if self.specs[view].loss.hidden_weight > 0 else []
-        taps = {m: k for k, m in enumerate(sites)}
-        store = self._forward(view, batch, skip, embeds, taps)
-        return StudentPass(store["hidden"], [store[taps[m]] for m in sites] if sites else None)
+        hidden, streams = self._forward(view, batch, skip, embeds, sites)
+        return StudentPass(hidden, streams or None)
 
     @torch.no_grad()
     def check_prefix(self, batch: dict[str, torch.Tensor]) -> bool:
@@ -211,7 +199,6 @@ class Students:
             self.starts = dict.fromkeys(self.views, 0)
         return self.share_prefix
 
-    # ---------------------------------------------------------------- state
     def trainable_state(self, view: str) -> dict[str, torch.Tensor]:
         """A copy of a student's trainable values by parameter name (to keep its best step); sharded
         parameters keep their shard, so each rank copies only its part."""

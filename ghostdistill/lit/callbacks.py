@@ -4,9 +4,11 @@ files, after `test`) and `Export` (Hugging Face folders of chosen views, after t
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from tqdm.auto import tqdm
 
@@ -41,16 +43,13 @@ class Calibration(Callback):
         self.progress = progress
         self.done = False
 
-    def _bar(self, items, desc: str):
-        return tqdm(items, desc=desc, disable=not self.progress)
-
     def setup(self, trainer: Trainer, pl_module: GhostDistill, stage: str) -> None:
         if self.done:
             return
         run = pl_module.run
         check_before_run(trainer, pl_module)
         check_strategy(trainer, run.cfg.distill)
-        run.progress, run.write = self._bar, trainer.is_global_zero
+        run.progress, run.write = partial(tqdm, disable=not self.progress), trainer.is_global_zero
         run.device = trainer.strategy.root_device  # where an offloaded model's blocks are brought
         run.setup(trainer.default_root_dir, distilling=pl_module.distilling)
         pl_module.configure_model()  # registers the run's model
@@ -89,8 +88,6 @@ def check_before_run(trainer: Trainer, pl_module: GhostDistill) -> None:
 def check_strategy(trainer: Trainer, distill: DistillConfig | None = None) -> None:
     """Strategies the views work with: single device, DDP, FSDP2 (`ModelParallelStrategy`; not for students
     that train a part FSDP2 does not shard, `Part.fsdp`: their own head or norms)."""
-    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-
     strategy = trainer.strategy
     if isinstance(strategy, FSDPStrategy):
         raise ValueError(
@@ -103,10 +100,8 @@ def check_strategy(trainer: Trainer, distill: DistillConfig | None = None) -> No
         raise ValueError(
             "DeepSpeed ZeRO-3 with the teacher inside the module crashes in Lightning; use ZeRO-2, ddp or FSDP2"
         )
-    refused = {
-        s.name: [k for k in s.train if get_part(k).fsdp == "refuse"] for s in (distill.specs() if distill else [])
-    }
-    own = {name: kinds for name, kinds in refused.items() if kinds}
+    specs = distill.specs() if distill else []
+    own = {s.name: kinds for s in specs if (kinds := [k for k in s.train if get_part(k).fsdp == "refuse"])}
     if isinstance(strategy, ModelParallelStrategy) and own and trainer.max_steps != 0:
         raise ValueError(
             f"students {list(own)} train their own output head, final norm or norm gains (distill.train "

@@ -3,6 +3,8 @@ make several processes read each window once."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
@@ -34,11 +36,7 @@ class _Windows(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         n, w = len(self.ids), self.ids
         if isinstance(w, ChatWindows):
-            item = {
-                "input_ids": w.input_ids[i % n],
-                "attention_mask": w.attention_mask[i % n],
-                "answers": w.answers[i % n],
-            }
+            item = {k: getattr(w, k)[i % n] for k in ("input_ids", "attention_mask", "answers")}
         else:
             item = {"input_ids": w[i % n], "attention_mask": torch.ones_like(w[i % n])}
         return {**item, "counted": torch.tensor(i < n)}
@@ -79,18 +77,12 @@ class StepWindows(IterableDataset):
 
     def __iter__(self):
         per_global = self.batch_size * self.world
-        position = self.start_batch * per_global  # windows of the global stream already used
-        epoch, offset = divmod(position, len(self.ids))
-        order = self.order(epoch)
+        # The global stream of window indices, after the windows already used.
+        epoch, offset = divmod(self.start_batch * per_global, len(self.ids))
+        later = itertools.chain.from_iterable(map(self.order, itertools.count(epoch + 1)))
+        stream = itertools.chain(self.order(epoch)[offset:], later)
         while True:
-            chunk = []
-            while len(chunk) < per_global:
-                if offset == len(order):
-                    epoch, offset = epoch + 1, 0
-                    order = self.order(epoch)
-                take = min(per_global - len(chunk), len(order) - offset)
-                chunk += order[offset : offset + take]
-                offset += take
+            chunk = list(itertools.islice(stream, per_global))
             for i in chunk[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]:
                 yield {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i])}
 

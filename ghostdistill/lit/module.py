@@ -16,6 +16,7 @@ from dataclasses import asdict
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from ..core.model import ModelConfig, decoder_stack
@@ -23,7 +24,7 @@ from ..core.offload import is_offloaded
 from ..core.views import PrunedModel
 from ..distill.config import DistillConfig
 from ..distill.optim import clip_per_student, make_optimizer
-from ..distill.parallel import ranks_agree, shard_mesh
+from ..distill.parallel import average_replicated_grads, ranks_agree, shard_for_fsdp2, shard_mesh
 from ..methods import RecoveryConfig
 from ..pipeline.calibrate import Dist
 from ..pipeline.config import EvalConfig, RunConfig
@@ -92,12 +93,9 @@ class GhostDistill(LightningModule):
     def cfg(self) -> RunConfig:
         return self.run.cfg
 
-    # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
         """Load the model once (registered here, so it moves with the module); under FSDP2
         (`ModelParallelStrategy`) its blocks are sharded as it loads, and the students once they exist."""
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
         strategy = self._trainer.strategy if self._trainer is not None else None
         fsdp2 = isinstance(strategy, ModelParallelStrategy)
         if self.llm is None:
@@ -115,8 +113,6 @@ class GhostDistill(LightningModule):
             return
         students = self.run.students
         if students is not None and self._replicated is None and fsdp2:
-            from ..distill.parallel import shard_for_fsdp2
-
             lora, group, units = shard_for_fsdp2(students, shard_mesh(self.device_mesh))
             self._replicated = (lora, group)
             rank_zero_info(f"FSDP2: {units} units sharded over {self.trainer.world_size} ranks")
@@ -130,10 +126,7 @@ class GhostDistill(LightningModule):
 
     @property
     def distilling(self) -> bool:
-        try:
-            trainer = self.trainer
-        except RuntimeError:  # not attached to a Trainer
-            return False
+        trainer = self._trainer  # None: not attached to a Trainer
         return trainer is not None and trainer.max_steps != 0 and bool(self.cfg.distill.views())
 
     def dist(self) -> Dist:
@@ -151,7 +144,6 @@ class GhostDistill(LightningModule):
                     module.train(True)
         return self
 
-    # --------------------------------------------------------------- training
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if not self.distilling or self.run.students is None:
             raise RuntimeError(NO_DISTILL_METHODS)
@@ -169,14 +161,11 @@ class GhostDistill(LightningModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         if self._replicated is not None:
-            from ..distill.parallel import average_replicated_grads
-
             average_replicated_grads(*self._replicated)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         clip_per_student(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
-    # ------------------------------------------------------------- validation
     # Validation is `pipeline.train.validate`, called here rather than by Lightning's validation loop: that
     # loop cannot validate before the first step (its sanity check is not part of the history and reruns on
     # resume), does not validate after a last step that `val_check_interval` does not divide, and counts
@@ -210,7 +199,6 @@ class GhostDistill(LightningModule):
         finally:
             self.train(was_training)
 
-    # ------------------------------------------------------------ checkpoints
     def state_dict(self, *args, **kwargs):
         """Only what trains: checkpoints never hold the frozen base (it comes from `model.source` on resume), and
         under FSDP2 the full-state gather of a checkpoint (`get_model_state_dict`) then never assembles the
@@ -237,7 +225,6 @@ class GhostDistill(LightningModule):
         self.run.tracker = BestSteps(list(extra.get("history", [])), dict(extra.get("best", {})))
         self.run.last_validated = extra.get("last_validated")
 
-    # ------------------------------------------------------------- evaluation
     def on_test_start(self) -> None:
         self.run.start_evaluation(self.device)
 

@@ -8,12 +8,13 @@ distil through one loop: `GhostDistill`'s hooks, the data module's windows, the 
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from dataclasses import fields
 from pathlib import Path
 
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback, Trainer, seed_everything
 
 from ..core.lock import hold_folder
 from ..pipeline.run import Run
@@ -23,17 +24,14 @@ from .datamodule import GhostDataModule
 from .module import GhostDistill
 
 
-class _DropTips(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("💡 Tip")
-
-
 def quiet_console() -> None:
     """A run's console shows the plan, progress, the result table and where files went, not library chatter:
     Lightning's advertising tip, a deprecation inside Lightning's own pytree helper, and LightningCLI's note on
     `args` (calls of `main` from Python pass their own arguments on purpose)."""
     # rank_zero_info logs through this logger (a filter on a logger sees only its own records).
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropTips())
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: not str(record.msg).startswith("💡 Tip")
+    )
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
@@ -74,8 +72,6 @@ OWNED = {"max_steps": "max_steps (the API's steps)", "default_root_dir": "the ru
 def check_trainer_options(options: dict) -> None:
     """`options` are Trainer keywords that `fit_run` leaves to its caller: a one-line error before any work
     otherwise (a misspelt key would be a TypeError from deep inside Lightning)."""
-    import inspect
-
     known = set(inspect.signature(Trainer.__init__).parameters) - {"self", "callbacks", *OWNED}
     owned = [f"{k}: set by {OWNED[k]}" for k in options if k in OWNED]
     unknown = sorted(k for k in options if k not in known and k not in OWNED)
@@ -87,8 +83,6 @@ def check_trainer_options(options: dict) -> None:
 def fit_and_test(trainer: Trainer, module: GhostDistill, data: GhostDataModule, ckpt_path: str | None = None) -> None:
     """Distil when there are steps to take (resuming from `ckpt_path`), then evaluate every view (on the
     evaluation sources: a run without any, the Python API's `distill_student` of no `texts`, ends after training)."""
-    import inspect
-
     # One run per run folder at a time (rank 0 of several holds it); the lock goes with the process.
     root = Path(trainer.default_root_dir)
     advice = "wait for it to finish, or choose another trainer.default_root_dir"
@@ -116,8 +110,6 @@ def fit_run(
     `ckpt_path`: resume as `fit --ckpt_path` does (``last``: `<root>/checkpoints/last.ckpt`, when there is one).
     `trainer_options`: further Trainer keywords (e.g. `gradient_clip_val`, `precision`, `accelerator`), as a
     config file's `trainer` section."""
-    from lightning.pytorch import seed_everything
-
     check_trainer_options(trainer_options)
     if seed is not None:
         seed_everything(seed, verbose=False)
@@ -125,8 +117,7 @@ def fit_run(
     data = GhostDataModule(**{f.name: getattr(run.cfg.data, f.name) for f in fields(run.cfg.data)})
     options = {**TRAINER_DEFAULTS, "enable_progress_bar": progress, **trainer_options}
     options.update(default_root_dir=str(root), max_steps=max_steps)
-    extra = [Calibration(progress=progress)]
-    callbacks = run_callbacks(extra, root, max_steps, run.cfg.distill.checkpoint_every)
+    callbacks = run_callbacks([Calibration(progress=progress)], root, max_steps, run.cfg.distill.checkpoint_every)
     trainer = Trainer(callbacks=callbacks, **options)
     ckpt = resolve_ckpt_path(ckpt_path, Path(root), trainer.is_global_zero) if max_steps else None
     fit_and_test(trainer, module, data, ckpt)
