@@ -246,7 +246,7 @@ READ_GROUPS = fit_groups(GhostConfig(fit=f) for f in FIT_WEIGHTING)
 
 
 class GhostCollectorMixin(Method):
-    """The statistics of `ghost` and `ghost_symmetric`: every group (`parts=None`), or the given ones."""
+    """`GhostStatistics` for `ghost`, `ghost_symmetric` and the rotations: `all_parts`, or the groups `parts`."""
 
     all_parts = GhostStatistics.GROUPS
 
@@ -257,7 +257,7 @@ class GhostCollectorMixin(Method):
     def collector(
         self, hidden_size: int, device: torch.device | str, parts: Iterable[str] | None = None
     ) -> GhostStatistics:
-        return GhostStatistics(hidden_size, device=device, groups=parts)
+        return GhostStatistics(hidden_size, device=device, groups=self.all_parts if parts is None else parts)
 
     def parts(self, cfgs: Iterable[GhostSymmetricConfig]) -> tuple[str, ...]:
         """What fitting `cfgs` reads (`make_collectors(..., recovery=...)` sizes the collector to it); every
@@ -270,13 +270,14 @@ class GhostCollectorMixin(Method):
 class Ghost(GhostCollectorMixin):
     name = "ghost"
     config = GhostConfig
+    symmetric = False  # `ghost_symmetric`: M = Mᵀ
     card = (
         "ghost operators: a closed-form least-squares map W = I + M on the residual stream at each gap "
         "(first-position tokens get their own mean shift where the fit uses one)"
     )
 
     def fit(self, cfg: GhostConfig, gap: Gap, stats: GhostStatistics, hidden_size: int) -> GapFit:
-        return GapFit(operator=fit_ghost(cfg, gap, stats))
+        return GapFit(operator=fit_ghost(cfg, gap, stats, symmetric=self.symmetric))
 
 
 def fit_ghost(cfg: GhostSymmetricConfig, gap: Gap, stats: GhostStatistics, *, symmetric: bool = False) -> GhostOperator:

@@ -84,11 +84,15 @@ class ReplaceMe(Method):
 @torch.no_grad()
 def fuse_mlp_map(block: nn.Module, t: torch.Tensor) -> None:
     """Make `block`'s MLP output h·W_downᵀ·T without an extra module."""
-    down = last_linear(mlp_module(block), MLP_OUT)
-    t = t.to(torch.float64)
-    down.weight.copy_((t.T @ down.weight.to(torch.float64)).to(down.weight.dtype))
-    if down.bias is not None:
-        down.bias.copy_((down.bias.to(torch.float64) @ t).to(down.bias.dtype))
+    fuse_output_map(last_linear(mlp_module(block), MLP_OUT), t)
+
+
+def fuse_output_map(lin: nn.Linear, t: torch.Tensor) -> None:
+    """`lin`'s output y ↦ y·T, written into it: W ← Tᵀ·W, b ← b·T (in float64)."""
+    t = t.to(device=lin.weight.device, dtype=torch.float64)
+    lin.weight.copy_((t.T @ lin.weight.to(torch.float64)).to(lin.weight.dtype))
+    if lin.bias is not None:
+        lin.bias.copy_((lin.bias.to(torch.float64) @ t).to(lin.bias.dtype))
 
 
 register(ReplaceMe())

@@ -52,9 +52,10 @@ from torch import nn
 
 from ..core.operator import GhostOperator, ReparametrisedOperator
 from ..core.plan import Gap
-from .ghost import GhostStatistics
-from .interface import GapFit, Method, Ordered, register, residual_identity
+from .ghost import GhostCollectorMixin, GhostStatistics
+from .interface import GapFit, Ordered, register, residual_identity
 from .magnitude import fold_residual_scale
+from .replaceme import fuse_output_map
 
 
 def procrustes(xtx: torch.Tensor, xty: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -110,7 +111,7 @@ def first_direction(stats: GhostStatistics) -> torch.Tensor:
     return mean / norm
 
 
-class _Rotation(Method):
+class _Rotation(GhostCollectorMixin):
     through = False
 
     @property
@@ -119,14 +120,6 @@ class _Rotation(Method):
 
     def parts(self, cfgs: Iterable[Ordered]) -> tuple[str, ...]:
         return self.all_parts
-
-    def collector(
-        self, hidden_size: int, device: torch.device | str, parts: Iterable[str] | None = None
-    ) -> GhostStatistics:
-        return GhostStatistics(hidden_size, device=device, groups=self.all_parts if parts is None else parts)
-
-    def token_groups(self, stats: GhostStatistics) -> dict:
-        return vars(stats.counts)
 
     def solve(self, xtx: torch.Tensor, xty: torch.Tensor, stats: GhostStatistics) -> tuple[float, torch.Tensor]:
         """(c, Q) from A = Σ w² xᵀx and M = Σ w² xᵀy: the free Procrustes (`rotation_anchored` constrains it)."""
@@ -304,18 +297,10 @@ def _read(lin: nn.Linear, q: torch.Tensor) -> None:
     lin.weight.copy_((lin.weight.to(torch.float64) @ q.to(lin.weight.device)).to(lin.weight.dtype))
 
 
-def _write(lin: nn.Linear, t: torch.Tensor) -> None:
-    t = t.to(lin.weight.device)
-    lin.weight.copy_((t.T @ lin.weight.to(torch.float64)).to(lin.weight.dtype))
-    if lin.bias is not None:
-        lin.bias.copy_((lin.bias.to(torch.float64) @ t).to(lin.bias.dtype))
-
-
 @torch.no_grad()
 def rotate_blocks(blocks: list[nn.Module], q: torch.Tensor) -> None:
-    """Transform each of `blocks` by the orthogonal Q (in place: the caller passes copies)."""
+    """Transform each of `blocks` by the orthogonal Q (in place: the caller passes checked copies)."""
     for block in blocks:
-        check_foldable(block)
         attn, mlp = block.self_attn, block.mlp
         readers = {
             block.input_layernorm: [getattr(attn, n) for n in _ATTN_IN],
@@ -325,8 +310,8 @@ def rotate_blocks(blocks: list[nn.Module], q: torch.Tensor) -> None:
             _absorb_gain(norm, lins)
             for lin in lins:
                 _read(lin, q)
-        _write(attn.o_proj, q)
-        _write(mlp.down_proj, q)
+        fuse_output_map(attn.o_proj, q)
+        fuse_output_map(mlp.down_proj, q)
 
 
 @torch.no_grad()
