@@ -137,12 +137,4 @@ def greedy_steps(plan_cfg: PlanConfig, fingerprint_at: Callable[[int], str]) -> 
     return [steps[f"step {t}"] for t in range(1, len(steps) + 1)]
 
 
-class RepairGreedy(RepairAware):
-    """``criterion: repair_greedy``: one block at a time, any block, each step keeping the removal whose
-    repaired model is closest to the dense one on the selection windows."""
-
-    name = "repair_greedy"
-    search = staticmethod(repair_greedy_plan)
-
-
-register(RepairGreedy())
+register(RepairAware("repair_greedy", repair_greedy_plan))

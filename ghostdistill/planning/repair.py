@@ -156,13 +156,4 @@ def repair_plan(plan_cfg: PlanConfig, cfg: RecoveryConfig, inputs: PlanInputs) -
     )
 
 
-class Repair(RepairAware):
-    """``criterion: repair``: every contiguous run of `num_layers` blocks, repaired from one dense pass and
-    scored on the selection windows; the run with the lowest KL goes."""
-
-    name = "repair"
-    contiguous = True
-    search = staticmethod(repair_plan)
-
-
-register(Repair())
+register(RepairAware("repair", repair_plan, contiguous=True))
