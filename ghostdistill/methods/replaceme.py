@@ -59,14 +59,8 @@ class ReplaceMe(Method):
     def fit(self, cfg: Solved, gap: Gap, stats: ReplaceMeStatistics, hidden_size: int) -> GapFit:
         if gap.start == 0:
             raise ValueError(f"replaceme: gap {gap.key} starts at block 0, there is no MLP before it")
-        t = solve(
-            stats.mtm,
-            stats.mtr,
-            cfg.solver,
-            cfg.ridge,
-            tokens=stats.tokens,
-            what=f"{cfg.name} (replaceme) gap {gap.key}",
-        )
+        what = f"{cfg.name} (replaceme) gap {gap.key}"
+        t = solve(stats.mtm, stats.mtr, cfg.solver, cfg.ridge, tokens=stats.tokens, what=what)
         return GapFit(mlp_map=operator_of(t, fused=True))
 
     def identity(self, cfg: Solved, hidden_size: int) -> GapFit:

@@ -53,7 +53,7 @@ from torch import nn
 from ..core.operator import GhostOperator, ReparametrisedOperator
 from ..core.plan import Gap
 from .ghost import GhostCollectorMixin, GhostStatistics
-from .interface import GapFit, Ordered, register, residual_identity
+from .interface import GapFit, Ordered, register
 from .magnitude import fold_residual_scale
 from .replaceme import fuse_output_map
 
@@ -165,7 +165,7 @@ class RotationThrough(_Rotation):
     card = "rotation_through: W = c·Q at each gap (weighted Procrustes) for every token, folded into the weights"
 
     def identity(self, cfg: Ordered, hidden_size: int) -> GapFit:
-        return residual_identity(cfg, hidden_size, fused=True)
+        return GapFit(operator=GhostOperator(hidden_size, fused=True))
 
     def student_operator(self, operator: GhostOperator) -> ScaledRotationOperator:
         """What a student trains in place of the fitted operator: the scaled rotations around it (module
@@ -173,9 +173,8 @@ class RotationThrough(_Rotation):
         return ScaledRotationOperator(operator)
 
     def fold(self, blocks: list[nn.Module | None], gap: Gap, fit: GapFit) -> None:
-        """`blocks`: the dense model's blocks (None where gone): the surviving blocks before the gap are
-        rotated by Q, those after it write ÷ c; the writer puts Q₁⋯Qₙ into the embedding. Called gap by gap
-        in plan order (`export.fold` derives why that composes the gaps right)."""
+        """`fold_rotation`; the writer puts Q₁⋯Qₙ into the embedding. Called gap by gap in plan order
+        (`export.fold` derives why that composes the gaps right)."""
         fold_rotation(blocks, gap, fit.operator)
 
 
@@ -219,11 +218,7 @@ class ScaledRotationOperator(ReparametrisedOperator):
     def __init__(self, fitted: GhostOperator) -> None:
         super().__init__(fitted)
         anchor = getattr(fitted, "anchor", None)
-        if anchor is not None:
-            u = anchor.to(torch.float32) / anchor.norm()
-            self.register_buffer("anchor", u.clone())
-        else:
-            self.anchor = None
+        self.register_buffer("anchor", None if anchor is None else anchor.to(torch.float32) / anchor.norm())
         self.generator = nn.Parameter(torch.zeros_like(self.base))
 
     def change(self, t: torch.Tensor) -> torch.Tensor:

@@ -85,8 +85,7 @@ def repair_greedy_plan(plan_cfg: PlanConfig, cfg: RecoveryConfig, inputs: PlanIn
         best = min(tried, key=lambda b: (tried[b], b))
         removed.append(best)
         steps[f"step {t + 1}"] = {"kept": best, "kl": tried[best], "tried": {str(b): kl for b, kl in tried.items()}}
-        chosen = plans[best]
-        fitter.keep_only(chosen.gaps)
+        fitter.keep_only(plans[best].gaps)
     seconds = time.perf_counter() - start
     return PruningPlan.from_layers(
         removed,
