@@ -135,7 +135,7 @@ class _Rotation(GhostCollectorMixin):
         except ValueError as err:
             raise ValueError(f"gap {gap.key}: {err}") from None
         eye = torch.eye(hidden_size, dtype=torch.float64, device=q.device)
-        op = GhostOperator(hidden_size, separate_first=not self.through, fused=self.through)
+        op = self.identity(cfg, hidden_size).operator
         op.load_solution(c * q - eye, None if self.through else stats.first_shift())
         anchor = self.anchor(stats)
         if anchor is not None:
@@ -143,6 +143,9 @@ class _Rotation(GhostCollectorMixin):
             # resumed run solves the operators again from the statistics.
             op.register_buffer("anchor", anchor.to(torch.float32), persistent=False)
         return GapFit(operator=op)
+
+    def identity(self, cfg: Ordered, hidden_size: int) -> GapFit:
+        return GapFit(operator=GhostOperator(hidden_size, separate_first=not self.through, fused=self.through))
 
     def anchor(self, stats: GhostStatistics) -> torch.Tensor | None:
         """The direction the fitted Q fixes (u·Q = u), or None."""
@@ -153,9 +156,6 @@ class Rotation(_Rotation):
     name = "rotation"
     card = "rotation: W = c·Q at each gap (weighted Procrustes), first-position tokens shifted apart"
 
-    def identity(self, cfg: Ordered, hidden_size: int) -> GapFit:
-        return GapFit(operator=GhostOperator(hidden_size, separate_first=True))
-
 
 class RotationThrough(_Rotation):
     name = "rotation_through"
@@ -163,9 +163,6 @@ class RotationThrough(_Rotation):
     folds = True
     folds_embedding = True  # the export writes the product of the gaps' rotations into the embedding (`export.fold`)
     card = "rotation_through: W = c·Q at each gap (weighted Procrustes) for every token, folded into the weights"
-
-    def identity(self, cfg: Ordered, hidden_size: int) -> GapFit:
-        return GapFit(operator=GhostOperator(hidden_size, fused=True))
 
     def student_operator(self, operator: GhostOperator) -> ScaledRotationOperator:
         """What a student trains in place of the fitted operator: the scaled rotations around it (module
