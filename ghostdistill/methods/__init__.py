@@ -27,7 +27,8 @@ read is rejected (`validate_recovery`):
 
 The package's one public entry point is this module (`ghostdistill.methods`): the interface, the
 configuration and the registry (`interface.py`), and what a run does with them (`config.py`). Method
-modules import from `interface` only (and a family's shared module: `ghost_symmetric` reads `ghost`'s).
+modules import from `interface` and from each other's shared parts (`ghost_symmetric` and the rotations
+build on `ghost`; the rotations fold with `magnitude`'s scale and `replaceme`'s output map).
 
 Adding a method: one module (in this package, or your own) that subclasses `Method` and `MethodConfig` and
 calls `register(...)`; a shipped one is also named in the import line below. Its config class's fields are

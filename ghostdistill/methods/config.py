@@ -85,11 +85,8 @@ def make_collectors(
     for name in sorted(methods):
         method = get_method(name)
         parts = _parts(method, name, recovery)
-        collector = (
-            method.collector(hidden_size, device)
-            if parts is None
-            else method.collector(hidden_size, device, parts=parts)
-        )
+        sized = {} if parts is None else {"parts": parts}  # a method that cannot size its collector takes no `parts`
+        collector = method.collector(hidden_size, device, **sized)
         if collector is not None:
             out[name] = collector
     return out

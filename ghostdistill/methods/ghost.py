@@ -157,26 +157,21 @@ class GhostStatistics:
     def first_shift(self) -> torch.Tensor:
         return self.first_delta_sum / max(self.counts.first, 1)
 
+    SUMS = ("xtx", "xtd", "xsum", "dsum", "scalars")  # the per-group sums
+
     def state_dict(self) -> dict:
-        return {
-            "xtx": self.xtx,
-            "xtd": self.xtd,
-            "xsum": self.xsum,
-            "dsum": self.dsum,
-            "scalars": self.scalars,
-            "first_delta_sum": self.first_delta_sum,
-            "counts": vars(self.counts).copy(),
-        }
+        sums = {k: getattr(self, k) for k in self.SUMS}
+        return {**sums, "first_delta_sum": self.first_delta_sum, "counts": vars(self.counts).copy()}
 
     def load_state_dict(self, state: dict) -> None:
-        missing = [k for k in ("xtx", "xtd", "xsum", "dsum", "scalars") if set(state.get(k, {})) != set(self.groups)]
+        missing = [k for k in self.SUMS if set(state.get(k, {})) != set(self.groups)]
         if missing:
             raise ValueError(
                 f"ghost statistics {missing} do not hold the groups of this collector ({list(self.groups)}): the "
                 "state comes from an older version or from a collector sized for other recovery entries, and "
                 "cannot be resumed"
             )
-        for key in ("xtx", "xtd", "xsum", "dsum", "scalars"):
+        for key in self.SUMS:
             setattr(self, key, {k: v.to(torch.float64) for k, v in state[key].items()})
         self.first_delta_sum = state["first_delta_sum"].to(torch.float64)
         self.counts = TokenCounts(**state["counts"])
@@ -246,7 +241,7 @@ READ_GROUPS = fit_groups(GhostConfig(fit=f) for f in FIT_WEIGHTING)
 
 
 class GhostCollectorMixin(Method):
-    """The statistics of `ghost` and `ghost_symmetric`: every group (`parts=None`), or the given ones."""
+    """`GhostStatistics` for `ghost`, `ghost_symmetric` and the rotations: `all_parts`, or the groups `parts`."""
 
     all_parts = GhostStatistics.GROUPS
 
@@ -257,7 +252,7 @@ class GhostCollectorMixin(Method):
     def collector(
         self, hidden_size: int, device: torch.device | str, parts: Iterable[str] | None = None
     ) -> GhostStatistics:
-        return GhostStatistics(hidden_size, device=device, groups=parts)
+        return GhostStatistics(hidden_size, device=device, groups=self.all_parts if parts is None else parts)
 
     def parts(self, cfgs: Iterable[GhostSymmetricConfig]) -> tuple[str, ...]:
         """What fitting `cfgs` reads (`make_collectors(..., recovery=...)` sizes the collector to it); every
@@ -270,13 +265,14 @@ class GhostCollectorMixin(Method):
 class Ghost(GhostCollectorMixin):
     name = "ghost"
     config = GhostConfig
+    symmetric = False  # `ghost_symmetric`: M = Mᵀ
     card = (
         "ghost operators: a closed-form least-squares map W = I + M on the residual stream at each gap "
         "(first-position tokens get their own mean shift where the fit uses one)"
     )
 
     def fit(self, cfg: GhostConfig, gap: Gap, stats: GhostStatistics, hidden_size: int) -> GapFit:
-        return GapFit(operator=fit_ghost(cfg, gap, stats))
+        return GapFit(operator=fit_ghost(cfg, gap, stats, symmetric=self.symmetric))
 
 
 def fit_ghost(cfg: GhostSymmetricConfig, gap: Gap, stats: GhostStatistics, *, symmetric: bool = False) -> GhostOperator:
@@ -314,14 +310,13 @@ def _match_norm(
     """W → s·W (and c → s·c) with s² = Σ w²‖x_post‖² / Σ w²‖x·W + c‖², from the sums."""
     xtx, xtd = stats.normal_equations(weighting, include_first)
     xsum, _, n, dd = stats.moments(weighting, include_first)
-    c = xtx.shape[0]
-    w = delta + torch.eye(c, dtype=delta.dtype, device=delta.device)
+    eye = torch.eye(xtx.shape[0], dtype=delta.dtype, device=delta.device)
+    w = delta + eye
     target = float(torch.trace(xtx) + 2 * torch.trace(xtd)) + dd  # Σ w²‖x + d‖²
     pred = float(torch.sum(w * (xtx @ w)))
     if bias is not None:
         pred += float(2 * (xsum @ w) @ bias) + n * float(bias @ bias)
     s = (target / pred) ** 0.5 if pred > 0 else 1.0
-    eye = torch.eye(c, dtype=delta.dtype, device=delta.device)
     return s * w - eye, (s * bias if bias is not None else None)
 
 

@@ -11,18 +11,15 @@ read, and so rejected (the ridge applies, 0 gives the minimum-norm symmetric sol
 
 from __future__ import annotations
 
-from ..core.plan import Gap
-from .ghost import GhostCollectorMixin, GhostStatistics, GhostSymmetricConfig, fit_ghost
-from .interface import GapFit, register
+from .ghost import Ghost, GhostSymmetricConfig
+from .interface import register
 
 
-class GhostSymmetric(GhostCollectorMixin):
+class GhostSymmetric(Ghost):
     name = "ghost_symmetric"
     config = GhostSymmetricConfig
+    symmetric = True
     card = "the best symmetric W = I + M (M = Mᵀ) at each gap, in closed form (the paper's control for ghost)"
-
-    def fit(self, cfg: GhostSymmetricConfig, gap: Gap, stats: GhostStatistics, hidden_size: int) -> GapFit:
-        return GapFit(operator=fit_ghost(cfg, gap, stats, symmetric=True))
 
 
 register(GhostSymmetric())

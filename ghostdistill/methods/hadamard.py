@@ -183,15 +183,9 @@ def _signs(n: int) -> torch.Tensor:
     recipe = _recipe(n)
     if recipe is None:
         raise ValueError(f"no Hadamard construction for order {n}")
-    kind = recipe[0]
-    if kind == "sylvester":
-        H = _sylvester(n)
-    elif kind == "paley1":
-        H = _paley1(recipe[1]).to(torch.int8)
-    elif kind == "paley2":
-        H = _paley2(recipe[1]).to(torch.int8)
-    else:
-        H = torch.kron(_signs(recipe[1]), _signs(recipe[2]))
+    kind, *args = recipe
+    build = {"sylvester": _sylvester, "paley1": _paley1, "paley2": _paley2}.get(kind)
+    H = build(*args).to(torch.int8) if build else torch.kron(_signs(args[0]), _signs(args[1]))
     # Non-power-of-two orders come from number-theoretic constructions; a
     # one-off exact check turns any construction bug into a loud failure
     # instead of a silently non-orthogonal rotation.

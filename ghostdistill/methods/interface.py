@@ -36,7 +36,7 @@ with a default for every key, and a key that another method declares with anothe
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import MISSING, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from typing import Any, Literal, Optional, Protocol, get_type_hints, runtime_checkable
 
 import torch
@@ -129,11 +129,6 @@ class Solved(Ridge):
     solver: SolverName = "ridge"
 
 
-def residual_identity(cfg: MethodConfig | None, hidden_size: int, *, fused: bool = False) -> GapFit:
-    """A do-nothing operator on the residual stream at the gap."""
-    return GapFit(operator=GhostOperator(hidden_size, fused=fused))
-
-
 def operator_of(w: torch.Tensor, *, fused: bool = False) -> GhostOperator:
     """The operator x ↦ W·x (stored as M = W − I), for a method whose fit is W itself."""
     op = GhostOperator(w.shape[0], fused=fused)
@@ -169,7 +164,7 @@ class Method:
         raise NotImplementedError(f"method {self.name!r} defines no fit")
 
     def identity(self, cfg: MethodConfig, hidden_size: int) -> GapFit:
-        return residual_identity(cfg, hidden_size)
+        return GapFit(operator=GhostOperator(hidden_size))  # a do-nothing operator on the residual stream
 
     def fold(self, blocks: list[nn.Module], gap: Gap, fit: GapFit) -> None:
         raise NotImplementedError(f"{type(self).__name__} inserts an operator; it cannot be folded into weights")
@@ -246,14 +241,9 @@ def setting_keys() -> tuple[str, ...]:
     return tuple(f.name for f in fields(RecoveryConfig) if f.name not in _OWN_FIELDS)
 
 
-def _defaults(config: type[MethodConfig]) -> dict[str, Any]:
-    default = lambda f: f.default if f.default is not MISSING else f.default_factory()  # noqa: E731
-    return {f.name: default(f) for f in fields(config) if f.name != "name"}
-
-
 def method_keys(method: Method) -> dict[str, Any]:
     """The keys `method` reads (its config class's fields), with their defaults, in `RecoveryConfig`'s order."""
-    keys = _defaults(method.config)
+    keys = asdict(method.config())  # every key has a default (`register` checks)
     return {k: keys[k] for k in setting_keys() if k in keys}
 
 

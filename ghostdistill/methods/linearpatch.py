@@ -85,23 +85,15 @@ class LinearPatch(Method):
     statistics = LinearPatchStatistics
 
     def fit(self, cfg: LinearPatchConfig, gap: Gap, stats: LinearPatchStatistics, hidden_size: int) -> GapFit:
-        """W = H·diag(s)·Hᵀ (H = I for `diag`)."""
-        scale = channel_scales(cfg, stats)
-        if cfg.variant == "rotate":
-            h = stats.hadamard()
-            w = (h * scale) @ h.T
-            w = 0.5 * (w + w.T)  # exact symmetry despite rounding
-        else:
-            w = torch.diag(scale)
+        """W = H·diag(s)·Hᵀ with s_j = mean|X_post H|_j / mean|X_pre H|_j (H = I for `diag`)."""
+        sums = stats.sums
+        if cfg.variant == "diag":
+            return GapFit(operator=operator_of(torch.diag(sums["post"] / sums["pre"].clamp_min(1e-12))))
+        h = stats.hadamard()  # raises for a hidden size with no known Hadamard matrix, naming it
+        scale = sums["post_rot"] / sums["pre_rot"].clamp_min(1e-12)
+        w = (h * scale) @ h.T
+        w = 0.5 * (w + w.T)  # exact symmetry despite rounding
         return GapFit(operator=operator_of(w))
-
-
-def channel_scales(cfg: LinearPatchConfig, stats: LinearPatchStatistics) -> torch.Tensor:
-    """s_j = mean|X_post|_j / mean|X_pre|_j, in the rotated basis for ``rotate``, the plain one for ``diag``."""
-    if cfg.variant == "rotate":
-        stats.hadamard()  # raises for a hidden size with no known Hadamard matrix, naming it
-        return stats.sums["post_rot"] / stats.sums["pre_rot"].clamp_min(1e-12)
-    return stats.sums["post"] / stats.sums["pre"].clamp_min(1e-12)
 
 
 register(LinearPatch())

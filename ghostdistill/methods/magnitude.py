@@ -20,7 +20,7 @@ from torch import nn
 from ..core.model import ATTN_OUT, MLP_OUT, last_linear, mlp_module
 from ..core.operator import GhostOperator, ReparametrisedOperator
 from ..core.plan import Gap
-from .interface import GapFit, GapTaps, Method, Ordered, operator_of, register, residual_identity
+from .interface import GapFit, GapTaps, Method, Ordered, operator_of, register
 
 
 class MagnitudeStatistics:
@@ -59,7 +59,7 @@ class Magnitude(Method):
         )
 
     def identity(self, cfg: Ordered, hidden_size: int) -> GapFit:
-        return residual_identity(cfg, hidden_size, fused=True)
+        return GapFit(operator=GhostOperator(hidden_size, fused=True))
 
     def student_operator(self, operator: GhostOperator) -> ResidualScaleOperator:
         """What a student trains in place of the fitted s·I: the scale (module docstring)."""

@@ -59,14 +59,8 @@ class ReplaceMe(Method):
     def fit(self, cfg: Solved, gap: Gap, stats: ReplaceMeStatistics, hidden_size: int) -> GapFit:
         if gap.start == 0:
             raise ValueError(f"replaceme: gap {gap.key} starts at block 0, there is no MLP before it")
-        t = solve(
-            stats.mtm,
-            stats.mtr,
-            cfg.solver,
-            cfg.ridge,
-            tokens=stats.tokens,
-            what=f"{cfg.name} (replaceme) gap {gap.key}",
-        )
+        what = f"{cfg.name} (replaceme) gap {gap.key}"
+        t = solve(stats.mtm, stats.mtr, cfg.solver, cfg.ridge, tokens=stats.tokens, what=what)
         return GapFit(mlp_map=operator_of(t, fused=True))
 
     def identity(self, cfg: Solved, hidden_size: int) -> GapFit:
@@ -84,11 +78,15 @@ class ReplaceMe(Method):
 @torch.no_grad()
 def fuse_mlp_map(block: nn.Module, t: torch.Tensor) -> None:
     """Make `block`'s MLP output h·W_downᵀ·T without an extra module."""
-    down = last_linear(mlp_module(block), MLP_OUT)
-    t = t.to(torch.float64)
-    down.weight.copy_((t.T @ down.weight.to(torch.float64)).to(down.weight.dtype))
-    if down.bias is not None:
-        down.bias.copy_((down.bias.to(torch.float64) @ t).to(down.bias.dtype))
+    fuse_output_map(last_linear(mlp_module(block), MLP_OUT), t)
+
+
+def fuse_output_map(lin: nn.Linear, t: torch.Tensor) -> None:
+    """`lin`'s output y ↦ y·T, written into it: W ← Tᵀ·W, b ← b·T (in float64)."""
+    t = t.to(device=lin.weight.device, dtype=torch.float64)
+    lin.weight.copy_((t.T @ lin.weight.to(torch.float64)).to(lin.weight.dtype))
+    if lin.bias is not None:
+        lin.bias.copy_((lin.bias.to(torch.float64) @ t).to(lin.bias.dtype))
 
 
 register(ReplaceMe())

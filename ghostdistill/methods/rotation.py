@@ -52,9 +52,10 @@ from torch import nn
 
 from ..core.operator import GhostOperator, ReparametrisedOperator
 from ..core.plan import Gap
-from .ghost import GhostStatistics
-from .interface import GapFit, Method, Ordered, register, residual_identity
+from .ghost import GhostCollectorMixin, GhostStatistics
+from .interface import GapFit, Ordered, register
 from .magnitude import fold_residual_scale
+from .replaceme import fuse_output_map
 
 
 def procrustes(xtx: torch.Tensor, xty: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -110,7 +111,7 @@ def first_direction(stats: GhostStatistics) -> torch.Tensor:
     return mean / norm
 
 
-class _Rotation(Method):
+class _Rotation(GhostCollectorMixin):
     through = False
 
     @property
@@ -119,14 +120,6 @@ class _Rotation(Method):
 
     def parts(self, cfgs: Iterable[Ordered]) -> tuple[str, ...]:
         return self.all_parts
-
-    def collector(
-        self, hidden_size: int, device: torch.device | str, parts: Iterable[str] | None = None
-    ) -> GhostStatistics:
-        return GhostStatistics(hidden_size, device=device, groups=self.all_parts if parts is None else parts)
-
-    def token_groups(self, stats: GhostStatistics) -> dict:
-        return vars(stats.counts)
 
     def solve(self, xtx: torch.Tensor, xty: torch.Tensor, stats: GhostStatistics) -> tuple[float, torch.Tensor]:
         """(c, Q) from A = Σ w² xᵀx and M = Σ w² xᵀy: the free Procrustes (`rotation_anchored` constrains it)."""
@@ -142,7 +135,7 @@ class _Rotation(Method):
         except ValueError as err:
             raise ValueError(f"gap {gap.key}: {err}") from None
         eye = torch.eye(hidden_size, dtype=torch.float64, device=q.device)
-        op = GhostOperator(hidden_size, separate_first=not self.through, fused=self.through)
+        op = self.identity(cfg, hidden_size).operator
         op.load_solution(c * q - eye, None if self.through else stats.first_shift())
         anchor = self.anchor(stats)
         if anchor is not None:
@@ -150,6 +143,9 @@ class _Rotation(Method):
             # resumed run solves the operators again from the statistics.
             op.register_buffer("anchor", anchor.to(torch.float32), persistent=False)
         return GapFit(operator=op)
+
+    def identity(self, cfg: Ordered, hidden_size: int) -> GapFit:
+        return GapFit(operator=GhostOperator(hidden_size, separate_first=not self.through, fused=self.through))
 
     def anchor(self, stats: GhostStatistics) -> torch.Tensor | None:
         """The direction the fitted Q fixes (u·Q = u), or None."""
@@ -160,9 +156,6 @@ class Rotation(_Rotation):
     name = "rotation"
     card = "rotation: W = c·Q at each gap (weighted Procrustes), first-position tokens shifted apart"
 
-    def identity(self, cfg: Ordered, hidden_size: int) -> GapFit:
-        return GapFit(operator=GhostOperator(hidden_size, separate_first=True))
-
 
 class RotationThrough(_Rotation):
     name = "rotation_through"
@@ -171,18 +164,14 @@ class RotationThrough(_Rotation):
     folds_embedding = True  # the export writes the product of the gaps' rotations into the embedding (`export.fold`)
     card = "rotation_through: W = c·Q at each gap (weighted Procrustes) for every token, folded into the weights"
 
-    def identity(self, cfg: Ordered, hidden_size: int) -> GapFit:
-        return residual_identity(cfg, hidden_size, fused=True)
-
     def student_operator(self, operator: GhostOperator) -> ScaledRotationOperator:
         """What a student trains in place of the fitted operator: the scaled rotations around it (module
         docstring), so that the fine-tuned view still folds."""
         return ScaledRotationOperator(operator)
 
     def fold(self, blocks: list[nn.Module | None], gap: Gap, fit: GapFit) -> None:
-        """`blocks`: the dense model's blocks (None where gone): the surviving blocks before the gap are
-        rotated by Q, those after it write ÷ c; the writer puts Q₁⋯Qₙ into the embedding. Called gap by gap
-        in plan order (`export.fold` derives why that composes the gaps right)."""
+        """`fold_rotation`; the writer puts Q₁⋯Qₙ into the embedding. Called gap by gap in plan order
+        (`export.fold` derives why that composes the gaps right)."""
         fold_rotation(blocks, gap, fit.operator)
 
 
@@ -226,11 +215,7 @@ class ScaledRotationOperator(ReparametrisedOperator):
     def __init__(self, fitted: GhostOperator) -> None:
         super().__init__(fitted)
         anchor = getattr(fitted, "anchor", None)
-        if anchor is not None:
-            u = anchor.to(torch.float32) / anchor.norm()
-            self.register_buffer("anchor", u.clone())
-        else:
-            self.anchor = None
+        self.register_buffer("anchor", None if anchor is None else anchor.to(torch.float32) / anchor.norm())
         self.generator = nn.Parameter(torch.zeros_like(self.base))
 
     def change(self, t: torch.Tensor) -> torch.Tensor:
@@ -304,18 +289,10 @@ def _read(lin: nn.Linear, q: torch.Tensor) -> None:
     lin.weight.copy_((lin.weight.to(torch.float64) @ q.to(lin.weight.device)).to(lin.weight.dtype))
 
 
-def _write(lin: nn.Linear, t: torch.Tensor) -> None:
-    t = t.to(lin.weight.device)
-    lin.weight.copy_((t.T @ lin.weight.to(torch.float64)).to(lin.weight.dtype))
-    if lin.bias is not None:
-        lin.bias.copy_((lin.bias.to(torch.float64) @ t).to(lin.bias.dtype))
-
-
 @torch.no_grad()
 def rotate_blocks(blocks: list[nn.Module], q: torch.Tensor) -> None:
-    """Transform each of `blocks` by the orthogonal Q (in place: the caller passes copies)."""
+    """Transform each of `blocks` by the orthogonal Q (in place: the caller passes checked copies)."""
     for block in blocks:
-        check_foldable(block)
         attn, mlp = block.self_attn, block.mlp
         readers = {
             block.input_layernorm: [getattr(attn, n) for n in _ATTN_IN],
@@ -325,8 +302,8 @@ def rotate_blocks(blocks: list[nn.Module], q: torch.Tensor) -> None:
             _absorb_gain(norm, lins)
             for lin in lins:
                 _read(lin, q)
-        _write(attn.o_proj, q)
-        _write(mlp.down_proj, q)
+        fuse_output_map(attn.o_proj, q)
+        fuse_output_map(mlp.down_proj, q)
 
 
 @torch.no_grad()

@@ -36,10 +36,6 @@ All similarity criteria compare hidden vectors along the channel axis, per token
 and are accumulated over batches (one forward pass, every candidate block at once). `keep_first` and
 `keep_last` protect the first and last blocks from every criterion.
 
-The repair-aware criteria ``repair`` (contiguous) and ``repair_greedy`` (any blocks) fit a repair for
-every candidate and score the repaired model; they read the methods and the calibration pass, and `check_plan` checks their candidate counts like the
-others'.
-
 The repair-aware criteria
 -------------------------
 The pre-repair criteria (above) rank blocks by how little the residual stream changes
@@ -101,10 +97,8 @@ from .perplexity import removal_perplexity
 from .repair import repair_plan, score_runs
 from .scoring import SelectionScorer
 from .similarity import block_influence, block_similarity
-from .taylor import taylor_importance
 
 __all__ = [
-    "Batch",
     "Criterion",
     "PerBlock",
     "PlanConfig",
@@ -121,7 +115,6 @@ __all__ = [
     "choose",
     "choose_plan",
     "criteria",
-    "get_criterion",
     "greedy_steps",
     "no_progress",
     "protected_edges",
@@ -131,7 +124,6 @@ __all__ = [
     "repair_greedy_plan",
     "repair_plan",
     "score_runs",
-    "taylor_importance",
     "unregister",
 ]
 

@@ -14,11 +14,6 @@ from ..core.plan import PruningPlan
 from .interface import Batch, Criterion, PlanConfig, PlanInputs
 
 
-def _edge_counts(allow_edges: bool, keep_first: int | None, keep_last: int | None) -> tuple[int, int]:
-    default = 0 if allow_edges else 1
-    return (default if keep_first is None else keep_first, default if keep_last is None else keep_last)
-
-
 def _protection(keep_first: int, keep_last: int) -> str:
     return f"keeping the first {keep_first} and last {keep_last}; " if keep_first or keep_last else ""
 
@@ -50,7 +45,9 @@ def candidate_starts(
 
     `keep_first`/`keep_last` (default: 1 each, 0 each with `allow_edges`) blocks at either end are
     never part of a candidate."""
-    first, last = _edge_counts(allow_edges, keep_first, keep_last)
+    default = 0 if allow_edges else 1
+    first = default if keep_first is None else keep_first
+    last = default if keep_last is None else keep_last
     lo, hi = first, num_layers - last - n
     most = min(num_layers - first - last, num_layers - 1)
     if n < 1 or n > most or hi < lo:

@@ -14,7 +14,7 @@ need it), reused by every later candidate whose gaps up to g_k are the same.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -49,15 +49,18 @@ def repair_config(plan_cfg: PlanConfig, recovery: Sequence[RecoveryConfig]) -> R
     )
 
 
+@dataclass(frozen=True)
 class RepairAware(Criterion):
     """A repair-aware criterion: `search(cfg, entry, inputs)` is its plan, from the entry that repairs every
     candidate and the calibration batches its candidates' statistics read (the first `criterion_samples`
     windows; the chosen plan's fits read them all). Refuses a run without selection windows, where the
     candidates are scored."""
 
+    name: str
+    search: Callable[[PlanConfig, RecoveryConfig, PlanInputs], PruningPlan]
+    contiguous: bool = False
     costly = True
     repair_aware = True
-    search: Callable[[PlanConfig, RecoveryConfig, PlanInputs], PruningPlan]
 
     def choose(self, cfg: PlanConfig, inputs: PlanInputs) -> PruningPlan:
         entry = repair_config(cfg, inputs.recovery)

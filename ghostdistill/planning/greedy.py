@@ -85,8 +85,7 @@ def repair_greedy_plan(plan_cfg: PlanConfig, cfg: RecoveryConfig, inputs: PlanIn
         best = min(tried, key=lambda b: (tried[b], b))
         removed.append(best)
         steps[f"step {t + 1}"] = {"kept": best, "kl": tried[best], "tried": {str(b): kl for b, kl in tried.items()}}
-        chosen = plans[best]
-        fitter.keep_only(chosen.gaps)
+        fitter.keep_only(plans[best].gaps)
     seconds = time.perf_counter() - start
     return PruningPlan.from_layers(
         removed,
@@ -137,12 +136,4 @@ def greedy_steps(plan_cfg: PlanConfig, fingerprint_at: Callable[[int], str]) -> 
     return [steps[f"step {t}"] for t in range(1, len(steps) + 1)]
 
 
-class RepairGreedy(RepairAware):
-    """``criterion: repair_greedy``: one block at a time, any block, each step keeping the removal whose
-    repaired model is closest to the dense one on the selection windows."""
-
-    name = "repair_greedy"
-    search = staticmethod(repair_greedy_plan)
-
-
-register(RepairGreedy())
+register(RepairAware("repair_greedy", repair_greedy_plan))

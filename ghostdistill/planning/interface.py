@@ -14,10 +14,6 @@ A criterion chooses which `num_layers` blocks go. It is a `Criterion` with (defa
 - `choose(cfg, inputs) -> PruningPlan`: the plan, with its scores (and for the repair-aware ones, the
   candidates' rows and the costs).
 
-Adding a criterion: one module (in this package, or your own) that defines such an object and passes it to
-`register` (a taken name is refused, naming both); a shipped one is also named in the import line of
-`planning/__init__.py`.
-
 The config, the base class and the registry share this module because a config is checked against the
 registry (`PlanConfig.validate`, `repair_aware`) and a criterion takes a config.
 """

@@ -41,7 +41,6 @@ class Runs:
     top-1, and per method ``<name>_kl`` and ``<name>_top1``), the fits of the starts asked to be kept, the
     costs."""
 
-    n: int
     rows: dict[int, dict] = field(default_factory=dict)
     fits: dict[tuple[str, int], GapFit] = field(default_factory=dict)
     costs: dict[str, float] = field(default_factory=dict)
@@ -70,7 +69,7 @@ def score_runs(
     `keep_fits`, the fits of each method's best run so far and of streamline's run are kept (`Runs.fits`)."""
     n, num_layers = plan_cfg.num_layers, len(stack.layers)
     keep_first, keep_last = protected_edges(plan_cfg)
-    runs = Runs(n)
+    runs = Runs()
     costs = runs.costs
     start = time.perf_counter()
     cosine = block_similarity(
@@ -130,8 +129,7 @@ def repair_plan(plan_cfg: PlanConfig, cfg: RecoveryConfig, inputs: PlanInputs) -
     """The plan ``criterion: repair`` chooses, repairing with `cfg` and reading `inputs`' batches as they are;
     `PruningPlan.candidates` holds every candidate's row (start, streamline's cosine, pruned and repaired KL
     and top-1) and `costs` the seconds of each part."""
-    stack = inputs.stack
-    runs = score_runs(plan_cfg, [cfg], inputs.model, stack, inputs.batches, inputs.selection, inputs.progress)
+    runs = score_runs(plan_cfg, [cfg], inputs.model, inputs.stack, inputs.batches, inputs.selection, inputs.progress)
     n = plan_cfg.num_layers
     rows = {
         Gap(i, i + n).key: {
@@ -147,7 +145,7 @@ def repair_plan(plan_cfg: PlanConfig, cfg: RecoveryConfig, inputs: PlanInputs) -
     keep_first, keep_last = protected_edges(plan_cfg)
     return PruningPlan.from_layers(
         list(range(best, best + n)),
-        len(stack.layers),
+        len(inputs.stack.layers),
         allow_edges=keep_first == 0 or keep_last == 0,
         chosen_by=f"repair ({cfg.name})",
         scores={k: r["repaired_kl"] for k, r in rows.items()},
@@ -156,13 +154,4 @@ def repair_plan(plan_cfg: PlanConfig, cfg: RecoveryConfig, inputs: PlanInputs) -
     )
 
 
-class Repair(RepairAware):
-    """``criterion: repair``: every contiguous run of `num_layers` blocks, repaired from one dense pass and
-    scored on the selection windows; the run with the lowest KL goes."""
-
-    name = "repair"
-    contiguous = True
-    search = staticmethod(repair_plan)
-
-
-register(Repair())
+register(RepairAware("repair", repair_plan, contiguous=True))

@@ -27,14 +27,6 @@ def _token_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1, eps=1e-8)
 
 
-def _select(mask: torch.Tensor, last_token_only: bool) -> torch.Tensor:
-    if not last_token_only:
-        return mask.bool()
-    select = torch.zeros_like(mask, dtype=torch.bool)
-    select[torch.arange(mask.shape[0], device=mask.device), mask.sum(1) - 1] = True
-    return select
-
-
 def _pair_streams(
     model: nn.Module, stack: DecoderStack, batches: Iterable[Batch], pairs: list[tuple[int, int]]
 ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -64,7 +56,6 @@ def block_similarity(
     batches: Iterable[Batch],
     n: int,
     *,
-    allow_edges: bool = False,
     last_token_only: bool = False,
     keep_first: int | None = None,
     keep_last: int | None = None,
@@ -73,12 +64,15 @@ def block_similarity(
     stream entering block i and the one leaving block i+n-1, over non-padding tokens (or over the last
     non-padding token of each sequence)."""
     num_layers = len(stack.layers)
-    starts = candidate_starts(num_layers, n, allow_edges, keep_first=keep_first, keep_last=keep_last)
+    starts = candidate_starts(num_layers, n, keep_first=keep_first, keep_last=keep_last)
     cos_sum = {i: 0.0 for i in starts}
     ang_sum = {i: 0.0 for i in starts}
     count = 0
     for i, _, a, b, mask in _pair_streams(model, stack, batches, [(i, i + n) for i in starts]):
-        select = _select(mask, last_token_only)
+        select = mask.bool()
+        if last_token_only:
+            select = torch.zeros_like(select)
+            select[torch.arange(mask.shape[0], device=mask.device), mask.sum(1) - 1] = True
         count += int(select.sum()) if i == starts[0] else 0
         cos = _token_cosine(a, b)[select].double()
         cos_sum[i] += float(cos.sum())
