@@ -7,7 +7,7 @@ import csv
 import io
 from pathlib import Path
 
-from ..core.io import atomic_savefig
+from . import figure
 from .flags import flagged
 
 
@@ -103,24 +103,17 @@ def chat_table(rows: list[dict], plans: list[str], views: list[str], source: str
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in report["rows"] if r["ppl"] is not None]
     source = rows[0]["source"]
     criteria = list(dict.fromkeys(r["criterion"] for r in rows))
-    fig, axes = plt.subplots(1, len(criteria), figsize=(5.2 * len(criteria), 4), squeeze=False)
-    for ax, crit in zip(axes[0], criteria):
-        sub = [r for r in rows if r["criterion"] == crit and r["source"] == source]
-        for view in dict.fromkeys(r["view"] for r in sub):
-            pts = sorted((r["layers_removed"], r["ppl"]) for r in sub if r["view"] == view)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=view)
-        ax.set_yscale("log")
-        ax.set_xlabel("layers removed")
-        ax.set_ylabel(f"{source} perplexity (log scale)")
-        ax.set_title(f"criterion: {crit}", fontsize=9)
-        ax.legend(fontsize=7)
-    atomic_savefig(fig, path)
-    plt.close(fig)
+    with figure(path, 1, len(criteria), figsize=(5.2 * len(criteria), 4), squeeze=False) as (fig, axes):
+        for ax, crit in zip(axes[0], criteria):
+            sub = [r for r in rows if r["criterion"] == crit and r["source"] == source]
+            for view in dict.fromkeys(r["view"] for r in sub):
+                pts = sorted((r["layers_removed"], r["ppl"]) for r in sub if r["view"] == view)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=view)
+            ax.set_yscale("log")
+            ax.set_xlabel("layers removed")
+            ax.set_ylabel(f"{source} perplexity (log scale)")
+            ax.set_title(f"criterion: {crit}", fontsize=9)
+            ax.legend(fontsize=7)

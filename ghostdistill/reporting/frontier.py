@@ -26,9 +26,10 @@ import csv
 import io
 from pathlib import Path
 
-from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text
+from ..core.io import atomic_write_json, atomic_write_text
 from ..core.plan import gaps_of
 from ..methods import ships_stock
+from . import figure
 from .frontier_best import best_by_depth, flag, student_starts
 from .frontier_spec import CRITERIA, load_frontier_spec
 
@@ -254,57 +255,50 @@ def markdown(points: list[dict], spec: dict, students: list[dict] = ()) -> str:
 
 
 def plot(points: list[dict], path: Path, source: str | None = None, students: list[dict] = ()) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in flat_rows(points, students) if source is None or r["source"] == source]
     source = source or rows[0]["source"]
     rows = [r for r in rows if r["source"] == source]
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    dense = next((r for r in rows if r["view"] == "dense"), None)
-    if dense is not None:
-        ax.axhline(dense["ppl"], color="black", linewidth=0.8, linestyle=":", label=f"dense ({dense['ppl']:.1f})")
-    lines = sorted({(r["view"], r["criterion"]) for r in rows if r["view"] != "dense" and not r["fine_tuned"]})
-    for view, criterion in lines:
-        mine = sorted(
-            (r for r in rows if (r["view"], r["criterion"]) == (view, criterion)), key=lambda r: r["blocks_removed"]
-        )
-        ax.plot(
-            [r["blocks_removed"] for r in mine],
-            [r["ppl"] for r in mine],
-            marker="o",
-            markersize=3,
-            linestyle={"repair": "-", "greedy": "-."}.get(criterion, "--"),
-            label=f"{view} ({criterion})",
-        )
-    envelopes = (
-        (False, True, "best stock", "-", "black"),
-        (False, False, "best with operators", ":", "black"),
-        (True, True, "stock, fine-tuned", "-", "tab:red"),
-        (True, False, "with operators, fine-tuned", ":", "tab:red"),
-    )
-    for fine_tuned, stock, label, style, color in envelopes:
-        best = best_by_depth(rows, source, fine_tuned)
-        depths = [n for n in sorted(best) if stock in best[n]]
-        if depths:
-            ax.plot(
-                depths,
-                [best[n][stock]["ppl"] for n in depths],
-                color=color,
-                marker="s" if fine_tuned else None,
-                linewidth=2.2,
-                alpha=0.35 if not fine_tuned else 0.6,
-                linestyle=style,
-                label=label,
+    with figure(path, figsize=(7.5, 4.2)) as (fig, ax):
+        dense = next((r for r in rows if r["view"] == "dense"), None)
+        if dense is not None:
+            ax.axhline(dense["ppl"], color="black", linewidth=0.8, linestyle=":", label=f"dense ({dense['ppl']:.1f})")
+        lines = sorted({(r["view"], r["criterion"]) for r in rows if r["view"] != "dense" and not r["fine_tuned"]})
+        for view, criterion in lines:
+            mine = sorted(
+                (r for r in rows if (r["view"], r["criterion"]) == (view, criterion)), key=lambda r: r["blocks_removed"]
             )
-    ax.set_yscale("log")
-    ax.set_xlabel("blocks removed")
-    ax.set_ylabel(f"{source} perplexity (log scale)")
-    ax.legend(fontsize=7, ncol=2)
-    atomic_savefig(fig, path)
-    plt.close(fig)
+            ax.plot(
+                [r["blocks_removed"] for r in mine],
+                [r["ppl"] for r in mine],
+                marker="o",
+                markersize=3,
+                linestyle={"repair": "-", "greedy": "-."}.get(criterion, "--"),
+                label=f"{view} ({criterion})",
+            )
+        envelopes = (
+            (False, True, "best stock", "-", "black"),
+            (False, False, "best with operators", ":", "black"),
+            (True, True, "stock, fine-tuned", "-", "tab:red"),
+            (True, False, "with operators, fine-tuned", ":", "tab:red"),
+        )
+        for fine_tuned, stock, label, style, color in envelopes:
+            best = best_by_depth(rows, source, fine_tuned)
+            depths = [n for n in sorted(best) if stock in best[n]]
+            if depths:
+                ax.plot(
+                    depths,
+                    [best[n][stock]["ppl"] for n in depths],
+                    color=color,
+                    marker="s" if fine_tuned else None,
+                    linewidth=2.2,
+                    alpha=0.35 if not fine_tuned else 0.6,
+                    linestyle=style,
+                    label=label,
+                )
+        ax.set_yscale("log")
+        ax.set_xlabel("blocks removed")
+        ax.set_ylabel(f"{source} perplexity (log scale)")
+        ax.legend(fontsize=7, ncol=2)
 
 
 def write(root: Path, points: list[dict], spec: dict, students: list[dict] = ()) -> list[Path]:

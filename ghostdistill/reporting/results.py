@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text
+from ..core.io import atomic_write_json, atomic_write_text
 from ..distill.interface import get_part
 from ..distill.interface import parts as part_names
+from . import figure
 from .analysis import analysis_section, plot_analysis
 from .flags import view_warnings
 from .planning import plan_section, plot_plan
@@ -231,50 +232,40 @@ def _phase_cell(name: str, phase: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     views = report["views"]
     sources = [s for s in next(iter(views.values()))["metrics"] if s not in chat_sources(report)]
     if not sources:
         return
-    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(views) * max(1, len(sources)) / 2, 3.6))
-    width = 0.8 / len(sources)
-    for j, s in enumerate(sources):
-        vals = [views[v]["metrics"][s]["ppl"] for v in views]
-        bars = ax.bar([i + j * width for i in range(len(views))], vals, width, label=s)
-        ax.bar_label(bars, fmt="%.1f", fontsize=7)
-    ax.set_xticks([i + width * (len(sources) - 1) / 2 for i in range(len(views))], list(views), rotation=20)
-    ax.set_yscale("log")
-    ax.set_ylabel("perplexity (log scale)")
-    ax.set_title(f"removed layers {report.get('plan', {}).get('removed')}", fontsize=9)
-    ax.legend(fontsize=8)
-    atomic_savefig(fig, path)
-    plt.close(fig)
+    with figure(path, figsize=(1.6 + 1.3 * len(views) * max(1, len(sources)) / 2, 3.6)) as (fig, ax):
+        width = 0.8 / len(sources)
+        for j, s in enumerate(sources):
+            vals = [views[v]["metrics"][s]["ppl"] for v in views]
+            bars = ax.bar([i + j * width for i in range(len(views))], vals, width, label=s)
+            ax.bar_label(bars, fmt="%.1f", fontsize=7)
+        ax.set_xticks([i + width * (len(sources) - 1) / 2 for i in range(len(views))], list(views), rotation=20)
+        ax.set_yscale("log")
+        ax.set_ylabel("perplexity (log scale)")
+        ax.set_title(f"removed layers {report.get('plan', {}).get('removed')}", fontsize=9)
+        ax.legend(fontsize=8)
 
 
 def plot_training(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     history = report["distill"]["history"]
     views = [k for k in history[0] if k not in ("step", "ranks_in_sync")]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for metric, ax in zip(("kl", "ppl"), axes):
-        for view in views:
-            ax.plot(
-                [h["step"] for h in history], [h[view][metric] for h in history], marker="o", markersize=3, label=view
-            )
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("validation " + ("KL(teacher ‖ student)" if metric == "kl" else "perplexity"))
-        ax.legend(fontsize=8)
-    fig.suptitle(f"distillation, removed layers {report.get('plan', {}).get('removed')}", fontsize=9)
-    atomic_savefig(fig, path)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(10, 3.6)) as (fig, axes):
+        for metric, ax in zip(("kl", "ppl"), axes):
+            for view in views:
+                ax.plot(
+                    [h["step"] for h in history],
+                    [h[view][metric] for h in history],
+                    marker="o",
+                    markersize=3,
+                    label=view,
+                )
+            ax.set_xlabel("optimizer step")
+            ax.set_ylabel("validation " + ("KL(teacher ‖ student)" if metric == "kl" else "perplexity"))
+            ax.legend(fontsize=8)
+        fig.suptitle(f"distillation, removed layers {report.get('plan', {}).get('removed')}", fontsize=9)
 
 
 def write_report(run_dir: Path, report: RunReport | dict) -> list[Path]:
