@@ -66,17 +66,11 @@ def main(args: list[str] | None = None):
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         raise SystemExit(0 if argv else 2)
-    command, rest = argv[0], argv[1:]
-    if command == "fit":
-        return run_fit(rest)
-    if command == "compare":
-        return run_compare(rest)
-    if command == "export":
-        return run_export(rest)
-    if command == "frontier":
-        return run_frontier_command(rest)
-    print(f"error: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
-    raise SystemExit(2)
+    runners = {"fit": run_fit, "compare": run_compare, "export": run_export, "frontier": run_frontier_command}
+    if argv[0] not in runners:
+        print(f"error: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        raise SystemExit(2)
+    return runners[argv[0]](argv[1:])
 
 
 def entry() -> None:

@@ -5,6 +5,7 @@ instantiated, for `compare`, `frontier` and `export`."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -49,7 +50,9 @@ class GhostDistillCLI(LightningCLI):
         each entry keys of the file's entry at its position (keys its own method may not read)."""
         super().parse_arguments(parser, args)
         argv = list(args) if isinstance(args, list) else sys.argv[1:] if args is None else []
-        given = _last_value(argv, "--model.recovery")
+        alone = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        alone.add_argument("--model.recovery", dest="given")
+        given = alone.parse_known_args(argv)[0].given
         if given is not None:
             from jsonargparse import ArgumentParser
 
@@ -77,16 +80,6 @@ class GhostDistillCLI(LightningCLI):
 
 def _data_settings(datamodule: GhostDataModule):
     return datamodule.cfg
-
-
-def _last_value(args: list[str], key: str) -> str | None:
-    value = None
-    for i, arg in enumerate(args):
-        if arg == key and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(key + "="):
-            value = arg[len(key) + 1 :]
-    return value
 
 
 def check_strategy_config(strategy) -> None:

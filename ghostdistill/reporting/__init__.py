@@ -5,9 +5,20 @@
 only presents.
 """
 
+import csv
+import io
 from contextlib import contextmanager
 
 from ..core.io import atomic_savefig
+
+
+def csv_text(rows: list[dict]) -> str:
+    """`rows` as CSV, a column per key of the first row."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
 
 
 @contextmanager

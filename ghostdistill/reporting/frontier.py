@@ -22,14 +22,12 @@ config's data and evaluation, which may differ from the base config's: frontier.
 
 from __future__ import annotations
 
-import csv
-import io
 from pathlib import Path
 
 from ..core.io import atomic_write_json, atomic_write_text
 from ..core.plan import gaps_of
 from ..methods import ships_stock
-from . import figure
+from . import csv_text, figure
 from .frontier_best import best_by_depth, flag, student_starts
 from .frontier_spec import CRITERIA, load_frontier_spec
 
@@ -139,25 +137,19 @@ def shipping(rows: list[dict], source: str) -> list[str]:
         return f"{r['view']} (from {r['from']} at {r['start_ppl']:.2f}, {r['removed']}) | {r['ppl']:.2f}"
 
     free, ft = best_by_depth(rows, source), best_by_depth(rows, source, fine_tuned=True)
-    if not ft:
-        lines = [
-            "| blocks removed | best stock checkpoint | params | PPL | best with operators | params | PPL |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for n, pair in sorted(free.items()):
-            lines.append(f"| {n} | {cell(pair.get(True))} | {cell(pair.get(False))} |")
-        return lines
-    lines = [
-        "| blocks removed | best stock checkpoint | params | PPL | stock, fine-tuned | PPL | best with operators | "
-        "params | PPL | with operators, fine-tuned | PPL |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    # Per side (stock: True), its best training-free checkpoint and, with students, its fine-tuned answer.
+    sides = {
+        True: ("best stock checkpoint", "stock, fine-tuned"),
+        False: ("best with operators", "with operators, fine-tuned"),
+    }
+    head = "".join(
+        f" {best} | params | PPL |" + (f" {student} | PPL |" if ft else "") for best, student in sides.values()
+    )
+    lines = [f"| blocks removed |{head}", "|---|" + "---|" * head.count("|")]
     for n in sorted(set(free) | set(ft)):
         pair, tuned_pair = free.get(n, {}), ft.get(n, {})
-        lines.append(
-            f"| {n} | {cell(pair.get(True))} | {tuned(tuned_pair.get(True))} | {cell(pair.get(False))} | "
-            f"{tuned(tuned_pair.get(False))} |"
-        )
+        cells = [cell(pair.get(side)) + (f" | {tuned(tuned_pair.get(side))}" if ft else "") for side in sides]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -306,11 +298,7 @@ def write(root: Path, points: list[dict], spec: dict, students: list[dict] = ())
     rows = flat_rows(points, students)
     paths = [root / "frontier.json", root / "frontier.csv", root / "frontier.md", root / "frontier.png"]
     atomic_write_json(paths[0], {"spec": spec, "points": points, "students": list(students), "rows": rows})
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(paths[1], buf.getvalue())
+    atomic_write_text(paths[1], csv_text(rows))
     atomic_write_text(paths[2], markdown(points, spec, students))
     plot(points, paths[3], students=students)
     return paths
