@@ -102,8 +102,7 @@ def check_run_settings(max_steps, root_dir, ckpt_path) -> None:
     if max_steps is not None and max_steps < 0:
         raise ValueError(f"trainer.max_steps {max_steps}: set 0 (training-free) or the number of distillation steps")
     if root_dir is not None:
-        path = Path(root_dir)
-        probe = path
+        probe = Path(root_dir)
         while not probe.exists() and probe != probe.parent:
             probe = probe.parent
         if not probe.is_dir():

@@ -140,9 +140,7 @@ def check_frontier_students(spec: dict, base: ParsedFit, students: ParsedFit) ->
     frontier's first pass, which may take hours."""
     n = spec["num_layers"][0]
     cfg = base.cfg
-    for kind in ("stock", "operators"):
-        if kind not in spec["students"]:
-            continue
+    for kind in [k for k in ("stock", "operators") if k in spec["students"]]:
         mine = [r for r in cfg.recovery if ships_stock(r.method) == (kind == "stock")]
         if not mine:
             raise ValueError(
@@ -173,9 +171,7 @@ def frontier_students(spec: dict, points: list[dict], cfg, students: ParsedFit, 
     records = []
     for point in points:
         starts = student_starts(point)
-        for kind in ("stock", "operators"):
-            if kind not in spec["students"]:
-                continue
+        for kind in [k for k in ("stock", "operators") if k in spec["students"]]:
             start = starts.get(kind)
             if start is None:
                 print(f"frontier students n={point['n']}: no {kind} view to start a student from; skipped")

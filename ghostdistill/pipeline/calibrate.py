@@ -13,6 +13,7 @@ plan one process would.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -132,8 +133,6 @@ def calibrate(
     `selection`: the held-out windows the repair-aware criteria score candidates on; `taken`: the steps
     ``repair_greedy`` starts after (`plan.greedy_from`); `phase(name)` wraps each of ``plan``, ``calibrate``
     and ``fit`` (`pipeline.run.Run.phase`: seconds and peak memory for its observers)."""
-    import time
-
     llm.eval()
     if is_offloaded(llm) and dist.world > 1:
         raise ValueError(OFFLOAD_ONE_DEVICE)

@@ -53,11 +53,9 @@ def to_markdown(report: dict) -> str:
     flags = flagged(rows)
     if flags:
         lines += ["Not to ship (flagged as under each run's table, `reporting.results.view_warnings`):", ""]
-        lines += [f"- {f}" for f in flags]
-        lines.append("")
+        lines += [*(f"- {f}" for f in flags), ""]
     stats = {p: next(r["statistics_s"] for r in rows if r["plan"] == p) for p in plans}
-    lines.append("Shared statistics pass (s): " + ", ".join(f"{p} {t}" for p, t in stats.items()))
-    lines.append("")
+    lines += ["Shared statistics pass (s): " + ", ".join(f"{p} {t}" for p, t in stats.items()), ""]
     return "\n".join(lines)
 
 

@@ -28,19 +28,10 @@ from ..core.io import atomic_write_json, atomic_write_text
 from ..core.plan import gaps_of
 from ..methods import ships_stock
 from . import csv_text, figure
-from .frontier_best import best_by_depth, flag, student_starts
-from .frontier_spec import CRITERIA, load_frontier_spec
-
-__all__ = [
-    "CRITERIA",
-    "FINE_TUNED",
-    "best_by_depth",
-    "flat_rows",
-    "load_frontier_spec",
-    "shipping",
-    "student_starts",
-    "write",
-]
+from .frontier_best import best_by_depth, flag
+from .frontier_best import student_starts as student_starts
+from .frontier_spec import CRITERIA
+from .frontier_spec import load_frontier_spec as load_frontier_spec
 
 # A student row's criterion: the plan it trained on came from the training-free rows (its `from` view's).
 FINE_TUNED = "fine-tuned"
@@ -174,11 +165,8 @@ def pivot(rows: list[dict], source: str) -> list[str]:
         best = min((r["ppl"] for r in here if r is not None and not flag(r, rows)), default=None)
         texts = []
         for r in here:
-            if r is None:
-                texts.append("-")
-                continue
-            text = f"{r['ppl']:.2f} ({r['removed'] or '-'})"
-            texts.append(f"**{text}**" if r["ppl"] == best and not flag(r, rows) else text)
+            text = "-" if r is None else f"{r['ppl']:.2f} ({r['removed'] or '-'})"
+            texts.append(f"**{text}**" if r is not None and r["ppl"] == best and not flag(r, rows) else text)
         lines.append(f"| {n} | " + " | ".join(texts) + " |")
     return lines
 

@@ -92,12 +92,8 @@ def zeroshot_table(report: dict) -> str:
     head = ["view", *(f"{t} (n={first[t]['n']})" for t in tasks), "average acc"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for view, scores in views.items():
-        cells = []
-        for t in tasks:
-            cell = f"{scores[t]['acc']:.3f}"
-            if "acc_norm" in scores[t]:
-                cell += f" ({scores[t]['acc_norm']:.3f})"
-            cells.append(cell)
+        norm = {t: f" ({scores[t]['acc_norm']:.3f})" if "acc_norm" in scores[t] else "" for t in tasks}
+        cells = [f"{scores[t]['acc']:.3f}{norm[t]}" for t in tasks]
         lines.append(f"| {view} | " + " | ".join(cells) + f" | {scores['average']['acc']:.3f} |")
     zs = report.get("zeroshot", {})
     limit = zs.get("limit")
@@ -144,8 +140,7 @@ def distill_section(report: dict) -> str:
     best = d.get("best", {})
     if best:
         shown = "the best validation step" if d["kept"] == "best" else "the last step"
-        lines.append(f"Each fine-tuned view shows {shown} ({d['steps']} taken):")
-        lines.append("")
+        lines += [f"Each fine-tuned view shows {shown} ({d['steps']} taken):", ""]
         for view, b in best.items():
             lines.append(f"- {view}: best validation KL {b['val_kl']:.4f} at step {b['step']}")
         lines.append("")
@@ -196,8 +191,7 @@ def render_markdown(report: dict) -> str:
         parts += [section, *after] if section else []
     groups = cal.get("token_groups", {})
     if groups:
-        parts.append("First-position tokens given their own map / massive activations seen (per gap):")
-        parts.append("")
+        parts += ["First-position tokens given their own map / massive activations seen (per gap):", ""]
         for gap, c in groups.items():
             parts.append(
                 f"- gap {gap}: {c['first']} first-position tokens, {c['regular']} others; massive activations "
@@ -206,12 +200,10 @@ def render_markdown(report: dict) -> str:
         parts.append("")
     timings = report.get("timings", {})
     if timings:
-        parts.append("Timings (s): " + ", ".join(f"{k.removesuffix('_s')} {v}" for k, v in timings.items()))
-        parts.append("")
+        parts += ["Timings (s): " + ", ".join(f"{k.removesuffix('_s')} {v}" for k, v in timings.items()), ""]
     phases = report.get("phases", {})
     if phases:
-        parts.append("Phases (s, peak memory GiB): " + ", ".join(_phase_cell(k, p) for k, p in phases.items()))
-        parts.append("")
+        parts += ["Phases (s, peak memory GiB): " + ", ".join(_phase_cell(k, p) for k, p in phases.items()), ""]
     return "\n".join(parts)
 
 
