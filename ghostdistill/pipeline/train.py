@@ -22,10 +22,8 @@ from ..distill.config import DistillConfig
 from ..distill.loss import chunked_distillation_loss, hidden_positions, hidden_state_loss
 from ..distill.students import Students
 from ..evaluation.metrics import next_token_targets
-from .calibrate import Dist
+from .calibrate import Batch, Dist
 from .evaluate import score_views
-
-Batch = dict[str, torch.Tensor]
 
 
 def students_offloaded(offload: str) -> str:

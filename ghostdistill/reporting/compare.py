@@ -33,7 +33,6 @@ from .compare_tables import to_markdown as to_markdown
 # A plan of a compare file sets `PlanConfig`'s keys; the ones with a folder-name tag (`tag`, marked where the
 # key is defined) name its folder when they differ from the default; the cost-only ones never do.
 PLAN_FIELDS = {f.name: f for f in fields(PlanConfig)}
-PLAN_KEYS = set(PLAN_FIELDS)
 _NAMED = {name: f for name, f in PLAN_FIELDS.items() if "tag" in f.metadata}
 # A row's scores: a source's metrics or a zero-shot task's accuracy, the others None.
 SCORE_COLUMNS = ("ppl", "kl", "top1", "prefix", "acc", "acc_norm", "items")
@@ -44,10 +43,10 @@ def load_spec(path: str) -> dict:
     if not isinstance(spec["plans"], list) or not spec["plans"]:
         raise ValueError(f"compare file {path}: plans must be a non-empty list")
     for plan in spec["plans"]:
-        bad = set(plan) - PLAN_KEYS if isinstance(plan, dict) else {"(not a mapping)"}
+        bad = set(plan) - PLAN_FIELDS.keys() if isinstance(plan, dict) else {"(not a mapping)"}
         if bad:
             raise ValueError(
-                f"compare file {path}: plan {plan!r} has unknown keys {sorted(bad)}; valid: {sorted(PLAN_KEYS)}"
+                f"compare file {path}: plan {plan!r} has unknown keys {sorted(bad)}; valid: {sorted(PLAN_FIELDS)}"
             )
         check_plan_values(plan, path)
     # Two plans of one folder name would run into one folder: the second would reuse or overwrite the first.
