@@ -17,13 +17,10 @@ def analysis_section(report: dict) -> str:
     if not a:
         return ""
     less = f", less {a['overlapping_windows']} that overlap calibration" if a.get("overlapping_windows") else ""
-    intro = (
+    lines = [
         f"Operator anatomy and alignment error on {a['held_out_windows']} held-out windows (the first evaluation "
         f"windows{less}; e = ‖X_pre W − X_post‖ / ‖X_post − X_pre‖ on the dense model's streams, 1 = no better "
-        "than pruned; antisym = ‖(M − Mᵀ)/2‖² / ‖M‖², of W likewise; eff. rank of M = exp(entropy of σ²)):"
-    )
-    lines = [
-        intro,
+        "than pruned; antisym = ‖(M − Mᵀ)/2‖² / ‖M‖², of W likewise; eff. rank of M = exp(entropy of σ²)):",
         "",
         "| gap | view | antisym M | antisym W | ‖M‖ | σ₁(M) | eff. rank M | e other | e first |",
         "|---|---|---|---|---|---|---|---|---|",
