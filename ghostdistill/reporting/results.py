@@ -224,10 +224,9 @@ def _phase_cell(name: str, phase: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
+    """Perplexity per view on each text source (`write_report` plots only a report that has one)."""
     views = report["views"]
     sources = [s for s in next(iter(views.values()))["metrics"] if s not in chat_sources(report)]
-    if not sources:
-        return
     with figure(path, figsize=(1.6 + 1.3 * len(views) * max(1, len(sources)) / 2, 3.6)) as (fig, ax):
         width = 0.8 / len(sources)
         for j, s in enumerate(sources):
