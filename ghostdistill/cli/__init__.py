@@ -20,25 +20,12 @@ import os
 import sys
 
 from ..core.errors import USER_ERRORS, one_line
-from ..lit.trainer import quiet_console
-from .export import load_run_config, run_export
-from .fit import GhostDistillCLI, build_fit, check_strategy_config, run_fit
+from .export import load_run_config as load_run_config
+from .export import run_export
+from .fit import build_fit as build_fit
+from .fit import check_strategy_config as check_strategy_config
+from .fit import run_fit
 from .runs import run_compare, run_frontier_command
-
-__all__ = [
-    "COMMANDS",
-    "GhostDistillCLI",
-    "build_fit",
-    "check_strategy_config",
-    "entry",
-    "load_run_config",
-    "main",
-    "quiet_console",
-    "run_compare",
-    "run_export",
-    "run_fit",
-    "run_frontier_command",
-]
 
 COMMANDS = {
     "fit": "calibrate, fit every method's operators, distil the students (trainer.max_steps > 0), evaluate",
@@ -66,17 +53,11 @@ def main(args: list[str] | None = None):
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         raise SystemExit(0 if argv else 2)
-    command, rest = argv[0], argv[1:]
-    if command == "fit":
-        return run_fit(rest)
-    if command == "compare":
-        return run_compare(rest)
-    if command == "export":
-        return run_export(rest)
-    if command == "frontier":
-        return run_frontier_command(rest)
-    print(f"error: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
-    raise SystemExit(2)
+    runners = {"fit": run_fit, "compare": run_compare, "export": run_export, "frontier": run_frontier_command}
+    if argv[0] not in runners:
+        print(f"error: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        raise SystemExit(2)
+    return runners[argv[0]](argv[1:])
 
 
 def entry() -> None:

@@ -5,6 +5,7 @@ instantiated, for `compare`, `frontier` and `export`."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -49,7 +50,9 @@ class GhostDistillCLI(LightningCLI):
         each entry keys of the file's entry at its position (keys its own method may not read)."""
         super().parse_arguments(parser, args)
         argv = list(args) if isinstance(args, list) else sys.argv[1:] if args is None else []
-        given = _last_value(argv, "--model.recovery")
+        alone = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        alone.add_argument("--model.recovery", dest="given")
+        given = alone.parse_known_args(argv)[0].given
         if given is not None:
             from jsonargparse import ArgumentParser
 
@@ -79,16 +82,6 @@ def _data_settings(datamodule: GhostDataModule):
     return datamodule.cfg
 
 
-def _last_value(args: list[str], key: str) -> str | None:
-    value = None
-    for i, arg in enumerate(args):
-        if arg == key and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(key + "="):
-            value = arg[len(key) + 1 :]
-    return value
-
-
 def check_strategy_config(strategy) -> None:
     """FSDP2 checkpoints must be whole: they hold only what trains, and a sharded one must hold every weight.
     FSDP2 shards over every process: Lightning's default splits them into tensor-parallel ranks instead."""
@@ -109,8 +102,7 @@ def check_run_settings(max_steps, root_dir, ckpt_path) -> None:
     if max_steps is not None and max_steps < 0:
         raise ValueError(f"trainer.max_steps {max_steps}: set 0 (training-free) or the number of distillation steps")
     if root_dir is not None:
-        path = Path(root_dir)
-        probe = path
+        probe = Path(root_dir)
         while not probe.exists() and probe != probe.parent:
             probe = probe.parent
         if not probe.is_dir():

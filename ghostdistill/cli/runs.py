@@ -44,26 +44,22 @@ def run_compare(argv: list[str]) -> Path:
         except ValueError as err:
             raise ValueError(f"{ns.spec}: plan {compare.plan_name(plan)}: {err}") from None
     with hold_folder(root, f"ghostdistill compare {ns.spec}", "wait for it to finish, or choose another root"):
-        _compare(spec, root, plan_run)
+        runs = []
+        for plan in spec["plans"]:
+            name = compare.plan_name(plan)
+            results = root / name / "results.json"
+            # A greedy plan starts from the steps of a finished one of the same settings (fit checks them).
+            source = compare.greedy_source(plan, [p for p, _ in runs])
+            run = plan_run(plan, **({"greedy_from": str(root / compare.plan_name(source))} if source else {}))
+            why = "not run yet"
+            if results.is_file():
+                why = stale_reason(read_mapping(results, "results file"), plan_run(plan).settings())
+                if why:
+                    print(f"compare: plan {name}: {why}; running it again")
+            runs.append((plan, fit_parsed(run).report.to_dict() if why else read_mapping(results, "results file")))
+        compare.write(root, compare.gather(runs, spec))
     print(f"compare report written to {root}/compare.md")
     return root
-
-
-def _compare(spec: dict, root: Path, plan_run) -> None:
-    runs = []
-    for plan in spec["plans"]:
-        name = compare.plan_name(plan)
-        results = root / name / "results.json"
-        # A greedy plan starts from the steps of a finished one of the same settings (fit checks them).
-        source = compare.greedy_source(plan, [p for p, _ in runs])
-        run = plan_run(plan, **({"greedy_from": str(root / compare.plan_name(source))} if source else {}))
-        why = "not run yet"
-        if results.is_file():
-            why = stale_reason(read_mapping(results, "results file"), plan_run(plan).settings())
-            if why:
-                print(f"compare: plan {name}: {why}; running it again")
-        runs.append((plan, fit_parsed(run).report.to_dict() if why else read_mapping(results, "results file")))
-    compare.write(root, compare.gather(runs, spec))
 
 
 def run_frontier_command(argv: list[str]) -> Path:
@@ -75,6 +71,7 @@ def run_frontier_command(argv: list[str]) -> Path:
     directly. The fit overrides apply to the student runs too (the same model)."""
     import gc
 
+    import torch
     from lightning.pytorch import seed_everything
 
     from ..pipeline.frontier import check_greedy, run_frontier
@@ -100,7 +97,9 @@ def run_frontier_command(argv: list[str]) -> Path:
         check_frontier_students(spec, base, students)
     with hold_folder(root, f"ghostdistill frontier {ns.spec}", "wait for it to finish, or choose another root"):
         seed_everything(base.rest.get("seed_everything"))  # as a `fit` of the base config seeds itself
-        run.load().to(device_of(base))
+        # The device a `fit` of the base config runs its single process on (its `trainer.accelerator`).
+        accelerator = str((base.rest.get("trainer") or {}).get("accelerator") or "auto")
+        run.load().to("cuda" if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available() else "cpu")
         run.setup(root, checks=False)  # `run_frontier` checks every depth instead of the base plan
         points = run_frontier(
             run.cfg, run.llm, run.data, root, spec["num_layers"], spec["criteria"], greedy=spec.get("greedy")
@@ -113,14 +112,6 @@ def run_frontier_command(argv: list[str]) -> Path:
         frontier.write(root, points, spec, records)
     print(f"frontier report written to {root}/frontier.md")
     return root
-
-
-def device_of(parsed: ParsedFit) -> str:
-    """The device a `fit` of `parsed` would run its single process on (its `trainer.accelerator`)."""
-    import torch
-
-    accelerator = str((parsed.rest.get("trainer") or {}).get("accelerator") or "auto")
-    return "cuda" if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available() else "cpu"
 
 
 def student_run(spec: dict, cfg, students: ParsedFit, start: dict, kind: str) -> ParsedFit:
@@ -140,9 +131,7 @@ def check_frontier_students(spec: dict, base: ParsedFit, students: ParsedFit) ->
     frontier's first pass, which may take hours."""
     n = spec["num_layers"][0]
     cfg = base.cfg
-    for kind in ("stock", "operators"):
-        if kind not in spec["students"]:
-            continue
+    for kind in [k for k in ("stock", "operators") if k in spec["students"]]:
         mine = [r for r in cfg.recovery if ships_stock(r.method) == (kind == "stock")]
         if not mine:
             raise ValueError(
@@ -173,9 +162,7 @@ def frontier_students(spec: dict, points: list[dict], cfg, students: ParsedFit, 
     records = []
     for point in points:
         starts = student_starts(point)
-        for kind in ("stock", "operators"):
-            if kind not in spec["students"]:
-                continue
+        for kind in [k for k in ("stock", "operators") if k in spec["students"]]:
             start = starts.get(kind)
             if start is None:
                 print(f"frontier students n={point['n']}: no {kind} view to start a student from; skipped")

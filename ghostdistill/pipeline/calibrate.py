@@ -2,7 +2,7 @@
 
     plan = planning.choose(...)            explicit layers, or a criterion on the calibration batches
     stats, tokens = collect_statistics(...)    one dense pass, float64 sums, resumable from a saved state
-    fits = fit(...)                        the closed-form solves (sequential gaps: a student pass each)
+    fits = fit_methods(...)                the closed-form solves (sequential gaps: a student pass each)
 
 `calibrate` runs the three in order and returns a `Calibrated`. Several processes (DDP, FSDP2) pass a
 `Dist`: each rank streams its share of the batches (as many on every rank, `even_shard`) and the sums are
@@ -13,6 +13,7 @@ plan one process would.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -65,22 +66,22 @@ class Calibrated:
 
 def collect_statistics(
     pruned: PrunedModel,
-    methods: set[str],
+    recovery: list[RecoveryConfig],
     batches: list[Batch],
-    *,
-    recovery: list[RecoveryConfig] | None = None,
     saved: SavedState | None = None,
+    *,
     dist: Dist = Dist(),
     checkpoint: Callable[[Statistics, int, int], None] | None = None,
     checkpoint_every: int = 0,
     progress: Progress = no_progress,
 ) -> tuple[Statistics, int]:
-    """Every method's per-gap statistics from one dense pass over `batches` (continuing `saved` when given),
-    each collector holding only what `recovery`'s entries read (None: everything);
-    returns them and the number of tokens seen. `checkpoint(stats, batches_done, tokens)` is called every
-    `checkpoint_every` batches and at the end (one process only: partial sums of several cannot be split)."""
+    """The per-gap statistics of every method of `recovery` from one dense pass over `batches` (continuing
+    `saved` when given), each collector holding only what the entries read; returns them and the number of
+    tokens seen. `checkpoint(stats, batches_done, tokens)` is called every `checkpoint_every` batches and at
+    the end (one process only: partial sums of several cannot be split)."""
     llm, plan = pruned.model, pruned.plan
     device = model_device(llm)
+    methods = {r.method for r in recovery}
     stats = {g.key: make_collectors(methods, hidden_size(llm), device, recovery) for g in plan.gaps}
     done, tokens = 0, 0
     if saved is not None:
@@ -110,30 +111,6 @@ def collect_statistics(
     return stats, tokens
 
 
-def fit(
-    recovery: list[RecoveryConfig],
-    pruned: PrunedModel,
-    stats: Statistics,
-    batches: list[Batch],
-    *,
-    dist: Dist = Dist(),
-    progress: Progress = no_progress,
-) -> dict[str, dict]:
-    """Solve every gap of every method and register its view; returns each method's settings and cost."""
-    device = model_device(pruned.model)
-    mine = even_shard(batches, dist.rank, dist.world) if dist.world > 1 else batches
-    return fit_methods(
-        recovery,
-        pruned,
-        stats,
-        mine,
-        hidden_size(pruned.model),
-        device,
-        progress=progress,
-        reduce=dist.reduce if dist.world > 1 else None,
-    )
-
-
 def calibrate(
     llm: nn.Module,
     plan_cfg: PlanConfig,
@@ -156,12 +133,9 @@ def calibrate(
     `selection`: the held-out windows the repair-aware criteria score candidates on; `taken`: the steps
     ``repair_greedy`` starts after (`plan.greedy_from`); `phase(name)` wraps each of ``plan``, ``calibrate``
     and ``fit`` (`pipeline.run.Run.phase`: seconds and peak memory for its observers)."""
-    import time
-
     llm.eval()
     if is_offloaded(llm) and dist.world > 1:
         raise ValueError(OFFLOAD_ONE_DEVICE)
-    methods = {r.method for r in recovery}
     if saved is not None and dist.world > 1 and saved.batches_done < saved.batches_total:
         # Partial sums of one process cannot be split among several: only complete states are reused.
         log(f"{state_path} is incomplete and this run has {dist.world} processes; calibrating from scratch")
@@ -189,10 +163,9 @@ def calibrate(
     with phase("calibrate"):
         stats, tokens = collect_statistics(
             pruned,
-            methods,
+            recovery,
             batches,
-            recovery=recovery,
-            saved=saved,
+            saved,
             dist=dist,
             checkpoint=checkpoint,
             checkpoint_every=checkpoint_every,
@@ -200,7 +173,10 @@ def calibrate(
         )
     seconds["statistics_s"] = round(time.perf_counter() - start, 2)
     with phase("fit"):
-        fits = fit(recovery, pruned, stats, batches, dist=dist, progress=progress)
+        # Every gap of every method solved and its view registered; each rank reads its share of the batches.
+        mine, reduce = (even_shard(batches, dist.rank, dist.world), dist.reduce) if dist.world > 1 else (batches, None)
+        device = model_device(llm)
+        fits = fit_methods(recovery, pruned, stats, mine, hidden_size(llm), device, progress=progress, reduce=reduce)
     seconds["solve_s"] = round(sum(f["fit_s"] for f in fits.values()), 2)
     return Calibrated(plan, pruned, stats, tokens, fits, seconds)
 

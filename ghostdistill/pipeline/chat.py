@@ -88,9 +88,8 @@ def statistics_masks(src: TextSource, answers: torch.Tensor | None) -> torch.Ten
 def evaluation_sources(sources: list[TextSource], chat: bool | None, tokenizer) -> list[TextSource]:
     """`sources`, and after them the chat score's default source when `chat` (``data.evaluation.chat``) asks
     for it: null, when the tokenizer has a chat template and no source is a chat source already."""
-    if chat is False or any(s.chat is not None for s in sources):
-        return list(sources)
-    if chat is None and not getattr(tokenizer, "chat_template", None):
+    asked = chat or (chat is None and getattr(tokenizer, "chat_template", None))
+    if not asked or any(s.chat is not None for s in sources):
         return list(sources)
     check_chat_template(tokenizer, "data.evaluation.chat")
     if CHAT_SCORE in [s.label for s in sources]:

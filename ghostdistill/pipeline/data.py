@@ -208,10 +208,9 @@ class RunData:
         # Lengths of set sources only: a null train source reads the calibration windows; `repair` reads no evaluation.
         cal, ev = self.cfg.calibration, self.cfg.evaluation
         lengths = {"calibration": cal.seq_len, **({"evaluation": ev.seq_len} if ev.sources else {})}
-        if distilling and self.cfg.train.source is not None:
-            lengths["train"] = self.cfg.train.seq_len
-        if distilling and self.cfg.validation.source is not None:
-            lengths["validation"] = self.cfg.validation.seq_len
+        for what in ("train", "validation") if distilling else ():
+            if getattr(self.cfg, what).source is not None:
+                lengths[what] = getattr(self.cfg, what).seq_len
         for what, n in lengths.items():
             if max_positions and n > max_positions:
                 warnings.warn(

@@ -11,6 +11,7 @@ zeroshot(pruned, tokenizer, views, cfg, ...)       lm-eval accuracy per view and
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -122,14 +123,6 @@ def _score_pass(pruned: PrunedModel, batches: list[dict], order: list[str], chun
             counted, answers = batches[b].get("counted"), batches[b].get("answers")
             out.append(_scores(pruned, states, heads, ids, mask, chunk, counted, answers))
     return out
-
-
-def views_to_evaluate(available: list[str], wanted: list[str]) -> list[str]:
-    """The views of `available` that `evaluation.views` (`wanted`; empty: all) names, in their order."""
-    unknown = [v for v in wanted if v not in available]
-    if unknown:
-        raise ValueError(f"evaluation.views {unknown} are not views of this run; available: {available}")
-    return [v for v in available if v in (wanted or available)]
 
 
 def view_results(
@@ -261,8 +254,6 @@ def zeroshot(
     """lm-eval on every view, one task at a time: view → task → scores, with the average. With `store`, each
     (view, task) score is written when done and reused when its key (`digests[view]`, task, limit, data)
     matches."""
-    import time
-
     from ..evaluation.zeroshot import evaluate_zeroshot
 
     limits = task_limits(cfg.tasks, cfg.limit)

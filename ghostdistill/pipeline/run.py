@@ -47,7 +47,7 @@ from ..reporting.results import check_scored, markdown_table, rank_warning, writ
 from .calibrate import Dist, calibrate, calibration_summary
 from .config import RunConfig
 from .data import RunData
-from .evaluate import analysis, evaluate, score_batches, view_digests, view_results, views_to_evaluate, zeroshot
+from .evaluate import analysis, evaluate, score_batches, view_digests, view_results, zeroshot
 from .export import ExportOptions, export_views
 from .phases import PhaseObserver as PhaseObserver
 from .phases import Phases
@@ -231,8 +231,12 @@ class Run(Phases):
     # ---------------------------------------------------------------- evaluate
     @property
     def views(self) -> list[str]:
-        """The views evaluation scores: `evaluation.views`, or all of them."""
-        return views_to_evaluate(self.pruned.views if self.pruned is not None else [], self.cfg.evaluation.views)
+        """The views evaluation scores: `evaluation.views` (each one of this run's views), or all of them."""
+        available, wanted = self.pruned.views if self.pruned is not None else [], self.cfg.evaluation.views
+        unknown = [v for v in wanted if v not in available]
+        if unknown:
+            raise ValueError(f"evaluation.views {unknown} are not views of this run; available: {available}")
+        return [v for v in available if v in (wanted or available)]
 
     def start_evaluation(self, device=None) -> None:
         self.begin("evaluate")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -82,14 +82,7 @@ def save_state(path: Path, key: str, plan: PruningPlan, stats: Statistics, done:
     state = {
         "format": STATE_FORMAT,
         "fingerprint": key,
-        "plan": {
-            "num_layers": plan.num_layers,
-            "removed": plan.removed,
-            "chosen_by": plan.chosen_by,
-            "scores": plan.scores,
-            "candidates": plan.candidates,
-            "costs": plan.costs,
-        },
+        "plan": {f.name: getattr(plan, f.name) for f in fields(plan)},  # what `PruningPlan(**...)` reads back
         "stats": {k: {name: to_device(c.state_dict(), "cpu") for name, c in cs.items()} for k, cs in stats.items()},
         "batches_done": done,
         "batches_total": total,

@@ -20,12 +20,11 @@ from ..core.offload import is_offloaded, model_device, offload_mode
 from ..core.views import PrunedModel
 from ..distill.config import DistillConfig
 from ..distill.loss import chunked_distillation_loss, hidden_positions, hidden_state_loss
+from ..distill.parallel import full_tensor
 from ..distill.students import Students
 from ..evaluation.metrics import next_token_targets
-from .calibrate import Dist
+from .calibrate import Batch, Dist
 from .evaluate import score_views
-
-Batch = dict[str, torch.Tensor]
 
 
 def students_offloaded(offload: str) -> str:
@@ -170,8 +169,6 @@ def checkpoint_extras(tracker: BestSteps, students: Students, last_validated: in
     """What a distillation checkpoint holds beside Lightning's state: every student's trainable values by name,
     the validation history and each student's best step, as whole tensors (sharded ones gathered) and plain
     data, so the file loads with `weights_only=True`."""
-    from ..distill.parallel import full_tensor
-
     best = {v: {**b, "state": {k: full_tensor(t) for k, t in b["state"].items()}} for v, b in tracker.best.items()}
     trained = {v: {k: full_tensor(t) for k, t in students.trainable_state(v).items()} for v in students.views}
     return {"history": tracker.history, "best": best, "students": trained, "last_validated": last_validated}

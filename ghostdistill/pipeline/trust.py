@@ -34,10 +34,9 @@ def remote_code_requests(config: dict) -> list[str]:
     ``key: value`` (empty when there are none)."""
     model = (config.get("model") or {}) if isinstance(config.get("model"), dict) else {}
     source = model.get("model") if isinstance(model.get("model"), dict) else {}
-    requests = []
-    if source.get("trust_remote_code"):
-        requests.append(f"model.model.trust_remote_code: true (model.model.source {source.get('source')!r})")
-    return requests
+    if not source.get("trust_remote_code"):
+        return []
+    return [f"model.model.trust_remote_code: true (model.model.source {source.get('source')!r})"]
 
 
 def check_trust(config: dict, where: Path, trusted: bool) -> None:

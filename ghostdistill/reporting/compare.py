@@ -26,14 +26,16 @@ from ..core.checks import check_unique
 from ..core.io import atomic_write_json, atomic_write_text, read_spec
 from ..core.settings import is_cost
 from ..planning import PlanConfig
-from .compare_tables import plot, to_csv
+from . import csv_text
+from .compare_tables import plot
 from .compare_tables import to_markdown as to_markdown
 
 # A plan of a compare file sets `PlanConfig`'s keys; the ones with a folder-name tag (`tag`, marked where the
 # key is defined) name its folder when they differ from the default; the cost-only ones never do.
 PLAN_FIELDS = {f.name: f for f in fields(PlanConfig)}
-PLAN_KEYS = set(PLAN_FIELDS)
 _NAMED = {name: f for name, f in PLAN_FIELDS.items() if "tag" in f.metadata}
+# A row's scores: a source's metrics or a zero-shot task's accuracy, the others None.
+SCORE_COLUMNS = ("ppl", "kl", "top1", "prefix", "acc", "acc_norm", "items")
 
 
 def load_spec(path: str) -> dict:
@@ -41,10 +43,10 @@ def load_spec(path: str) -> dict:
     if not isinstance(spec["plans"], list) or not spec["plans"]:
         raise ValueError(f"compare file {path}: plans must be a non-empty list")
     for plan in spec["plans"]:
-        bad = set(plan) - PLAN_KEYS if isinstance(plan, dict) else {"(not a mapping)"}
+        bad = set(plan) - PLAN_FIELDS.keys() if isinstance(plan, dict) else {"(not a mapping)"}
         if bad:
             raise ValueError(
-                f"compare file {path}: plan {plan!r} has unknown keys {sorted(bad)}; valid: {sorted(PLAN_KEYS)}"
+                f"compare file {path}: plan {plan!r} has unknown keys {sorted(bad)}; valid: {sorted(PLAN_FIELDS)}"
             )
         check_plan_values(plan, path)
     # Two plans of one folder name would run into one folder: the second would reuse or overwrite the first.
@@ -137,37 +139,13 @@ def gather(runs: list[tuple[dict, dict]], spec: dict) -> dict:
                 "fit_s": recovery.get(view, {}).get("fit_s"),
                 "statistics_s": res["timings"].get("statistics_s"),
             }
-            for source, m in entry["metrics"].items():
-                rows.append(
-                    {
-                        **common,
-                        "source": source,
-                        "ppl": m["ppl"],
-                        "kl": m.get("kl"),
-                        "top1": m.get("top1"),
-                        "prefix": m.get("prefix"),
-                        "acc": None,
-                        "acc_norm": None,
-                        "items": None,
-                        **cost,
-                    }
-                )
-            for task, m in entry.get("zeroshot", {}).items():
-                # items: how many were scored (the average row has none of its own).
-                rows.append(
-                    {
-                        **common,
-                        "source": f"zeroshot/{task}",
-                        "ppl": None,
-                        "kl": None,
-                        "top1": None,
-                        "prefix": None,
-                        "acc": m["acc"],
-                        "acc_norm": m.get("acc_norm"),
-                        "items": m.get("n"),
-                        **cost,
-                    }
-                )
+            # items: how many zero-shot items were scored (the average row has none of its own).
+            scores = [*entry["metrics"].items()] + [
+                (f"zeroshot/{task}", {"acc": m["acc"], "acc_norm": m.get("acc_norm"), "items": m.get("n")})
+                for task, m in entry.get("zeroshot", {}).items()
+            ]
+            for source, m in scores:
+                rows.append({**common, "source": source, **{k: m.get(k) for k in SCORE_COLUMNS}, **cost})
     first = runs[0][1]
     return {
         "base": spec["base"],
@@ -181,6 +159,7 @@ def gather(runs: list[tuple[dict, dict]], spec: dict) -> dict:
 
 def write(root: Path, report: dict) -> None:
     atomic_write_json(root / "compare.json", report)
-    atomic_write_text(root / "compare.csv", to_csv(report["rows"]))
+    rows = [{**r, "removed": " ".join(map(str, r["removed"]))} for r in report["rows"]]
+    atomic_write_text(root / "compare.csv", csv_text(rows))
     atomic_write_text(root / "compare.md", to_markdown(report))
     plot(report, root / "compare.png")

@@ -3,21 +3,10 @@ evaluation source, the chat score's own, zero-shot, the views not to ship) and c
 
 from __future__ import annotations
 
-import csv
-import io
 from pathlib import Path
 
-from ..core.io import atomic_savefig
+from . import figure
 from .flags import flagged
-
-
-def to_csv(rows: list[dict]) -> str:
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
-    writer.writeheader()
-    for r in rows:
-        writer.writerow({**r, "removed": " ".join(map(str, r["removed"]))})
-    return buf.getvalue()
 
 
 def to_markdown(report: dict) -> str:
@@ -40,87 +29,59 @@ def to_markdown(report: dict) -> str:
         "",
     ]
     for source in sources:
+        at = {(r["plan"], r["view"]): r for r in rows if r["source"] == source}
         if source in chat:
-            lines += chat_table(rows, plans, views, source)
+            cells = {
+                k: f"{r['kl']:.3f} ({r['top1']:.3f}; {r['prefix']:.1f})" for k, r in at.items() if r["kl"] is not None
+            }
+            title = (
+                f"Chat score on {source}: KL to dense on the dense model's greedy answers (top-1 agreement; tokens the "
+                "view's greedy answer shares with the dense one before they differ, mean per instruction):"
+            )
+            lines += _table(title, plans, views, cells)
             continue
-        lines.append(
-            f"Perplexity on {source} (KL to dense in parentheses; fit time in seconds, after the shared statistics pass):"
-        )
-        lines.append("")
-        lines.append("| method | " + " | ".join(plans) + " | fit time (s) |")
-        lines.append("|---|" + "---|" * (len(plans) + 1))
-        for view in views:
-            cells, times = [], []
-            for p in plans:
-                r = next((r for r in rows if r["plan"] == p and r["view"] == view and r["source"] == source), None)
-                if r is None:
-                    cells.append("–")
-                    continue
-                cells.append(f"{r['ppl']:.2f}" + (f" ({r['kl']:.3f})" if r["kl"] is not None else ""))
-                if r["fit_s"] is not None:
-                    times.append(f"{r['fit_s']:.1f}")
-            lines.append(f"| {view} | " + " | ".join(cells) + f" | {' / '.join(times) or '–'} |")
-        lines.append("")
+        cells = {k: f"{r['ppl']:.2f}" + (f" ({r['kl']:.3f})" if r["kl"] is not None else "") for k, r in at.items()}
+        times = {
+            v: " / ".join(f"{r['fit_s']:.1f}" for p in plans if (r := at.get((p, v))) and r["fit_s"] is not None)
+            for v in views
+        }
+        title = f"Perplexity on {source} (KL to dense in parentheses; fit time in seconds, after the shared statistics pass):"
+        lines += _table(title, plans, views, cells, times)
     if any(r["source"] == "zeroshot/average" for r in rows):
-        lines.append("Zero-shot average accuracy (lm-evaluation-harness):")
-        lines.append("")
-        lines.append("| method | " + " | ".join(plans) + " |")
-        lines.append("|---|" + "---|" * len(plans))
-        for view in views:
-            cells = []
-            for p in plans:
-                r = next(
-                    (r for r in rows if r["plan"] == p and r["view"] == view and r["source"] == "zeroshot/average"),
-                    None,
-                )
-                cells.append("–" if r is None else f"{r['acc']:.3f}")
-            lines.append(f"| {view} | " + " | ".join(cells) + " |")
-        lines.append("")
+        cells = {(r["plan"], r["view"]): f"{r['acc']:.3f}" for r in rows if r["source"] == "zeroshot/average"}
+        lines += _table("Zero-shot average accuracy (lm-evaluation-harness):", plans, views, cells)
     flags = flagged(rows)
     if flags:
         lines += ["Not to ship (flagged as under each run's table, `reporting.results.view_warnings`):", ""]
-        lines += [f"- {f}" for f in flags]
-        lines.append("")
+        lines += [*(f"- {f}" for f in flags), ""]
     stats = {p: next(r["statistics_s"] for r in rows if r["plan"] == p) for p in plans}
-    lines.append("Shared statistics pass (s): " + ", ".join(f"{p} {t}" for p, t in stats.items()))
-    lines.append("")
+    lines += ["Shared statistics pass (s): " + ", ".join(f"{p} {t}" for p, t in stats.items()), ""]
     return "\n".join(lines)
 
 
-def chat_table(rows: list[dict], plans: list[str], views: list[str], source: str) -> list[str]:
-    """The chat score per view and plan: KL on the dense model's answers, top-1, shared prefix (`pipeline.chat`)."""
-    scored = [r for r in rows if r["source"] == source and r["kl"] is not None]
-    cells = {(r["plan"], r["view"]): f"{r['kl']:.3f} ({r['top1']:.3f}; {r['prefix']:.1f})" for r in scored}
-    return [
-        f"Chat score on {source}: KL to dense on the dense model's greedy answers (top-1 agreement; tokens the "
-        "view's greedy answer shares with the dense one before they differ, mean per instruction):",
-        "",
-        "| method | " + " | ".join(plans) + " |",
-        "|---|" + "---|" * len(plans),
-        *(f"| {view} | " + " | ".join(cells.get((p, view), "–") for p in plans) + " |" for view in views),
-        "",
-    ]
+def _table(title: str, plans: list[str], views: list[str], cells: dict, times: dict | None = None) -> list[str]:
+    """`title` over a table of a row per view and a column per plan (`cells[plan, view]`, "–" where none);
+    with `times`, a last column of each view's fit times."""
+    head = plans if times is None else [*plans, "fit time (s)"]
+    lines = [title, "", "| method | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
+    for view in views:
+        row = [cells.get((p, view), "–") for p in plans] + ([] if times is None else [times[view] or "–"])
+        lines.append(f"| {view} | " + " | ".join(row) + " |")
+    return [*lines, ""]
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in report["rows"] if r["ppl"] is not None]
     source = rows[0]["source"]
     criteria = list(dict.fromkeys(r["criterion"] for r in rows))
-    fig, axes = plt.subplots(1, len(criteria), figsize=(5.2 * len(criteria), 4), squeeze=False)
-    for ax, crit in zip(axes[0], criteria):
-        sub = [r for r in rows if r["criterion"] == crit and r["source"] == source]
-        for view in dict.fromkeys(r["view"] for r in sub):
-            pts = sorted((r["layers_removed"], r["ppl"]) for r in sub if r["view"] == view)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=view)
-        ax.set_yscale("log")
-        ax.set_xlabel("layers removed")
-        ax.set_ylabel(f"{source} perplexity (log scale)")
-        ax.set_title(f"criterion: {crit}", fontsize=9)
-        ax.legend(fontsize=7)
-    atomic_savefig(fig, path)
-    plt.close(fig)
+    with figure(path, 1, len(criteria), figsize=(5.2 * len(criteria), 4), squeeze=False) as (fig, axes):
+        for ax, crit in zip(axes[0], criteria):
+            sub = [r for r in rows if r["criterion"] == crit and r["source"] == source]
+            for view in dict.fromkeys(r["view"] for r in sub):
+                pts = sorted((r["layers_removed"], r["ppl"]) for r in sub if r["view"] == view)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=view)
+            ax.set_yscale("log")
+            ax.set_xlabel("layers removed")
+            ax.set_ylabel(f"{source} perplexity (log scale)")
+            ax.set_title(f"criterion: {crit}", fontsize=9)
+            ax.legend(fontsize=7)

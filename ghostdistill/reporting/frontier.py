@@ -22,26 +22,16 @@ config's data and evaluation, which may differ from the base config's: frontier.
 
 from __future__ import annotations
 
-import csv
-import io
 from pathlib import Path
 
-from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text
+from ..core.io import atomic_write_json, atomic_write_text
 from ..core.plan import gaps_of
 from ..methods import ships_stock
-from .frontier_best import best_by_depth, flag, student_starts
-from .frontier_spec import CRITERIA, load_frontier_spec
-
-__all__ = [
-    "CRITERIA",
-    "FINE_TUNED",
-    "best_by_depth",
-    "flat_rows",
-    "load_frontier_spec",
-    "shipping",
-    "student_starts",
-    "write",
-]
+from . import csv_text, figure
+from .frontier_best import best_by_depth, flag
+from .frontier_best import student_starts as student_starts
+from .frontier_spec import CRITERIA
+from .frontier_spec import load_frontier_spec as load_frontier_spec
 
 # A student row's criterion: the plan it trained on came from the training-free rows (its `from` view's).
 FINE_TUNED = "fine-tuned"
@@ -138,25 +128,19 @@ def shipping(rows: list[dict], source: str) -> list[str]:
         return f"{r['view']} (from {r['from']} at {r['start_ppl']:.2f}, {r['removed']}) | {r['ppl']:.2f}"
 
     free, ft = best_by_depth(rows, source), best_by_depth(rows, source, fine_tuned=True)
-    if not ft:
-        lines = [
-            "| blocks removed | best stock checkpoint | params | PPL | best with operators | params | PPL |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for n, pair in sorted(free.items()):
-            lines.append(f"| {n} | {cell(pair.get(True))} | {cell(pair.get(False))} |")
-        return lines
-    lines = [
-        "| blocks removed | best stock checkpoint | params | PPL | stock, fine-tuned | PPL | best with operators | "
-        "params | PPL | with operators, fine-tuned | PPL |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    # Per side (stock: True), its best training-free checkpoint and, with students, its fine-tuned answer.
+    sides = {
+        True: ("best stock checkpoint", "stock, fine-tuned"),
+        False: ("best with operators", "with operators, fine-tuned"),
+    }
+    head = "".join(
+        f" {best} | params | PPL |" + (f" {student} | PPL |" if ft else "") for best, student in sides.values()
+    )
+    lines = [f"| blocks removed |{head}", "|---|" + "---|" * head.count("|")]
     for n in sorted(set(free) | set(ft)):
         pair, tuned_pair = free.get(n, {}), ft.get(n, {})
-        lines.append(
-            f"| {n} | {cell(pair.get(True))} | {tuned(tuned_pair.get(True))} | {cell(pair.get(False))} | "
-            f"{tuned(tuned_pair.get(False))} |"
-        )
+        cells = [cell(pair.get(side)) + (f" | {tuned(tuned_pair.get(side))}" if ft else "") for side in sides]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -181,11 +165,8 @@ def pivot(rows: list[dict], source: str) -> list[str]:
         best = min((r["ppl"] for r in here if r is not None and not flag(r, rows)), default=None)
         texts = []
         for r in here:
-            if r is None:
-                texts.append("-")
-                continue
-            text = f"{r['ppl']:.2f} ({r['removed'] or '-'})"
-            texts.append(f"**{text}**" if r["ppl"] == best and not flag(r, rows) else text)
+            text = "-" if r is None else f"{r['ppl']:.2f} ({r['removed'] or '-'})"
+            texts.append(f"**{text}**" if r is not None and r["ppl"] == best and not flag(r, rows) else text)
         lines.append(f"| {n} | " + " | ".join(texts) + " |")
     return lines
 
@@ -254,57 +235,50 @@ def markdown(points: list[dict], spec: dict, students: list[dict] = ()) -> str:
 
 
 def plot(points: list[dict], path: Path, source: str | None = None, students: list[dict] = ()) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in flat_rows(points, students) if source is None or r["source"] == source]
     source = source or rows[0]["source"]
     rows = [r for r in rows if r["source"] == source]
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    dense = next((r for r in rows if r["view"] == "dense"), None)
-    if dense is not None:
-        ax.axhline(dense["ppl"], color="black", linewidth=0.8, linestyle=":", label=f"dense ({dense['ppl']:.1f})")
-    lines = sorted({(r["view"], r["criterion"]) for r in rows if r["view"] != "dense" and not r["fine_tuned"]})
-    for view, criterion in lines:
-        mine = sorted(
-            (r for r in rows if (r["view"], r["criterion"]) == (view, criterion)), key=lambda r: r["blocks_removed"]
-        )
-        ax.plot(
-            [r["blocks_removed"] for r in mine],
-            [r["ppl"] for r in mine],
-            marker="o",
-            markersize=3,
-            linestyle={"repair": "-", "greedy": "-."}.get(criterion, "--"),
-            label=f"{view} ({criterion})",
-        )
-    envelopes = (
-        (False, True, "best stock", "-", "black"),
-        (False, False, "best with operators", ":", "black"),
-        (True, True, "stock, fine-tuned", "-", "tab:red"),
-        (True, False, "with operators, fine-tuned", ":", "tab:red"),
-    )
-    for fine_tuned, stock, label, style, color in envelopes:
-        best = best_by_depth(rows, source, fine_tuned)
-        depths = [n for n in sorted(best) if stock in best[n]]
-        if depths:
-            ax.plot(
-                depths,
-                [best[n][stock]["ppl"] for n in depths],
-                color=color,
-                marker="s" if fine_tuned else None,
-                linewidth=2.2,
-                alpha=0.35 if not fine_tuned else 0.6,
-                linestyle=style,
-                label=label,
+    with figure(path, figsize=(7.5, 4.2)) as (fig, ax):
+        dense = next((r for r in rows if r["view"] == "dense"), None)
+        if dense is not None:
+            ax.axhline(dense["ppl"], color="black", linewidth=0.8, linestyle=":", label=f"dense ({dense['ppl']:.1f})")
+        lines = sorted({(r["view"], r["criterion"]) for r in rows if r["view"] != "dense" and not r["fine_tuned"]})
+        for view, criterion in lines:
+            mine = sorted(
+                (r for r in rows if (r["view"], r["criterion"]) == (view, criterion)), key=lambda r: r["blocks_removed"]
             )
-    ax.set_yscale("log")
-    ax.set_xlabel("blocks removed")
-    ax.set_ylabel(f"{source} perplexity (log scale)")
-    ax.legend(fontsize=7, ncol=2)
-    atomic_savefig(fig, path)
-    plt.close(fig)
+            ax.plot(
+                [r["blocks_removed"] for r in mine],
+                [r["ppl"] for r in mine],
+                marker="o",
+                markersize=3,
+                linestyle={"repair": "-", "greedy": "-."}.get(criterion, "--"),
+                label=f"{view} ({criterion})",
+            )
+        envelopes = (
+            (False, True, "best stock", "-", "black"),
+            (False, False, "best with operators", ":", "black"),
+            (True, True, "stock, fine-tuned", "-", "tab:red"),
+            (True, False, "with operators, fine-tuned", ":", "tab:red"),
+        )
+        for fine_tuned, stock, label, style, color in envelopes:
+            best = best_by_depth(rows, source, fine_tuned)
+            depths = [n for n in sorted(best) if stock in best[n]]
+            if depths:
+                ax.plot(
+                    depths,
+                    [best[n][stock]["ppl"] for n in depths],
+                    color=color,
+                    marker="s" if fine_tuned else None,
+                    linewidth=2.2,
+                    alpha=0.35 if not fine_tuned else 0.6,
+                    linestyle=style,
+                    label=label,
+                )
+        ax.set_yscale("log")
+        ax.set_xlabel("blocks removed")
+        ax.set_ylabel(f"{source} perplexity (log scale)")
+        ax.legend(fontsize=7, ncol=2)
 
 
 def write(root: Path, points: list[dict], spec: dict, students: list[dict] = ()) -> list[Path]:
@@ -312,11 +286,7 @@ def write(root: Path, points: list[dict], spec: dict, students: list[dict] = ())
     rows = flat_rows(points, students)
     paths = [root / "frontier.json", root / "frontier.csv", root / "frontier.md", root / "frontier.png"]
     atomic_write_json(paths[0], {"spec": spec, "points": points, "students": list(students), "rows": rows})
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(paths[1], buf.getvalue())
+    atomic_write_text(paths[1], csv_text(rows))
     atomic_write_text(paths[2], markdown(points, spec, students))
     plot(points, paths[3], students=students)
     return paths

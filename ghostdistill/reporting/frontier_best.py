@@ -19,9 +19,7 @@ def best_by_depth(rows: list[dict], source: str, fine_tuned: bool = False) -> di
     training-free, or with `fine_tuned` among the students; never a row `flag` passes over."""
     best: dict[int, dict[bool, dict]] = {}
     for r in rows:
-        if r["source"] != source or r["view"] == "dense" or r.get("fine_tuned", False) != fine_tuned:
-            continue
-        if flag(r, rows):
+        if r["source"] != source or r["view"] == "dense" or r.get("fine_tuned", False) != fine_tuned or flag(r, rows):
             continue
         here = best.setdefault(r["blocks_removed"], {})
         if r["stock"] not in here or r["ppl"] < here[r["stock"]]["ppl"]:

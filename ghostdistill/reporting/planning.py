@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..core.io import atomic_savefig
+from . import figure
 
 
 def plan_section(report: dict) -> str:
@@ -58,26 +58,19 @@ def plan_section(report: dict) -> str:
 
 def plot_plan(report: dict, path: Path) -> None:
     """Pruned and repaired KL (log scale) by the candidate's start block, streamline's cosine beside."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     plan = report["plan"]
     rows = sorted(plan["candidates"].values(), key=lambda r: r["start"])
     starts = [r["start"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    ax.plot(starts, [r["pruned_kl"] for r in rows], marker="o", markersize=3, label="pruned KL")
-    ax.plot(starts, [r["repaired_kl"] for r in rows], marker="o", markersize=3, label="repaired KL")
-    ax.set_yscale("log")
-    ax.set_xlabel(f"first removed block (runs of {len(plan['removed'])})")
-    ax.set_ylabel("KL(dense ‖ candidate), selection windows")
-    twin = ax.twinx()
-    twin.plot(starts, [r["cosine"] for r in rows], color="grey", linestyle=":", label="streamline cosine")
-    twin.set_ylabel("streamline cosine")
-    ax.axvline(plan["removed"][0], color="black", linewidth=0.8, linestyle="--")
-    handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-    ax.legend(handles, [h.get_label() for h in handles], fontsize=8)
-    ax.set_title(f"{plan.get('chosen_by')}: chose {plan['removed'][0]}-{plan['removed'][-1]}", fontsize=9)
-    atomic_savefig(fig, path)
-    plt.close(fig)
+    with figure(path, figsize=(7, 3.6)) as (fig, ax):
+        ax.plot(starts, [r["pruned_kl"] for r in rows], marker="o", markersize=3, label="pruned KL")
+        ax.plot(starts, [r["repaired_kl"] for r in rows], marker="o", markersize=3, label="repaired KL")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"first removed block (runs of {len(plan['removed'])})")
+        ax.set_ylabel("KL(dense ‖ candidate), selection windows")
+        twin = ax.twinx()
+        twin.plot(starts, [r["cosine"] for r in rows], color="grey", linestyle=":", label="streamline cosine")
+        twin.set_ylabel("streamline cosine")
+        ax.axvline(plan["removed"][0], color="black", linewidth=0.8, linestyle="--")
+        handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+        ax.legend(handles, [h.get_label() for h in handles], fontsize=8)
+        ax.set_title(f"{plan.get('chosen_by')}: chose {plan['removed'][0]}-{plan['removed'][-1]}", fontsize=9)

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..core.io import atomic_savefig, atomic_write_json, atomic_write_text
+from ..core.io import atomic_write_json, atomic_write_text
 from ..distill.interface import get_part
 from ..distill.interface import parts as part_names
+from . import figure
 from .analysis import analysis_section, plot_analysis
 from .flags import view_warnings
 from .planning import plan_section, plot_plan
@@ -91,12 +92,8 @@ def zeroshot_table(report: dict) -> str:
     head = ["view", *(f"{t} (n={first[t]['n']})" for t in tasks), "average acc"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for view, scores in views.items():
-        cells = []
-        for t in tasks:
-            cell = f"{scores[t]['acc']:.3f}"
-            if "acc_norm" in scores[t]:
-                cell += f" ({scores[t]['acc_norm']:.3f})"
-            cells.append(cell)
+        norm = {t: f" ({scores[t]['acc_norm']:.3f})" if "acc_norm" in scores[t] else "" for t in tasks}
+        cells = [f"{scores[t]['acc']:.3f}{norm[t]}" for t in tasks]
         lines.append(f"| {view} | " + " | ".join(cells) + f" | {scores['average']['acc']:.3f} |")
     zs = report.get("zeroshot", {})
     limit = zs.get("limit")
@@ -143,8 +140,7 @@ def distill_section(report: dict) -> str:
     best = d.get("best", {})
     if best:
         shown = "the best validation step" if d["kept"] == "best" else "the last step"
-        lines.append(f"Each fine-tuned view shows {shown} ({d['steps']} taken):")
-        lines.append("")
+        lines += [f"Each fine-tuned view shows {shown} ({d['steps']} taken):", ""]
         for view, b in best.items():
             lines.append(f"- {view}: best validation KL {b['val_kl']:.4f} at step {b['step']}")
         lines.append("")
@@ -195,8 +191,7 @@ def render_markdown(report: dict) -> str:
         parts += [section, *after] if section else []
     groups = cal.get("token_groups", {})
     if groups:
-        parts.append("First-position tokens given their own map / massive activations seen (per gap):")
-        parts.append("")
+        parts += ["First-position tokens given their own map / massive activations seen (per gap):", ""]
         for gap, c in groups.items():
             parts.append(
                 f"- gap {gap}: {c['first']} first-position tokens, {c['regular']} others; massive activations "
@@ -205,12 +200,10 @@ def render_markdown(report: dict) -> str:
         parts.append("")
     timings = report.get("timings", {})
     if timings:
-        parts.append("Timings (s): " + ", ".join(f"{k.removesuffix('_s')} {v}" for k, v in timings.items()))
-        parts.append("")
+        parts += ["Timings (s): " + ", ".join(f"{k.removesuffix('_s')} {v}" for k, v in timings.items()), ""]
     phases = report.get("phases", {})
     if phases:
-        parts.append("Phases (s, peak memory GiB): " + ", ".join(_phase_cell(k, p) for k, p in phases.items()))
-        parts.append("")
+        parts += ["Phases (s, peak memory GiB): " + ", ".join(_phase_cell(k, p) for k, p in phases.items()), ""]
     return "\n".join(parts)
 
 
@@ -231,50 +224,39 @@ def _phase_cell(name: str, phase: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Perplexity per view on each text source (`write_report` plots only a report that has one)."""
     views = report["views"]
     sources = [s for s in next(iter(views.values()))["metrics"] if s not in chat_sources(report)]
-    if not sources:
-        return
-    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(views) * max(1, len(sources)) / 2, 3.6))
-    width = 0.8 / len(sources)
-    for j, s in enumerate(sources):
-        vals = [views[v]["metrics"][s]["ppl"] for v in views]
-        bars = ax.bar([i + j * width for i in range(len(views))], vals, width, label=s)
-        ax.bar_label(bars, fmt="%.1f", fontsize=7)
-    ax.set_xticks([i + width * (len(sources) - 1) / 2 for i in range(len(views))], list(views), rotation=20)
-    ax.set_yscale("log")
-    ax.set_ylabel("perplexity (log scale)")
-    ax.set_title(f"removed layers {report.get('plan', {}).get('removed')}", fontsize=9)
-    ax.legend(fontsize=8)
-    atomic_savefig(fig, path)
-    plt.close(fig)
+    with figure(path, figsize=(1.6 + 1.3 * len(views) * max(1, len(sources)) / 2, 3.6)) as (fig, ax):
+        width = 0.8 / len(sources)
+        for j, s in enumerate(sources):
+            vals = [views[v]["metrics"][s]["ppl"] for v in views]
+            bars = ax.bar([i + j * width for i in range(len(views))], vals, width, label=s)
+            ax.bar_label(bars, fmt="%.1f", fontsize=7)
+        ax.set_xticks([i + width * (len(sources) - 1) / 2 for i in range(len(views))], list(views), rotation=20)
+        ax.set_yscale("log")
+        ax.set_ylabel("perplexity (log scale)")
+        ax.set_title(f"removed layers {report.get('plan', {}).get('removed')}", fontsize=9)
+        ax.legend(fontsize=8)
 
 
 def plot_training(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     history = report["distill"]["history"]
     views = [k for k in history[0] if k not in ("step", "ranks_in_sync")]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for metric, ax in zip(("kl", "ppl"), axes):
-        for view in views:
-            ax.plot(
-                [h["step"] for h in history], [h[view][metric] for h in history], marker="o", markersize=3, label=view
-            )
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("validation " + ("KL(teacher ‖ student)" if metric == "kl" else "perplexity"))
-        ax.legend(fontsize=8)
-    fig.suptitle(f"distillation, removed layers {report.get('plan', {}).get('removed')}", fontsize=9)
-    atomic_savefig(fig, path)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(10, 3.6)) as (fig, axes):
+        for metric, ax in zip(("kl", "ppl"), axes):
+            for view in views:
+                ax.plot(
+                    [h["step"] for h in history],
+                    [h[view][metric] for h in history],
+                    marker="o",
+                    markersize=3,
+                    label=view,
+                )
+            ax.set_xlabel("optimizer step")
+            ax.set_ylabel("validation " + ("KL(teacher ‖ student)" if metric == "kl" else "perplexity"))
+            ax.legend(fontsize=8)
+        fig.suptitle(f"distillation, removed layers {report.get('plan', {}).get('removed')}", fontsize=9)
 
 
 def write_report(run_dir: Path, report: RunReport | dict) -> list[Path]:
