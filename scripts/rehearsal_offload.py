@@ -201,14 +201,23 @@ def llama_perplexity(path: Path, windows: dict, work: Path) -> dict | None:
     text.write_text(WIKITEXT_HEAD.read_text())
     cmd = [
         str(tool), "-m", str(path), "-f", str(text), "-c", str(windows["seq_len"]),
-        "--chunks", str(windows["eval_windows"]), "-t", "2", "-b", str(windows["seq_len"]), "--no-escape",
+        "--chunks", str(windows["eval_windows"]), "-t", "1", "-b", str(windows["seq_len"]), "--no-escape",
         "-nr",  # the file's own layout: repacked Q8_0 crashed on AVX-512 + AMX here (scripts/serving/llama_greedy.cpp)
     ]  # fmt: skip
     start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    final = [line for line in done.stderr.splitlines() + done.stdout.splitlines() if "Final estimate" in line]
+    # Under load (CI's parallel suite, 2 cores) the tool with `-t 2` exited 0 having printed 3 of 4 chunks and no
+    # final estimate on either stream (CI's clean clone once; here 3 of 3 runs side by side, then 1 of 3 with
+    # retries). With `-t 1` (above) 3 of 3 side by side gave the estimate at the first try, the same 2970.1426 as
+    # `-t 2` alone. The cause inside llama.cpp is not found; a run without an estimate is tried again, at most
+    # twice, and the check still holds the estimate to the run's perplexity.
+    for attempt in range(1, 4):  # noqa: B007 (the attempts are recorded)
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        final = [line for line in done.stderr.splitlines() + done.stdout.splitlines() if "Final estimate" in line]
+        if final or done.returncode != 0:
+            break
     ppl = float(final[-1].split("PPL =")[1].split()[0]) if final else None
-    out = {"ppl": ppl, "returncode": done.returncode, "seconds": round(time.perf_counter() - start, 1)}
+    out = {"ppl": ppl, "returncode": done.returncode, "attempts": attempt}
+    out["seconds"] = round(time.perf_counter() - start, 1)
     # Without a final estimate the check fails: keep what the tool said, so that the failure says why.
     return out if final else out | {"output": (done.stdout + done.stderr)[-2000:]}
 
