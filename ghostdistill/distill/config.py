@@ -118,6 +118,17 @@ class DistillConfig:
         checkpoint_every: optimizer steps between resumable checkpoints (`<run>/checkpoints/last.ckpt`).
         share_prefix: when nothing before the first gap trains, run the blocks before it once per
             batch (in the teacher pass) and start every student from there.
+        teacher_topk: k: the teacher's top-k log-probabilities and tail mass per training window, computed
+            once and cached (`$GHOSTDISTILL_CACHE/teacher_topk`) for every student and every later run of
+            the same model, instead of a teacher pass per step (`distill/teacher_cache.py`); null = the
+            live teacher, all tokens.
+        precision: the students' forward: ``fp32``; ``bf16`` (autocast; parameters, optimizer state and
+            the loss's sums stay float32); ``auto``: bf16 where the device computes it natively (a CUDA
+            GPU with bfloat16, a CPU with AVX-512 BF16 or AMX), else fp32. The teacher runs in the model's
+            dtype either way; evaluation and validation in the model's dtype.
+        curve_tokens: training tokens per student (windows × seq_len) at which every student is scored on
+            the first evaluation source during training: a budget curve from one run (results.json
+            ``distill.curve``, curve.png).
     """
 
     methods: list[str] = field(default_factory=list)
@@ -137,6 +148,9 @@ class DistillConfig:
     keep: Literal["best", "last"] = "best"
     checkpoint_every: int = cost_only(50)
     share_prefix: bool = True
+    teacher_topk: int | None = None
+    precision: Literal["fp32", "bf16", "auto"] = "fp32"
+    curve_tokens: list[int] = field(default_factory=list)
 
     def run_wide(self, name: str, method: str) -> Student:
         """A student named `name` from `method` with the run-wide recipe."""
@@ -206,6 +220,19 @@ class DistillConfig:
                 "distill.weight_decay, warmup_steps, val_every and checkpoint_every must be >= 0; got "
                 f"{self.weight_decay}, {self.warmup_steps}, {self.val_every}, {self.checkpoint_every}"
             )
+        if self.teacher_topk is not None and (isinstance(self.teacher_topk, bool) or self.teacher_topk < 1):
+            raise ValueError(
+                f"distill.teacher_topk must be >= 1 (e.g. 64) or null (the live teacher), got {self.teacher_topk}"
+            )
+        if self.precision not in ("fp32", "bf16", "auto"):
+            raise ValueError(f"distill.precision {self.precision!r} is not known; choose fp32, bf16 or auto")
+        if any(isinstance(t, bool) or t < 1 for t in self.curve_tokens) or self.curve_tokens != sorted(
+            self.curve_tokens
+        ):
+            raise ValueError(
+                f"distill.curve_tokens {self.curve_tokens} must be increasing token counts >= 1 (e.g. [82000, 300000])"
+            )
+        check_unique("distill.curve_tokens", self.curve_tokens)
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"distill.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.keep not in ("best", "last"):

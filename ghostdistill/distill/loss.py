@@ -23,6 +23,19 @@ averaged over the real positions (the first position left out unless `hidden_fir
 activation is orders of magnitude larger than every other position's and would be all an MSE sees) and
 over the gaps, and added as `hidden_weight` · term (`hidden_state_loss`, chunked like the logits).
 
+With the teacher's outputs cached (`distill.teacher_topk` = k: `teacher_cache.py`), the teacher is known only
+through its k most likely tokens K, their log-probabilities log p_T(v), v ∈ K, and its tail mass
+r_T = 1 − Σ_K p_T (kept in float32 from the full logits). Both distributions are then compared on the k + 1
+outcomes K ∪ {rest}, the student's rest being its own mass off K, r_S = 1 − Σ_K p_S (from its full logits):
+
+    forward   Σ_K p_T (log p_T − log p_S) + r_T (log r_T − log r_S)
+    reverse   Σ_K p_S (log p_S − log p_T) + r_S (log r_S − log r_T)
+
+This is the KL between the two distributions with the tail lumped into one outcome: never more than the
+full-vocabulary KL (lumping loses information), equal to it when K covers the vocabulary (r = 0; tested), and
+off by at most the KL between the two tails' shapes, weighted by their mass, otherwise. With `loss.top_k` ≤ k
+as well, the cached tokens are renormalised over the top_k as without a cache (LinearPatch's recipe).
+
 The logit loss is the mean over real (non-padding) target tokens. `chunked_distillation_loss` starts from the
 final hidden states and applies the output head a chunk of tokens at a time inside activation
 checkpointing, so neither model's [tokens, vocab] logits ever exist for more than one chunk, in the
@@ -106,14 +119,66 @@ def token_losses(
         else:
             index, t = None, F.log_softmax(t_logits, dim=-1)
     s_on_t = s if index is None else s.gather(-1, index)
+    return _with_ce(_kd(s_on_t, t, index is not None, cfg) * tau**2, student_logits, targets, cfg)
+
+
+def cached_token_losses(
+    student_logits: torch.Tensor,
+    teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    targets: torch.Tensor | None,
+    cfg: LossConfig,
+) -> torch.Tensor:
+    """Per-token loss [N] against the teacher's cached top-k (log-probabilities [N, k] at `cfg.temperature`,
+    token ids [N, k], log tail mass [N]): the k + 1 outcome KL of the module docstring."""
+    logp, index, log_tail = (t.to(student_logits.device) for t in teacher)
+    if cfg.top_k is not None and cfg.top_k < logp.shape[-1]:
+        return _cached_renormalised(student_logits, logp[:, : cfg.top_k], index[:, : cfg.top_k], targets, cfg)
+    tau = cfg.temperature
+    z = student_logits.float() / tau
+    log_z = torch.logsumexp(z, dim=-1)
+    s = z.gather(-1, index) - log_z[:, None]
+    # The student's mass off the teacher's tokens, from its own logits (exact, unlike 1 − Σ p_S in float32).
+    if index.shape[-1] < z.shape[-1]:
+        s_tail = torch.logsumexp(z.scatter(-1, index, float("-inf")), dim=-1) - log_z
+    else:  # k covers the vocabulary: no tail (and no logsumexp of nothing, whose gradient is NaN)
+        s_tail = torch.full_like(log_z, float("-inf"))
+    t, t_tail = logp.float(), log_tail.float()
+
+    def lumped(p_log, q_log, p_tail, q_tail):  # KL(p ‖ q) on the k + 1 outcomes; a tail of no mass adds 0
+        has = p_tail > float("-inf")  # masked before the arithmetic, so no NaN reaches a gradient either
+        p_t, q_t = torch.where(has, p_tail, 0.0), torch.where(has, q_tail.clamp_min(-1e4), 0.0)
+        return (p_log.exp() * (p_log - q_log)).sum(-1) + torch.where(has, p_t.exp() * (p_t - q_t), 0.0)
+
+    losses = []
+    if cfg.kind in ("forward", "symmetric"):
+        losses.append(lumped(t, s, t_tail, s_tail))
+    if cfg.kind in ("reverse", "symmetric"):
+        losses.append(lumped(s, t, s_tail, t_tail))
+    kd = sum(losses) / len(losses) * tau**2
+    return _with_ce(kd, student_logits, targets, cfg)
+
+
+def _cached_renormalised(student_logits, logp, index, targets, cfg: LossConfig) -> torch.Tensor:
+    """`token_losses` with `top_k` from cached log-probabilities: renormalising log-probabilities over the top
+    k gives what renormalising the logits does."""
+    tau = cfg.temperature
+    s_on_t = F.log_softmax(student_logits.float() / tau, dim=-1).gather(-1, index)
+    t = F.log_softmax(logp.float(), dim=-1)
+    return _with_ce(_kd(s_on_t, t, True, cfg) * tau**2, student_logits, targets, cfg)
+
+
+def _kd(s_on_t: torch.Tensor, t: torch.Tensor, renormalise: bool, cfg: LossConfig) -> torch.Tensor:
     losses = []
     if cfg.kind in ("forward", "symmetric"):
         losses.append((t.exp() * (t - s_on_t)).sum(-1))
     if cfg.kind in ("reverse", "symmetric"):
         # Over the teacher's support: with top-k the student's mass is renormalised there too.
-        s_rev = s_on_t if index is None else F.log_softmax(s_on_t, dim=-1)
+        s_rev = F.log_softmax(s_on_t, dim=-1) if renormalise else s_on_t
         losses.append((s_rev.exp() * (s_rev - t)).sum(-1))
-    kd = sum(losses) / len(losses) * tau**2
+    return sum(losses) / len(losses)
+
+
+def _with_ce(kd: torch.Tensor, student_logits, targets, cfg: LossConfig) -> torch.Tensor:
     if cfg.ce_weight > 0:
         if targets is None:
             raise ValueError("ce_weight > 0 needs the labels")
@@ -165,6 +230,29 @@ def chunked_distillation_loss(
         return token_losses(head(s_chunk), t_logits, y_chunk, cfg).sum()
 
     return _chunked_sum(chunk_loss, n, cfg.chunk_tokens, s, t, y) / n
+
+
+def chunked_cached_loss(
+    student_hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    valid: torch.Tensor,
+    targets: torch.Tensor | None,
+    teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    cfg: LossConfig,
+) -> torch.Tensor:
+    """`chunked_distillation_loss` against the teacher's cached top-k ([batch, seq, k], [batch, seq, k],
+    [batch, seq], as `teacher_cache.TeacherCache.lookup` gives them) instead of the teacher's hidden states."""
+    s = student_hidden[valid]
+    n = s.shape[0]
+    if n == 0:
+        return student_hidden.sum() * 0.0
+    logp, index, tail = (t[valid.to(t.device)] for t in teacher)
+    y = targets[valid] if targets is not None else None
+
+    def chunk_loss(s_chunk, logp_chunk, index_chunk, tail_chunk, y_chunk):
+        return cached_token_losses(head(s_chunk), (logp_chunk, index_chunk, tail_chunk), y_chunk, cfg).sum()
+
+    return _chunked_sum(chunk_loss, n, cfg.chunk_tokens, s, logp, index, tail, y) / n
 
 
 def _chunked_sum(loss: Callable, n: int, chunk_tokens: int, s: torch.Tensor, *others) -> torch.Tensor:

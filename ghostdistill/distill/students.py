@@ -18,13 +18,18 @@ starts from the residual stream entering block i, which the teacher pass keeps f
 embedding input replaced, the blocks before i skipped). `check_prefix` verifies that shortcut against a
 full student forward and turns it off where a family does something to its input embeddings. With a
 hidden-state term in a student's loss, both passes also keep the residual stream entering the first
-block after each gap (`stream_sites`).
+block after each gap (`stream_sites`). With the teacher's outputs cached (`teacher_cache`), the teacher pass
+runs only as far as the last of those streams it must give (`teacher(batch, logits=False)`), or not at all.
+
+With `precision` bf16 the students' forward runs under `torch.autocast` (bfloat16 matrix products; the
+parameters, their gradients and the optimizer state stay float32); the teacher never does.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +41,19 @@ from ..core.views import DENSE, PrunedModel
 from .config import DistillConfig, Student
 from .interface import get_part, parts
 from .parts import stream_sites
+from .teacher_cache import TeacherCache
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` computes bfloat16 matrix products natively (a CPU without AVX-512 BF16 or AMX takes a
+    scalar path for some of them, hundreds of times slower: docs/gpu.md)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+class _Enough(Exception):
+    """Raised by the last tap of a partial teacher pass: everything it must give is captured."""
 
 
 class StudentParams(dict):
@@ -51,7 +69,7 @@ class TeacherPass:
     block a student starts from (`prefixes`), and with a hidden-state term the stream entering the first
     block after each gap (`streams`)."""
 
-    hidden: torch.Tensor
+    hidden: torch.Tensor | None  # None: a partial pass (the logits come from the cache)
     prefixes: dict[int, torch.Tensor]
     streams: list[torch.Tensor] | None = None
 
@@ -84,6 +102,14 @@ class Students:
         # streams after the gaps (looked up once, not at every step).
         self._heads: dict[str, object] = {}
         self._sites: dict[str, list[nn.Module]] = {}
+        self.cache: TeacherCache | None = None  # the teacher's cached top-k (`distill.teacher_topk`)
+        self.bf16 = False  # the students' forward under bfloat16 autocast (`distill.precision`)
+
+    def autocast(self):
+        """Where a student's forward and loss run: bfloat16 autocast with `bf16`, else as they are."""
+        if not self.bf16:
+            return nullcontext()
+        return torch.autocast(next(self.pruned.model.parameters()).device.type, dtype=torch.bfloat16)
 
     def _first_trained_block(self, spec: Student) -> int:
         plan = self.pruned.plan
@@ -134,35 +160,45 @@ class Students:
         return self._sites[view]
 
     @staticmethod
-    def _grab(seen: list, k: int):
+    def _grab(seen: list, k: int, stop: bool):
         def hook(module, args, kwargs):
             seen[k] = args[0] if args else kwargs["hidden_states"]
+            if stop and all(x is not None for x in seen):
+                raise _Enough
 
         return hook
 
-    def _forward(self, view: str, batch, skip: int, embeds, taps: list[nn.Module]) -> tuple[torch.Tensor, list]:
+    def _forward(
+        self, view: str, batch, skip: int, embeds, taps: list[nn.Module], stop: bool = False
+    ) -> tuple[torch.Tensor | None, list]:
         """The decoder of `view` on `batch` (from `embeds` entering block `skip` when given): its final hidden
-        states and the input of each module of `taps`, captured by forward pre-hooks."""
+        states and the input of each module of `taps`, captured by forward pre-hooks; with `stop`, the pass
+        ends as soon as every tap has its input (no final hidden states: None)."""
         ids, mask = model_inputs(self.pruned.model, batch)
         inputs = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
         seen: list = [None] * len(taps)
-        handles = [m.register_forward_pre_hook(self._grab(seen, k), with_kwargs=True) for k, m in enumerate(taps)]
+        hooks = [m.register_forward_pre_hook(self._grab(seen, k, stop), with_kwargs=True) for k, m in enumerate(taps)]
         try:
             with self.pruned.use(view, skip=skip) as m:
                 out = decoder_of(m)(**inputs, attention_mask=mask, use_cache=False)
+        except _Enough:
+            return None, seen
         finally:
-            for h in handles:
+            for h in hooks:
                 h.remove()
         return out.last_hidden_state, seen
 
-    def teacher(self, batch: dict[str, torch.Tensor]) -> TeacherPass:
+    def teacher(self, batch: dict[str, torch.Tensor], logits: bool = True) -> TeacherPass:
         """One dense pass: final hidden states, the stream entering each student's start, and (with a
-        hidden-state term) the stream after each gap."""
+        hidden-state term) the stream after each gap. Without `logits` (they come from the cache) the pass
+        stops once it has those streams, and does not run at all when none is needed."""
         starts = sorted({i for i in self.starts.values() if i > 0}) if self.share_prefix else []
         sites = self._stream_sites(DENSE) if any(s.loss.hidden_weight > 0 for s in self.specs.values()) else []
         taps = [*(self.pruned.dense_layers[i] for i in starts), *sites]
+        if not logits and not taps:
+            return TeacherPass(None, {})
         with torch.no_grad():
-            hidden, seen = self._forward(DENSE, batch, 0, None, taps)
+            hidden, seen = self._forward(DENSE, batch, 0, None, taps, stop=not logits)
         return TeacherPass(hidden, dict(zip(starts, seen)), seen[len(starts) :] or None)
 
     def student(self, view: str, batch: dict[str, torch.Tensor], teacher: TeacherPass | None = None) -> StudentPass:

@@ -108,6 +108,13 @@ def check_strategy(trainer: Trainer, distill: DistillConfig | None = None) -> No
             f"{', '.join(sorted({k for kinds in own.values() for k in kinds}))}), which FSDP2 (ModelParallelStrategy) "
             "does not shard here yet: train them with ddp or on one device"
         )
+    if isinstance(strategy, ModelParallelStrategy) and distill and distill.teacher_topk and trainer.max_steps != 0:
+        # A rank whose windows are cached would skip a teacher pass that the others run, and every sharded
+        # forward is a collective of all ranks.
+        raise ValueError(
+            f"distill.teacher_topk {distill.teacher_topk} with FSDP2 (ModelParallelStrategy) is not supported yet: "
+            "the ranks would disagree on when the sharded teacher runs; set distill.teacher_topk: null, or use ddp"
+        )
 
 
 class Report(Callback):

@@ -175,6 +175,7 @@ class GhostDistill(LightningModule):
         step, every = self.global_step, self.cfg.distill.val_every
         if step == 0 or (every and step % every == 0):
             self.validate_students()
+        self.budget_curve()
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         self.run.start_step()
@@ -184,6 +185,18 @@ class GhostDistill(LightningModule):
         every = self.cfg.distill.val_every
         if every and self.global_step % every == 0:
             self.validate_students()
+        self.budget_curve()
+
+    def budget_curve(self) -> None:
+        """The budget curve's points due at this step (`Run.curve`); also at the start, where a resumed run
+        stands at a step whose point its checkpoint (saved before `on_train_batch_end`) does not hold."""
+        if self.cfg.distill.curve_tokens:
+            was_training, trainer = self.training, self.trainer
+            self.eval()
+            try:
+                self.run.curve(self.global_step, trainer.world_size * trainer.accumulate_grad_batches, self.dist())
+            finally:
+                self.train(was_training)
 
     def on_train_end(self) -> None:
         self.validate_students()
@@ -222,7 +235,8 @@ class GhostDistill(LightningModule):
         # FSDP2 (ModelParallelStrategy) has loaded the weights itself by now and passes no state dict.
         check_checkpoint_keys(set(checkpoint["state_dict"]) if "state_dict" in checkpoint else trainable, trainable)
         extra = checkpoint.get("ghostdistill", {})
-        self.run.tracker = BestSteps(list(extra.get("history", [])), dict(extra.get("best", {})))
+        history, best, curve = (extra.get(k, default) for k, default in (("history", []), ("best", {}), ("curve", [])))
+        self.run.tracker = BestSteps(list(history), dict(best), list(curve))
         self.run.last_validated = extra.get("last_validated")
 
     def on_test_start(self) -> None:

@@ -53,7 +53,7 @@ from .phases import PhaseObserver as PhaseObserver
 from .phases import Phases
 from .phases import observe as observe
 from .state import STATE_FILE, open_state, run_key
-from .train import BestSteps, build_students, distill_step, validate
+from .train import BestSteps, build_students, curve_point, describe, describe_point, distill_step, validate
 
 
 class Run(Phases):
@@ -191,13 +191,9 @@ class Run(Phases):
         """The students, each from its method's closed form (before any optimizer exists)."""
         with self.phase("distil"):
             methods = self.cfg.methods()
-            self.students = build_students(self.pruned, self.cfg.distill, self._batches[0] if check else None, methods)
-        specs = self.students.specs.items()
-        self.log(
-            "distilling "
-            + ", ".join(f"{v} ({'+'.join(s.train)})" for v, s in specs)
-            + f"; blocks before the first gap run {'once, shared' if self.students.share_prefix else 'for every student'}"
-        )
+            check_batch, key = self._batches[0] if check else None, model_key(self.cfg.model)
+            self.students = build_students(self.pruned, self.cfg.distill, check_batch, methods, key)
+        self.log(describe(self.students))
         return self.students
 
     def distill_step(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -223,6 +219,14 @@ class Run(Phases):
         line = ", ".join(f"{v} KL {entry[v]['kl']:.4f} PPL {entry[v]['ppl']:.2f}" for v in self.students.views)
         self.log(f"validation at step {step}: {line}")
         return entry
+
+    def curve(self, step: int, batches_per_step: int = 1, dist: Dist = Dist()) -> None:
+        """The points of the budget curve (`distill.curve_tokens`) due after `step` optimizer steps of
+        `batches_per_step` batches (ranks × accumulation), each scored as the students stand."""
+        with self.phase("curve"):
+            entry = curve_point(self.students, self.data, self.cfg, self.tracker, step, batches_per_step, dist)
+        if entry is not None:
+            self.log(f"budget curve at {entry['tokens']:,} tokens: " + describe_point(entry, self.students.views))
 
     def end_distillation(self, step: int) -> None:
         self.tracker.restore(self.students, self.cfg.distill.keep, step)

@@ -1,7 +1,7 @@
 """Fine-tuned recovery: build the students, one distillation step, validation.
 
     students = build_students(pruned, cfg, batch)         every student from its method's closed form
-    losses = distill_step(students, batch)                one teacher pass, every student on the same batch
+    losses = distill_step(students, batch)                one teacher pass (or its cached top-k), every student
     entry = validate(students, windows, ...)                  KL and perplexity per student on held-out windows
     tracker.record(entry, students)                           each student's best step, by validation KL
 
@@ -11,6 +11,7 @@ The Lightning module calls these from its hooks; a script can call them in its o
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -18,10 +19,12 @@ import torch
 from ..core.head import output_head
 from ..core.offload import is_offloaded, model_device, offload_mode
 from ..core.views import PrunedModel
+from ..distill.cached_loss import fusable, fused_cached_loss
 from ..distill.config import DistillConfig
-from ..distill.loss import chunked_distillation_loss, hidden_positions, hidden_state_loss
+from ..distill.loss import chunked_cached_loss, chunked_distillation_loss, hidden_positions, hidden_state_loss
 from ..distill.parallel import full_tensor
-from ..distill.students import Students
+from ..distill.students import Students, native_bf16
+from ..distill.teacher_cache import TeacherCache
 from ..evaluation.metrics import next_token_targets
 from .calibrate import Batch, Dist
 from .evaluate import score_views
@@ -41,18 +44,46 @@ def build_students(
     cfg: DistillConfig,
     check_batch: Batch | None = None,
     methods: Mapping[str, str] | None = None,
+    model_key: dict | None = None,
+    write: bool = True,
 ) -> Students:
     """The fine-tuned views (`DistillConfig.specs`), each starting from its method's fitted view; everything
     else frozen. With `check_batch`, the shared-prefix shortcut is verified against a full student forward
     on it. `methods`: the registered method of each recovery name (where a name is not one), which decides
-    how a student trains its operators (`Students`). Refused for a model whose weights are offloaded."""
+    how a student trains its operators (`Students`). `model_key`: the model's settings, which key the
+    teacher's cached top-k (`distill.teacher_topk`; `write`: this process writes its files). Refused for a
+    model whose weights are offloaded."""
     if is_offloaded(pruned.model):
         raise ValueError(students_offloaded(offload_mode(pruned.model)))
     students = Students(pruned, cfg, methods)
     students.build()
+    temperatures = {s.loss.temperature for s in students.specs.values()}
+    if cfg.teacher_topk is not None:
+        if len(temperatures) > 1:
+            raise ValueError(
+                f"distill.teacher_topk caches the teacher at one temperature; the students' loss.temperature are "
+                f"{sorted(temperatures)}: give them one, or set distill.teacher_topk: null"
+            )
+        vocab = output_head(pruned.model).weight.shape[0]
+        key = model_key if model_key is not None else {"model": type(pruned.model).__name__}
+        students.cache = TeacherCache(key, cfg.teacher_topk, temperatures.pop(), vocab, write=write)
+    device = next(pruned.model.parameters()).device
+    students.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and native_bf16(device))
     if check_batch is not None:
         students.check_prefix(check_batch)
     return students
+
+
+def describe(students: Students) -> str:
+    """What trains, and how: the line a run logs once its students are built."""
+    st = students
+    return (
+        "distilling "
+        + ", ".join(f"{v} ({'+'.join(s.train)})" for v, s in st.specs.items())
+        + f"; blocks before the first gap run {'once, shared' if st.share_prefix else 'for every student'}"
+        + f"; students {'under bfloat16 autocast' if st.bf16 else 'in the model dtype'}"
+        + (f"; teacher: top-{st.cache.k} cached in {st.cache.folder}" if st.cache else "; teacher: run every step")
+    )
 
 
 def distill_step(students: Students, batch: Batch) -> dict[str, torch.Tensor]:
@@ -64,15 +95,33 @@ def distill_step(students: Students, batch: Batch) -> dict[str, torch.Tensor]:
     mask = torch.ones_like(ids) if mask is None else mask
     targets, valid = next_token_targets(ids, mask)
     teacher_head = output_head(students.pruned.model)
-    teacher = students.teacher(batch)
+    cache, topk, teacher = students.cache, None, None
+    if cache is not None:
+        topk = cache.lookup(ids, mask)
+        if topk is None:  # the teacher's first pass over these windows, in the model's dtype
+            teacher = students.teacher(batch)
+            topk = cache.store(ids, mask, teacher.hidden, teacher_head, students.cfg.loss.chunk_tokens)
+        # The students' input (the blocks before their start) in their own precision, whether the windows were
+        # cached or not, so that a step computes the same either way; a hidden-state target stays exact.
+        low = students.bf16 and not any(s.loss.hidden_weight > 0 for s in students.specs.values())
+        if teacher is None or low:
+            with students.autocast() if low else nullcontext():
+                teacher = students.teacher(batch, logits=False)
+    else:
+        teacher = students.teacher(batch)
     losses = {}
     for view in students.views:
         loss = students.specs[view].loss
-        out = students.student(view, batch, teacher)
-        head = students.head(view)
-        total = chunked_distillation_loss(
-            out.hidden[:, :-1], teacher.hidden[:, :-1], head, valid, targets, loss, teacher_head=teacher_head
-        )
+        with students.autocast():
+            out = students.student(view, batch, teacher)
+            head = students.head(view)
+            if topk is not None:
+                cached = fused_cached_loss if fusable(loss, head) else chunked_cached_loss
+                total = cached(out.hidden[:, :-1], head, valid, targets, topk, loss)
+            else:
+                total = chunked_distillation_loss(
+                    out.hidden[:, :-1], teacher.hidden[:, :-1], head, valid, targets, loss, teacher_head=teacher_head
+                )
         if loss.hidden_weight > 0:
             where = hidden_positions(mask, loss.hidden_first)
             total = total + loss.hidden_weight * hidden_state_loss(
@@ -124,12 +173,39 @@ def validate(
     return entry
 
 
+def curve_point(
+    students: Students, data, cfg, tracker: BestSteps, step: int, batches_per_step: int, dist: Dist = Dist()
+) -> dict | None:
+    """The budget curve's point due after `step` optimizer steps (`distill.curve_tokens`; `data`: the run's
+    `RunData`, `cfg` its `RunConfig`): once the training tokens per student (windows × seq_len of every batch
+    of a step) reach counts no point stands for yet, every student's KL to the teacher and perplexity on the
+    first text evaluation source, as they stand, appended to `tracker.curve`; None when nothing is due."""
+    tokens = step * batches_per_step * cfg.data.batch_size * data.train_ids().shape[1]
+    done = {b for point in tracker.curve for b in point["budgets"]}
+    due = [b for b in cfg.distill.curve_tokens if b <= tokens and b not in done]
+    if not due:
+        return None
+    source = next((s for s in data.eval_sources if s.chat is None), None)
+    if source is None:
+        raise ValueError("distill.curve_tokens scores the students on a text evaluation source; this run has none")
+    windows = data.eval_ids(source)
+    entry = validate(students, windows, cfg.data.batch_size, step, chunk=cfg.evaluation.logit_chunk, dist=dist)
+    tracker.curve.append({"tokens": tokens, "budgets": due, "source": source.label, **entry})
+    return tracker.curve[-1]
+
+
+def describe_point(entry: dict, views: list[str]) -> str:
+    return ", ".join(f"{v} PPL {entry[v]['ppl']:.2f}" for v in views)
+
+
 @dataclass
 class BestSteps:
-    """The validation history and each student's best step by KL, with its trainable values by name."""
+    """The validation history, each student's best step by KL (with its trainable values by name) and the
+    budget curve's points."""
 
     history: list[dict] = field(default_factory=list)
     best: dict[str, dict] = field(default_factory=dict)
+    curve: list[dict] = field(default_factory=list)
 
     def record(self, entry: dict, students: Students) -> None:
         self.history.append(entry)
@@ -162,6 +238,7 @@ class BestSteps:
             "prefix_shared": share_prefix,
             "best": {v: {"step": b["step"], "val_kl": b["kl"]} for v, b in self.best.items()},
             "history": self.history,
+            **({"curve": self.curve} if self.curve else {}),
         }
 
 
@@ -171,7 +248,8 @@ def checkpoint_extras(tracker: BestSteps, students: Students, last_validated: in
     data, so the file loads with `weights_only=True`."""
     best = {v: {**b, "state": {k: full_tensor(t) for k, t in b["state"].items()}} for v, b in tracker.best.items()}
     trained = {v: {k: full_tensor(t) for k, t in students.trainable_state(v).items()} for v in students.views}
-    return {"history": tracker.history, "best": best, "students": trained, "last_validated": last_validated}
+    extras = {"history": tracker.history, "best": best, "students": trained, "last_validated": last_validated}
+    return {**extras, "curve": tracker.curve}
 
 
 def check_checkpoint_keys(saved: set[str], trainable: set[str]) -> None:

@@ -1,5 +1,6 @@
 """results.json (everything), results.md (a table to read), results.png (perplexity per view) and, after
-distillation, training.png (validation KL and perplexity of every fine-tuned view against the step) and, for
+distillation, training.png (validation KL and perplexity of every fine-tuned view against the step), curve.png
+(the budget curve: perplexity against training tokens) and, for
 a plan chosen by ``repair``, plan.png (pruned and repaired KL of every candidate)."""
 
 from __future__ import annotations
@@ -144,6 +145,20 @@ def distill_section(report: dict) -> str:
         for view, b in best.items():
             lines.append(f"- {view}: best validation KL {b['val_kl']:.4f} at step {b['step']}")
         lines.append("")
+    curve = d.get("curve") or []
+    if curve:
+        views = [v for v in curve[0] if isinstance(curve[0][v], dict)]
+        lines += [
+            f"Budget curve (curve.png): every student as it stood at each budget, on {curve[0]['source']} "
+            "(perplexity / KL to the dense model):",
+            "",
+            "| tokens per student | step | " + " | ".join(views) + " |",
+            "|---|---|" + "---|" * len(views),
+        ]
+        for p in curve:
+            cells = " | ".join(f"{p[v]['ppl']:.2f} / {p[v]['kl']:.3f}" for v in views)
+            lines.append(f"| {p['tokens']:,} | {p['step']} | {cells} |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -259,6 +274,20 @@ def plot_training(report: dict, path: Path) -> None:
         fig.suptitle(f"distillation, removed layers {report.get('plan', {}).get('removed')}", fontsize=9)
 
 
+def plot_curve(report: dict, path: Path) -> None:
+    """Perplexity of every student against its training tokens (log x): the budget curve."""
+    curve = report["distill"]["curve"]
+    views = [v for v in curve[0] if isinstance(curve[0][v], dict)]
+    with figure(path, figsize=(6, 4)) as (fig, ax):
+        for view in views:
+            ax.plot([p["tokens"] for p in curve], [p[view]["ppl"] for p in curve], marker="o", markersize=3, label=view)
+        ax.set_xscale("log")
+        ax.set_xlabel("training tokens per student (log scale)")
+        ax.set_ylabel(f"perplexity on {curve[0]['source']}")
+        ax.set_title(f"budget curve, removed layers {report.get('plan', {}).get('removed')}", fontsize=9)
+        ax.legend(fontsize=8)
+
+
 def write_report(run_dir: Path, report: RunReport | dict) -> list[Path]:
     """results.json, results.md, results.png and, where the run has them, analysis.png and training.png."""
     if isinstance(report, RunReport):
@@ -279,4 +308,7 @@ def write_report(run_dir: Path, report: RunReport | dict) -> list[Path]:
     if report.get("distill", {}).get("history"):
         paths.append(run_dir / "training.png")
         plot_training(report, paths[-1])
+    if report.get("distill", {}).get("curve"):
+        paths.append(run_dir / "curve.png")
+        plot_curve(report, paths[-1])
     return paths
