@@ -24,7 +24,7 @@ from ..pipeline.config import RunConfig
 from ..pipeline.data import DataConfig
 from ..pipeline.run import Run
 from ..pipeline.settings import result_settings
-from .fit import _ParseOnly, build_fit, forget_recovery_parser, run_fit
+from .fit import _ParseOnly, argument_line, build_fit, forget_recovery_parser, run_fit
 
 
 def _drop_none(value: Any) -> Any:
@@ -44,7 +44,7 @@ def _instantiate(parser, value: dict, who: str):
     try:
         parsed = parser.parse_object(copy.deepcopy(value))
     except ArgumentError as err:
-        raise ValueError(f"{who}: {' '.join(str(err).split())}") from None
+        raise ValueError(f"{who}: {argument_line(err)}") from None
     return (getattr(parser, "instantiate", None) or parser.instantiate_classes)(parsed)
 
 
@@ -102,16 +102,19 @@ def parse_fit(args: list[str], who: str) -> ParsedFit:
     try:
         cli = build_fit(args, cli_class=_ParseOnly, exit_on_error=False)
     except ArgumentError as err:
-        raise ValueError(f"{who}: {' '.join(str(err).split())}") from None
+        raise ValueError(f"{who}: {argument_line(err)}") from None
     keep = "skip_unset" if "skip_unset" in inspect.signature(cli.parser.dump).parameters else "skip_none"
     config = json.loads(cli.parser.dump(cli.config, format="json", **{keep: False}))
     return ParsedFit(run_config_of(config, who), {k: v for k, v in config.items() if k not in ("model", "data")})
 
 
-def fit_parsed(parsed: ParsedFit, ckpt_path: str | None = None) -> Run:
+def fit_parsed(parsed: ParsedFit, ckpt_path: str | None = None, overwrite: bool = False) -> Run:
     """Run the `fit` of `parsed` (distil when it has steps, evaluate, report, export) in its run folder;
-    `ckpt_path`: ``last`` resumes an interrupted one. Returns its `Run` (the report in memory)."""
+    `ckpt_path`: ``last`` resumes an interrupted one; `overwrite`: replace the results of other settings there
+    (`fit --overwrite_run`). Returns its `Run` (the report in memory)."""
     config = parsed.config()
     if ckpt_path is not None:
         config["ckpt_path"] = ckpt_path
+    if overwrite:
+        config["overwrite_run"] = True
     return run_fit(config).model.run

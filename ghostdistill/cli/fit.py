@@ -8,12 +8,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Optional
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from ..core.run_folder import check_run_folder
 from ..distill.parallel import tensor_parallel_refusal
 from ..lit.callbacks import Calibration, Export
 from ..lit.checkpoint import resolve_ckpt_path
@@ -22,7 +25,7 @@ from ..lit.interrupts import terminate_on_sigterm
 from ..lit.module import GhostDistill
 from ..lit.trainer import TRAINER_DEFAULTS, fit_and_test, run_callbacks
 from ..methods import RecoveryConfig
-from ..pipeline.settings import result_settings
+from ..pipeline.settings import result_settings, stale_reason
 
 
 class GhostDistillCLI(LightningCLI):
@@ -36,6 +39,12 @@ class GhostDistillCLI(LightningCLI):
             type=Optional[str],
             default=None,
             help="resume distillation: `last` (<run>/checkpoints/last.ckpt) or a checkpoint path",
+        )
+        parser.add_argument(
+            "--overwrite_run",
+            type=bool,
+            default=False,
+            help="replace the results of a run of other settings in trainer.default_root_dir (config.yaml records false)",
         )
         parser.set_defaults(
             {
@@ -65,7 +74,10 @@ class GhostDistillCLI(LightningCLI):
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         trainer = self.config.get("trainer", {})
         check_strategy_config(trainer.get("strategy"))
-        check_run_settings(trainer.get("max_steps"), trainer.get("default_root_dir"), self.config.get("ckpt_path"))
+        root = trainer.get("default_root_dir")
+        check_run_settings(trainer.get("max_steps"), root, self.config.get("ckpt_path"))
+        if not self.config.get("overwrite_run"):
+            check_same_run(root, settings_of(self))
 
     def instantiate_trainer(self, **kwargs):
         trainer = self.config["trainer"]
@@ -101,18 +113,76 @@ def check_run_settings(max_steps, root_dir, ckpt_path) -> None:
     Trainer): the step count, the run folder, the checkpoint to resume from."""
     if max_steps is not None and max_steps < 0:
         raise ValueError(f"trainer.max_steps {max_steps}: set 0 (training-free) or the number of distillation steps")
-    if root_dir is not None:
-        probe = Path(root_dir)
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
-        if not probe.is_dir():
-            raise NotADirectoryError(
-                f"trainer.default_root_dir {root_dir}: {probe} is a file; the run folder must be a folder (or not exist)"
-            )
+    # Empty, a dangling link, a file, not writable (tried by rank 0 alone), a folder of the user's.
+    check_run_folder(root_dir, write=rank_zero_only.rank == 0)
     if ckpt_path not in (None, "last") and not Path(ckpt_path).is_file():
         raise FileNotFoundError(
             f"--ckpt_path {ckpt_path} does not exist: give a checkpoint file, or `last` (<run>/checkpoints/last.ckpt)"
         )
+
+
+def check_same_run(root_dir, settings: dict) -> None:
+    """A run folder whose results.json records other settings than this run's (a copied and edited config.yaml
+    names the run folder it was saved in) is refused, as `compare` refuses to reuse them (`stale_reason`):
+    this run would replace them. A rerun of the same settings resumes; a results.json of no settings (an older
+    version), unreadable or absent, is not compared."""
+    try:
+        saved = json.loads((Path(root_dir) / "results.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return
+    if not isinstance(saved, dict) or saved.get("settings") is None:
+        return
+    why = stale_reason(saved, settings)
+    if why:
+        raise FileExistsError(
+            f"trainer.default_root_dir {root_dir} holds a finished run, and {why}: this run would replace its "
+            "results; give another trainer.default_root_dir (a new folder), or add --overwrite_run true to replace them"
+        )
+
+
+class SaveRunConfig(SaveConfigCallback):
+    """config.yaml as LightningCLI saves it, with `overwrite_run: false`: replacing a run's results is this
+    command's decision, never that of a copy of its config."""
+
+    def __init__(self, parser, config, *args, **kwargs) -> None:
+        if config.get("overwrite_run"):
+            config = config.clone()
+            config.overwrite_run = False
+        super().__init__(parser, config, *args, **kwargs)
+
+
+# jsonargparse's words for a type, as a user reads them.
+_TYPE_WORDS = {
+    "<class 'int'>": "an integer",
+    "<class 'float'>": "a number",
+    "<class 'str'>": "a string",
+    "<class 'bool'>": "true or false",
+    "<class 'NoneType'>": "null",
+    "list[int]": "a list of integers",
+}
+
+
+def argument_line(err: BaseException) -> str:
+    """A jsonargparse error in one line: a value of a plain type as the key, the value and what is valid
+    (``model.plan.num_layers 2.5: expected an integer or null``), anything else flattened as it is."""
+    text = str(err).strip()
+    flat = " ".join(text.split())
+    union = re.fullmatch(
+        r'Parser key "([^"]+)":\s+Does not validate against any of the Union subtypes\s+Subtypes: \[(.*?)\]\s+'
+        r"Errors:(?:\s+- [^\n]*)+\s+Given value type: [^\n]*\s+Given value: (.*)",
+        text,
+    )
+    if union:
+        kinds = re.findall(r"<class '[^']+'>|[\w.]+\[[^\]]*\]", union.group(2))
+        if kinds and all(k in _TYPE_WORDS for k in kinds):
+            return f"{union.group(1)} {union.group(3)}: expected {' or '.join(_TYPE_WORDS[k] for k in kinds)}"
+    single = re.fullmatch(r'Parser key "([^"]+)":\s+Expected a (.*?)\. Got value: (.*)', text, re.S)
+    if single and "\n" not in single.group(3):
+        kind = single.group(2)
+        literal = re.fullmatch(r"typing\.Literal\[(.*)\]", kind)
+        what = f"one of {literal.group(1)}" if literal else _TYPE_WORDS.get(kind, kind)
+        return f"{single.group(1)} {single.group(3)}: expected {what}"
+    return flat
 
 
 def forget_recovery_parser() -> None:
@@ -136,6 +206,7 @@ def build_fit(
         GhostDistill,
         GhostDataModule,
         seed_everything_default=0,
+        save_config_callback=SaveRunConfig,
         save_config_kwargs={"overwrite": True},
         args=args,
         run=False,
@@ -173,8 +244,13 @@ def run_fit(args: list[str] | dict) -> GhostDistillCLI:
     """`fit` of command-line arguments or a config mapping (`cli.config.ParsedFit.config`): distil when there
     are steps to take (resuming from `ckpt_path`), then evaluate every view. SIGTERM stops it in every phase
     (`lit.interrupts`)."""
+    from jsonargparse import ArgumentError
+
     with terminate_on_sigterm():
-        cli = build_fit(args)
+        try:
+            cli = build_fit(args, exit_on_error=False)
+        except ArgumentError as err:  # one line naming the key, not the usage of every key
+            raise ValueError(argument_line(err)) from None
         trainer, model, data = cli.trainer, cli.model, cli.datamodule
         model.run.report.settings = settings_of(cli)  # results.json: what compare checks before reusing it
         model.run.seed = cli.config.get("seed_everything")  # what the exports record

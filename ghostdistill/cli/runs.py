@@ -8,12 +8,14 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
+from ..core.errors import one_line
 from ..core.io import json_digest, read_mapping
 from ..core.lock import hold_folder
+from ..core.run_folder import check_run_folder
 from ..distill.config import StudentConfig
 from ..methods import RecoveryConfig, ships_stock
 from ..pipeline.settings import stale_reason
-from ..planning import check_selection
+from ..planning import check_plan_depth, check_selection
 from ..reporting import compare
 from .config import ParsedFit, fit_parsed, parse_fit, typed
 
@@ -37,12 +39,16 @@ def run_compare(argv: list[str]) -> Path:
     def plan_run(plan: dict, **given) -> ParsedFit:
         return base.replace(root / compare.plan_name(plan), plan=compare.plan_config(plan, **given))
 
-    # Every plan's run config is checked before the first one runs (a bad plan value is one line).
+    # Every plan's run config is checked before the first one runs (a bad plan value, a plan the model's depth
+    # does not allow, a plan folder that is not a run folder: one line naming the plan).
     for plan in spec["plans"]:
         try:
-            plan_run(plan).cfg.validate(data=False)
-        except ValueError as err:
-            raise ValueError(f"{ns.spec}: plan {compare.plan_name(plan)}: {err}") from None
+            cfg = plan_run(plan).cfg
+            cfg.validate(data=False)
+            check_plan_depth(cfg.plan, cfg.model)
+            check_run_folder(root / compare.plan_name(plan), "its run folder")
+        except (ValueError, OSError) as err:
+            raise type(err)(f"{ns.spec}: plan {compare.plan_name(plan)}: {one_line(err)}") from None
     with hold_folder(root, f"ghostdistill compare {ns.spec}", "wait for it to finish, or choose another root"):
         runs = []
         for plan in spec["plans"]:
@@ -56,7 +62,9 @@ def run_compare(argv: list[str]) -> Path:
                 why = stale_reason(read_mapping(results, "results file"), plan_run(plan).settings())
                 if why:
                     print(f"compare: plan {name}: {why}; running it again")
-            runs.append((plan, fit_parsed(run).report.to_dict() if why else read_mapping(results, "results file")))
+            # A plan of other settings is run again on purpose: its results are replaced (`overwrite`).
+            done = fit_parsed(run, overwrite=True).report.to_dict() if why else read_mapping(results, "results file")
+            runs.append((plan, done))
         compare.write(root, compare.gather(runs, spec))
     print(f"compare report written to {root}/compare.md")
     return root

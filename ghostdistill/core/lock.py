@@ -122,8 +122,16 @@ def hold(path: str | os.PathLike, what: str, advice: str = "") -> Iterator[None]
         finally:
             _HELD[key] -= 1
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = _acquire(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = _acquire(path)
+    except OSError as err:  # a read-only mount, a folder of another user: one line, not a traceback
+        if err.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        raise PermissionError(
+            f"{path.parent} is not writable ({err.strerror}: {err.filename or path}): its lock file cannot be made; "
+            "choose a folder you can write"
+        ) from None
     if fd is None:
         holder = _read_path(path)
         raise PlaceInUse(

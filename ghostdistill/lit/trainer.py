@@ -16,8 +16,9 @@ from pathlib import Path
 
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-from ..core.lock import hold_folder
+from ..core.run_folder import hold_run_folder
 from ..pipeline.run import Run
+from ..planning import check_plan_depth
 from .callbacks import Calibration, Export, Report
 from .checkpoint import LastCheckpoint, resolve_ckpt_path
 from .datamodule import GhostDataModule
@@ -83,10 +84,13 @@ def check_trainer_options(options: dict) -> None:
 def fit_and_test(trainer: Trainer, module: GhostDistill, data: GhostDataModule, ckpt_path: str | None = None) -> None:
     """Distil when there are steps to take (resuming from `ckpt_path`), then evaluate every view (on the
     evaluation sources: a run without any, the Python API's `distill_student` of no `texts`, ends after training)."""
-    # One run per run folder at a time (rank 0 of several holds it); the lock goes with the process.
+    if module.run.llm is None:  # the plan against the model's depth from its config, before the folder is made
+        check_plan_depth(module.run.cfg.plan, module.run.cfg.model)
+    # One run per run folder at a time (rank 0 of several holds it); the lock goes with the process. A folder of
+    # the user's is refused (`core.run_folder`); one this run made goes again when it fails before writing any.
     root = Path(trainer.default_root_dir)
     advice = "wait for it to finish, or choose another trainer.default_root_dir"
-    with hold_folder(root, f"ghostdistill fit into {root}", advice, trainer.is_global_zero):
+    with hold_run_folder(root, f"ghostdistill fit into {root}", advice, trainer.is_global_zero):
         if trainer.max_steps != 0:
             # weights_only (Lightning >= 2.6): tensors and plain data only (`lit.checkpoint.resolve_ckpt_path`).
             safe = {"weights_only": True} if "weights_only" in inspect.signature(trainer.fit).parameters else {}

@@ -11,6 +11,7 @@
 | ``repair_greedy`` | one block at a time, any block, by the same score | `greedy.py` |
 
     check_plan(cfg, num_layers)           before any data: the explicit plan, or the candidate counts
+    check_plan_depth(cfg, model)          the same before the model loads, its depth read from its config
     check_selection(data, who)            a repair-aware criterion has held-out windows to score on
     greedy_steps(cfg, fingerprint_at)     `plan.greedy_from`'s steps, checked by fingerprint
     choose(cfg, model, batches, ...)      the plan: the explicit list, or the criterion's choice
@@ -68,7 +69,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..core.model import decoder_stack
+from ..core.model import ModelConfig, decoder_stack, model_depth
 from ..core.plan import PruningPlan
 from ..data.sources import GENERATE
 from ..methods import RecoveryConfig
@@ -111,6 +112,7 @@ __all__ = [
     "candidate_blocks",
     "candidate_starts",
     "check_plan",
+    "check_plan_depth",
     "check_selection",
     "choose",
     "choose_plan",
@@ -145,6 +147,14 @@ def check_plan(cfg: PlanConfig, num_layers: int) -> PruningPlan | None:
     except ValueError as err:
         raise ValueError(f"plan.num_layers {cfg.num_layers} with plan.criterion {cfg.criterion!r}: {err}") from None
     return None
+
+
+def check_plan_depth(cfg: PlanConfig, model: ModelConfig) -> None:
+    """`check_plan` against the depth in the model's config (`core.model.model_depth`: no weights), before a run
+    folder is made or the model loads; nothing when the config cannot tell (the check after the load decides)."""
+    depth = model_depth(model)
+    if depth is not None:
+        check_plan(cfg, depth)
 
 
 def check_selection(data, who: str) -> None:

@@ -57,21 +57,22 @@ def test_every_methods_maps_are_registered_children(tiny_dir):
 
 
 def test_generated_calibration_text_is_kept_per_model(tiny_dir, tiny_tokenizer, text_files, tmp_path):
-    """Two models in one run folder: each generates (and caches) its own text; neither reuses the other's."""
+    """Two models in one run folder: each generates (and caches) its own text; neither reuses the other's. (A run
+    of other settings replaces the folder's results only with `--overwrite_run true`.)"""
     other = tmp_path / "other_model"
     tiny_model("llama", num_layers=6, seed=1).save_pretrained(other)
     tiny_tokenizer.save_pretrained(other)
     run = tmp_path / "run"
     main(_args(tiny_dir, text_files, run))
     first = sorted(run.glob("generated_calibration_*.pt"))
-    main(_args(other, text_files, run))
+    main([*_args(other, text_files, run), "--overwrite_run", "true"])
     both = sorted(run.glob("generated_calibration_*.pt"))
     assert len(first) == 1 and len(both) == 2
     texts = [torch.load(p) for p in both]
     assert not torch.equal(texts[0], texts[1])  # another model samples other text from the same seed
     # The first model's cache is still what it wrote, and a rerun of that model reuses it.
     before = first[0].stat().st_mtime_ns
-    main(_args(tiny_dir, text_files, run))
+    main([*_args(tiny_dir, text_files, run), "--overwrite_run", "true"])
     assert first[0].stat().st_mtime_ns == before and len(list(run.glob("generated_calibration_*.pt"))) == 2
 
 
