@@ -40,6 +40,14 @@ OFFLOAD_ONE_DEVICE = (
 )
 
 
+def offload_with_fsdp2(offload: str) -> str:
+    """Why offloaded weights and FSDP2 do not go together, and what to do instead (one line)."""
+    return (
+        f"model.model.offload {offload!r} with FSDP2 (trainer.strategy ModelParallelStrategy): the blocks are sharded "
+        "over the ranks instead; set model.model.offload: none, or run without FSDP2"
+    )
+
+
 @dataclass
 class Dist:
     """This process among several: its rank, their number, and a sum over all of them."""
