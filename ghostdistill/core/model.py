@@ -190,15 +190,20 @@ def check_source_model(cfg: ModelConfig, name: str, revision: str | None = None)
         config, _ = PretrainedConfig.get_config_dict(name, revision=revision)
     except Exception:  # noqa: BLE001 - unreadable or offline: the model load that follows names the problem
         return
-    if not isinstance(config, dict) or config.get("model_type") != GHOST_MODEL_TYPE:
-        return
+    if isinstance(config, dict) and config.get("model_type") == GHOST_MODEL_TYPE:
+        what = f"model.model.source {cfg.source!r} is a ghostdistill export with operators (config.json"
+        raise ValueError(operators_refusal(what, config, "model.model.source {!r}"))
+
+
+def operators_refusal(what: str, config: dict, base_as: str) -> str:
+    """One line: a model whose `config` (a dict) is ghostdistill's with operators, `what` it is, is not one to
+    prune; it names the view, its base model (written as `base_as` says) and what to pass instead."""
     info = config.get("ghostdistill") or {}
     plan, base = info.get("plan") or {}, info.get("base_model")
-    raise ValueError(
-        f"model.model.source {cfg.source!r} is a ghostdistill export with operators (config.json model_type "
-        f"{GHOST_MODEL_TYPE!r}, base_model_type {config.get('base_model_type')!r}: view {info.get('view')!r} of "
-        f"{base!r} with blocks {plan.get('removed')} removed), not a model to prune: pass its base model "
-        f"(model.model.source {base!r}) with the plan you want, or export the view as a stock checkpoint (the "
+    return (
+        f"{what} model_type {GHOST_MODEL_TYPE!r}, base_model_type {config.get('base_model_type')!r}: view "
+        f"{info.get('view')!r} of {base!r} with blocks {plan.get('removed')} removed), not a model to prune: pass its "
+        f"base model ({base_as.format(base)}) with the plan you want, or export the view as a stock checkpoint (the "
         "pruned view, or a folding method such as rotation_through) and pass that folder"
     )
 
