@@ -270,3 +270,39 @@ def test_offload_with_fsdp2_on_one_device_is_refused_before_the_model_loads(
         "model.model.offload 'disk' with FSDP2 (trainer.strategy ModelParallelStrategy): the blocks are sharded over "
         "the ranks instead; set model.model.offload: none, or run without FSDP2"
     )
+
+
+def test_an_interrupted_offloaded_calibration_says_what_a_rerun_finds_and_keeps_the_plan(tmp_path_factory, monkeypatch):
+    """Issue 53: SIGTERM in the block-by-block statistics pass said "rerun to resume" with nothing saved. The plan is
+    saved before the pass (no batch done), the stop says that the statistics are collected again, and the rerun
+    resumes from the saved plan to the uninterrupted run's operators, bit for bit."""
+    import pytest
+
+    from ghostdistill.pipeline import calibrate as calibrate_module
+    from ghostdistill.pipeline.state import load_state
+
+    folder, batches = saved_model(tmp_path_factory), random_batches(4)
+    state = tmp_path_factory.mktemp("state") / "calibration_state.pt"
+    plan = PlanConfig(criterion="streamline", num_layers=2)
+    whole = calibrate(load(folder, "disk"), plan, RECOVERY[:1], batches, log=lambda m: None)
+    real = calibrate_module.accumulate
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(calibrate_module, "accumulate", stopped)
+    said = []
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(load(folder, "disk"), plan, RECOVERY[:1], batches, log=said.append, state_path=state, state_key="k")
+    assert said[-1] == (
+        "calibration stopped: with model.model.offload the statistics are collected block by block over every batch "
+        f"and are complete only at the end of the pass, so none of them was saved; the plan is saved in {state}, and "
+        "a rerun collects them again from the first block"
+    )
+    saved = load_state(state, "k", {"ghost"}, 64, recovery=RECOVERY[:1])
+    assert saved is not None and saved.batches_done == 0 and saved.plan.removed == whole.plan.removed
+    monkeypatch.setattr(calibrate_module, "accumulate", real)
+    said.clear()
+    again = calibrate(load(folder, "disk"), plan, RECOVERY[:1], batches, log=said.append, saved=saved, state_path=state)
+    assert f"resuming calibration after 0/4 batches from {state}" in said
+    assert same(again.pruned.operators["ghost"].state_dict(), whole.pruned.operators["ghost"].state_dict())
