@@ -28,6 +28,7 @@ from .anatomy import last_linear as last_linear
 from .anatomy import mlp_module as mlp_module
 from .anatomy import model_inputs as model_inputs
 from .anatomy import text_config as text_config
+from .hub import check_hub_model
 from .io import json_digest, no_space
 from .offload import OFFLOAD_MODES, Offload, load_from_disk, offload_to_cpu
 from .settings import cost_only
@@ -223,6 +224,8 @@ def _from_pretrained(cfg: ModelConfig):
     """(name_or_folder, kwargs) for `from_pretrained`, preferring a cached conversion of a GGUF file. A folder
     exported with operators is refused (`check_source_model`)."""
     name, gguf = resolve_source(cfg)
+    if not Path(name).exists():  # a hub id: in the cache, or a hub that answers (`core.hub`)
+        check_hub_model(cfg.source, name, cfg.revision, gguf or "config.json")
     if not gguf:
         check_source_model(cfg, name, cfg.revision)
     kwargs: dict = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
