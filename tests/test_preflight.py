@@ -6,6 +6,7 @@ expects its own one-line error instead."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -130,3 +131,71 @@ def test_a_frontier_depth_beyond_the_blocks_fails_before_any_pass(tiny_dir, text
     overrides = args[3:] + ["--data.selection.source", json.dumps({"source": str(text_files["txt"])})]
     with pytest.raises(ValueError, match=r"frontier num_layers 6 \(of \[2, 6\]\): .*cannot remove 6"):
         main(["frontier", str(spec), *overrides])
+
+
+def _one_line(args, monkeypatch, capsys) -> str:
+    """`ghostdistill <args>` ends in one `error:` line with exit status 2; that line."""
+    import sys
+
+    from ghostdistill.cli import entry
+
+    monkeypatch.setattr(sys, "argv", ["ghostdistill", *args])
+    monkeypatch.delenv("GHOSTDISTILL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        entry()
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize("offline", [True, False], ids=["HF_HUB_OFFLINE", "unreachable-endpoint"])
+def test_a_hub_model_not_in_the_cache_without_the_hub_is_one_line_before_any_retry(
+    offline, tiny_dir, text_files, tmp_path, monkeypatch, capsys, no_work
+):
+    """Issue 53: `configs/llama3_70b.yaml` offline spent 77 s in huggingface_hub's retries, then a traceback. A hub
+    id that is not in the cache is refused at once, naming the model, the cache and HF_HUB_OFFLINE: offline without
+    a request, and against an endpoint that does not answer after one request (transformers never tries it)."""
+    import transformers
+    from huggingface_hub import constants
+
+    from ghostdistill.core import hub
+
+    def never(*args, **kwargs):
+        raise Reached("transformers tried the hub (its retries take about a minute)")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", never)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", never)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 3)
+    if offline:
+        monkeypatch.setattr(hub, "_unreachable", never)
+    args = _fit(tiny_dir, text_files, tmp_path / "run", "--model.model.source", "nobody/no-such-model")
+    line = _one_line(args, monkeypatch, capsys)
+    start = f"error: model 'nobody/no-such-model' is not in the Hugging Face cache ({tmp_path / 'hub-cache'}) and "
+    assert line.startswith(start) and "`hf download nobody/no-such-model`" in line, line
+    if offline:
+        assert "HF_HUB_OFFLINE=1 keeps the hub out of reach" in line, line
+    else:
+        assert "the hub cannot be reached (http://127.0.0.1:9: " in line and "set HF_HUB_OFFLINE=1" in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_gpus_asked_for_on_a_machine_without_them_is_one_line_before_the_model(tmp_path, monkeypatch, capsys, no_work):
+    """Issue 53: `configs/llama3_70b.yaml` (accelerator gpu, devices 8) without a GPU ended in Lightning's
+    `MisconfigurationException: No supported gpu backend found!`, after the tokenizer had been fetched."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.setattr(run_phases, "load_tokenizer", lambda *a, **k: (_ for _ in ()).throw(Reached("tokenizer")))
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "llama3_70b.yaml")
+    line = _one_line(
+        ["fit", "--config", config, "--trainer.default_root_dir", str(tmp_path / "run")], monkeypatch, capsys
+    )
+    assert line.startswith(
+        "error: trainer.accelerator 'gpu' (trainer.devices 8) asks for GPUs, and this machine has"
+    ), line
+    assert "--trainer.accelerator cpu --trainer.devices 1 --trainer.strategy auto" in line, line
+    assert not (tmp_path / "run").exists()

@@ -36,6 +36,7 @@ from .options import (
     model_source,
     text_source,
     user_errors,
+    whole_numbers,
 )
 
 
@@ -73,6 +74,7 @@ def repair(
     frozen. Errors: `GhostdistillError`, with `fit`'s one-line message, before any work.
     """
     opts = Options.of(options, "repair")
+    whole_numbers("repair", num_layers=num_layers)
     with user_errors(), console(opts), _folder(opts) as folder:
         recovery = _recovery(method)
         with _direct(
@@ -101,6 +103,7 @@ def plan(
     Arguments as `repair`'s.
     """
     opts = Options.of({**options, "criterion": criterion}, "plan")
+    whole_numbers("plan", num_layers=num_layers)
     with user_errors(), console(opts), _folder(opts) as folder:
         recovery = _recovery(method)
         with _direct(
@@ -136,6 +139,7 @@ def evaluate(
     ``results["views"]["ghost"]["metrics"][<source>]`` has ``ppl``, ``kl``, ``top1`` and ``tokens``.
     """
     opts = Options.of(options, "evaluate")
+    whole_numbers("evaluate", num_layers=num_layers, eval_seq_len=eval_seq_len, max_windows=max_windows)
     with user_errors(), console(opts), _folder(opts) as folder:
         recovery = [_recovery(m) for m in ([methods] if isinstance(methods, (str, RecoveryConfig)) else methods)]
         sources = EvaluationData().sources if texts is None else evaluation_sources(texts, opts, folder)
@@ -188,6 +192,7 @@ def distill_student(
     from ..lit.trainer import check_trainer_options, fit_run
 
     opts = Options.of(options, "distill_student")
+    whole_numbers("distill_student", num_layers=num_layers, steps=steps, train_samples=train_samples)
     if steps < 1:
         raise GhostdistillError(f"steps {steps}: distillation takes at least one step; repair() is training-free")
     with user_errors(), console(opts), _folder(opts) as folder:

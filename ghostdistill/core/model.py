@@ -29,6 +29,7 @@ from .anatomy import last_linear as last_linear
 from .anatomy import mlp_module as mlp_module
 from .anatomy import model_inputs as model_inputs
 from .anatomy import text_config as text_config
+from .hub import check_hub_model
 from .io import json_digest, no_space
 from .offload import OFFLOAD_MODES, Offload, load_from_disk, offload_to_cpu
 from .settings import cost_only
@@ -191,15 +192,20 @@ def check_source_model(cfg: ModelConfig, name: str, revision: str | None = None)
         config, _ = PretrainedConfig.get_config_dict(name, revision=revision)
     except Exception:  # noqa: BLE001 - unreadable or offline: the model load that follows names the problem
         return
-    if not isinstance(config, dict) or config.get("model_type") != GHOST_MODEL_TYPE:
-        return
+    if isinstance(config, dict) and config.get("model_type") == GHOST_MODEL_TYPE:
+        what = f"model.model.source {cfg.source!r} is a ghostdistill export with operators (config.json"
+        raise ValueError(operators_refusal(what, config, "model.model.source {!r}"))
+
+
+def operators_refusal(what: str, config: dict, base_as: str) -> str:
+    """One line: a model whose `config` (a dict) is ghostdistill's with operators, `what` it is, is not one to
+    prune; it names the view, its base model (written as `base_as` says) and what to pass instead."""
     info = config.get("ghostdistill") or {}
     plan, base = info.get("plan") or {}, info.get("base_model")
-    raise ValueError(
-        f"model.model.source {cfg.source!r} is a ghostdistill export with operators (config.json model_type "
-        f"{GHOST_MODEL_TYPE!r}, base_model_type {config.get('base_model_type')!r}: view {info.get('view')!r} of "
-        f"{base!r} with blocks {plan.get('removed')} removed), not a model to prune: pass its base model "
-        f"(model.model.source {base!r}) with the plan you want, or export the view as a stock checkpoint (the "
+    return (
+        f"{what} model_type {GHOST_MODEL_TYPE!r}, base_model_type {config.get('base_model_type')!r}: view "
+        f"{info.get('view')!r} of {base!r} with blocks {plan.get('removed')} removed), not a model to prune: pass its "
+        f"base model ({base_as.format(base)}) with the plan you want, or export the view as a stock checkpoint (the "
         "pruned view, or a folding method such as rotation_through) and pass that folder"
     )
 
@@ -219,6 +225,8 @@ def _from_pretrained(cfg: ModelConfig):
     """(name_or_folder, kwargs) for `from_pretrained`, preferring a cached conversion of a GGUF file. A folder
     exported with operators is refused (`check_source_model`)."""
     name, gguf = resolve_source(cfg)
+    if not Path(name).exists():  # a hub id: in the cache, or a hub that answers (`core.hub`)
+        check_hub_model(cfg.source, name, cfg.revision, gguf or "config.json")
     if not gguf:
         check_source_model(cfg, name, cfg.revision)
     kwargs: dict = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}

@@ -105,6 +105,29 @@ def onloaded(*modules: nn.Module) -> Iterator[None]:
             hook.post_forward(sub, None)
 
 
+def offloaded_tied_copies(model: nn.Module) -> set[str]:
+    """Names of the parameters that are a tied weight's second name (the output head tied to the embedding)
+    on an offloaded model. In memory a tied weight is one parameter under two names (`named_parameters` yields
+    it once); offloaded, accelerate gives each module its own placeholder on the meta device around every
+    forward, so after the first pass one checkpoint tensor shows as two parameters, and a count of them would
+    add the embedding twice. A copy that holds values of its own (a view's own head) is not one of these."""
+    if not is_offloaded(model):
+        return set()
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    config = getattr(model, "config", None)
+    if not tied and getattr(getattr(config, "get_text_config", lambda: config)(), "tie_word_embeddings", False):
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+        if head is not None and embedding is not None and id(head.weight) in names:
+            tied = {names[id(head.weight)]: names.get(id(embedding.weight))}
+    params = dict(model.named_parameters())
+    return {
+        target
+        for target, source in tied.items()
+        if target in params and source in params and params[target].is_meta and params[source].is_meta
+    }
+
+
 def materialised(module: nn.Module) -> bool:
     """Whether any of the module's parameters holds values (is not on the meta device)."""
     return any(p.device.type != "meta" for p in module.parameters())

@@ -15,7 +15,7 @@ from torch import nn
 
 from .model import DecoderStack, decoder_stack, mlp_module, text_config
 from .modeling_ghostdistill import attach
-from .offload import model_device
+from .offload import model_device, offloaded_tied_copies
 from .operator import GhostOperator
 from .plan import Gap, PruningPlan
 
@@ -236,12 +236,13 @@ _ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "l
 @torch.no_grad()
 def view_parameter_count(pruned: PrunedModel, view: str) -> int:
     """Parameters the view needs at inference: its blocks plus the operators it inserts (maps that
-    export folds into existing weights add nothing)."""
+    export folds into existing weights add nothing). A tied weight counts once, offloaded or not."""
     with pruned.use(view) as model:
+        copies = offloaded_tied_copies(model)
         total = sum(
             p.numel()
             for name, p in model.named_parameters()
-            if not any(f".{part}." in f".{name}." for part in _ADAPTER_PARTS)
+            if name not in copies and not any(f".{part}." in f".{name}." for part in _ADAPTER_PARTS)
         )
     if view not in (DENSE, PRUNED):
         for group in (pruned.operators[view], pruned.mlp_maps[view]):

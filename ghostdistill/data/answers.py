@@ -29,7 +29,9 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from ..core.head import final_hidden, output_head
+from ..core.io import Resumable
 from .chat import check_chat_template, conversations, encode_prompt, pack
+from .windows import rng_state, set_rng_state
 
 #: Prompts answered together (see the module docstring).
 ANSWER_BATCH = 16
@@ -93,10 +95,18 @@ def _pad_id(tokenizer, stop: list[int]) -> int:
 
 
 def generated_chat_windows(
-    model: nn.Module, tokenizer, src, seq_len: int, num_samples: int, seed: int, progress: bool = True
+    model: nn.Module,
+    tokenizer,
+    src,
+    seq_len: int,
+    num_samples: int,
+    seed: int,
+    progress: bool = True,
+    keep: Resumable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Data-free chat calibration: windows of instructions and the dense model's answers, and their answer
-    mask; deterministic for `seed`."""
+    mask; deterministic for `seed`. `keep`: each batch's answers kept as they come, with the sampler's state
+    after them, so that a pass cut short answers from the next batch on what it would have."""
     from tqdm.auto import tqdm
 
     check_chat_template(tokenizer, src.label)
@@ -107,9 +117,11 @@ def generated_chat_windows(
     pad = _pad_id(tokenizer, stop)
     device = next(model.parameters()).device
     bar = tqdm(desc="answering calibration instructions", unit=" answers", disable=not progress)
+    keep = keep if keep is not None else Resumable(None)
+    done = len(keep.items)  # batches answered before: replayed from `keep` in the same order
 
     def items() -> Iterator[tuple[list[int], list[int]]]:
-        rounds = 0
+        rounds, count = 0, 0
         while True:
             if rounds and not temperature:
                 return  # greedy answers of the same instructions would repeat: `pack` says how many windows there are
@@ -117,7 +129,15 @@ def generated_chat_windows(
             rng.shuffle(order)
             for lo in range(0, len(order), ANSWER_BATCH):
                 batch = [prompts[i] for i in order[lo : lo + ANSWER_BATCH]]
-                answers = answer(model, batch, chat.answer_tokens("calibration"), stop, pad, temperature)
+                if count < done and len(keep.items[count]) == len(batch):
+                    answers = keep.items[count]
+                else:
+                    if count == done and keep.state is not None:
+                        set_rng_state(keep.state, device)
+                    answers = answer(model, batch, chat.answer_tokens("calibration"), stop, pad, temperature)
+                    del keep.items[count:]
+                    keep.add(answers, rng_state(device))
+                count += 1
                 bar.update(len(batch))
                 for p, a in zip(batch, answers):
                     yield p + a, [0] * len(p) + [1] * len(a)
@@ -132,19 +152,28 @@ def generated_chat_windows(
 
 
 @torch.no_grad()
-def score_windows(model: nn.Module, tokenizer, src, progress: bool = True) -> ChatWindows:
+def score_windows(
+    model: nn.Module, tokenizer, src, progress: bool = True, keep: Resumable | None = None
+) -> ChatWindows:
     """The chat score's sequences: each held-out instruction and the dense model's greedy answer (module
-    docstring), right-padded, with the answer tokens marked."""
+    docstring), right-padded, with the answer tokens marked. `keep`: each batch's answers kept as they come,
+    so that a pass cut short answers from the next batch on."""
     from tqdm.auto import tqdm
 
     check_chat_template(tokenizer, src.label)
     prompts = [encode_prompt(tokenizer, m) for m in conversations(src, for_eval=True)]
     stop = stop_tokens(model, tokenizer)
     pad, n = _pad_id(tokenizer, stop), src.chat.answer_tokens("score")
+    keep = keep if keep is not None else Resumable(None)
     seqs: list[tuple[list[int], list[int]]] = []
-    for lo in tqdm(range(0, len(prompts), ANSWER_BATCH), desc="the dense model's answers", disable=not progress):
+    for b, lo in enumerate(
+        tqdm(range(0, len(prompts), ANSWER_BATCH), desc="the dense model's answers", disable=not progress)
+    ):
         batch = prompts[lo : lo + ANSWER_BATCH]
-        seqs += [(p, a) for p, a in zip(batch, answer(model, batch, n, stop, pad))]
+        if b >= len(keep.items) or len(keep.items[b]) != len(batch):
+            del keep.items[b:]
+            keep.add(answer(model, batch, n, stop, pad))
+        seqs += list(zip(batch, keep.items[b]))
     ids = pad_sequence([torch.tensor(p + a) for p, a in seqs], batch_first=True, padding_value=pad)
     mask = pad_sequence([torch.ones(len(p) + len(a), dtype=torch.long) for p, a in seqs], batch_first=True)
     answers = pad_sequence([torch.tensor([0] * len(p) + [1] * len(a)) for p, a in seqs], batch_first=True)

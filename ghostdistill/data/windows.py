@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from ..core.io import Resumable
 from ..core.offload import model_device
 from .sources import TextSource, load_documents
 
@@ -74,12 +75,14 @@ def generate_windows(
     seed: int,
     batch_size: int = 8,
     progress: bool | Callable[[Iterable, str], Iterable] = True,
+    keep: Resumable | None = None,
 ) -> torch.Tensor:
     """Data-free calibration: the dense model samples its own text from the start token.
 
     Plain ancestral sampling (temperature 1, no top-k/top-p) so the windows follow the model's own
     distribution; EOS is suppressed so every window is full length. `progress`: a bar (tqdm's, or a run's
-    `(items, desc)` wrapper) or none.
+    `(items, desc)` wrapper) or none. `keep`: each batch kept as it is made, with the sampler's state after
+    it, so that a pass cut short resumes with the next batch and samples what it would have.
     """
     from tqdm.auto import tqdm
 
@@ -95,10 +98,16 @@ def generate_windows(
     # still wants an id when the tokenizer defines none.
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else start
     device = model_device(model)
-    out = []
+    keep = keep if keep is not None else Resumable(None)
+    sizes = [min(batch_size, num_samples - lo) for lo in range(0, num_samples, batch_size)]
+    if [tuple(b.shape) for b in keep.items] != [(n, seq_len) for n in sizes[: len(keep.items)]]:
+        keep.items, keep.state = [], None  # not this pass's batches: made again
+    out = list(keep.items)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        for lo in bar(range(0, num_samples, batch_size), "generating calibration text"):
+        if keep.state is not None:
+            set_rng_state(keep.state, device)
+        for lo in bar(range(len(out) * batch_size, num_samples, batch_size), "generating calibration text"):
             n = min(batch_size, num_samples - lo)
             prompt = torch.full((n, 1), start, dtype=torch.long, device=device)
             seqs = model.generate(
@@ -113,7 +122,19 @@ def generate_windows(
                 pad_token_id=pad,
             )
             out.append(seqs[:, :seq_len].cpu())
+            keep.add(out[-1], rng_state(device))
     return torch.cat(out)
+
+
+def rng_state(device: torch.device) -> dict:
+    """The sampler's state: the CPU generator's, and the GPU's when `device` is one."""
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def shared_ngrams(windows: torch.Tensor, reference: torch.Tensor, n: int = 32) -> list[int]:

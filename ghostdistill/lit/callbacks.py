@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from ..distill.config import DistillConfig
 from ..distill.interface import get_part
-from ..pipeline.calibrate import OFFLOAD_ONE_DEVICE
+from ..pipeline.calibrate import OFFLOAD_ONE_DEVICE, offload_with_fsdp2
 from ..pipeline.config import RunConfig
 from ..pipeline.export import ExportOptions, check_export, check_view_names
 from ..pipeline.state import STATE_FILE
@@ -76,6 +76,8 @@ def check_before_run(trainer: Trainer, pl_module: GhostDistill) -> None:
     if unbuilt:
         raise ValueError(f"evaluation.views {unbuilt} are fine-tuned views, which trainer.max_steps 0 does not build")
     offload = cfg.model.offload
+    if offload != "none" and isinstance(trainer.strategy, ModelParallelStrategy):  # on one device too
+        raise ValueError(offload_with_fsdp2(offload))
     if offload != "none" and trainer.world_size > 1:
         raise ValueError(OFFLOAD_ONE_DEVICE)
     if offload != "none" and trainer.max_steps > 0:

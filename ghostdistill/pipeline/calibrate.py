@@ -40,6 +40,24 @@ OFFLOAD_ONE_DEVICE = (
 )
 
 
+def offloaded_stop(state_path: Path | None) -> str:
+    """What a calibration pass with offloaded weights that was cut short leaves (one line)."""
+    kept = f"the plan is saved in {state_path}, and " if state_path is not None else ""
+    return (
+        "calibration stopped: with model.model.offload the statistics are collected block by block over every batch "
+        f"and are complete only at the end of the pass, so none of them was saved; {kept}a rerun collects them "
+        "again from the first block"
+    )
+
+
+def offload_with_fsdp2(offload: str) -> str:
+    """Why offloaded weights and FSDP2 do not go together, and what to do instead (one line)."""
+    return (
+        f"model.model.offload {offload!r} with FSDP2 (trainer.strategy ModelParallelStrategy): the blocks are sharded "
+        "over the ranks instead; set model.model.offload: none, or run without FSDP2"
+    )
+
+
 @dataclass
 class Dist:
     """This process among several: its rank, their number, and a sum over all of them."""
@@ -99,7 +117,10 @@ def collect_statistics(
         tokens = int(dist.reduce(torch.tensor(tokens, dtype=torch.float64, device=device)).item())
     elif is_offloaded(llm) and done < len(batches):
         # Block by block: every batch through one block before the next, so the sums are complete only at
-        # the end (checkpointed then, not every `checkpoint_every` batches).
+        # the end (checkpointed then, not every `checkpoint_every` batches). The plan is saved first, with no
+        # batch done: a pass cut short costs its statistics, not the plan (`offloaded_stop`).
+        if checkpoint and done == 0:
+            checkpoint(stats, 0, 0)
         tokens += accumulate(llm, pruned.stack, plan.gaps, batches[done:], stats, first_batch=done, progress=progress)
     else:
         for i in progress(range(done, len(batches)), "calibration statistics"):
@@ -161,16 +182,21 @@ def calibrate(
 
     start = time.perf_counter()
     with phase("calibrate"):
-        stats, tokens = collect_statistics(
-            pruned,
-            recovery,
-            batches,
-            saved,
-            dist=dist,
-            checkpoint=checkpoint,
-            checkpoint_every=checkpoint_every,
-            progress=progress,
-        )
+        try:
+            stats, tokens = collect_statistics(
+                pruned,
+                recovery,
+                batches,
+                saved,
+                dist=dist,
+                checkpoint=checkpoint,
+                checkpoint_every=checkpoint_every,
+                progress=progress,
+            )
+        except (KeyboardInterrupt, SystemExit):  # SIGINT, SIGTERM (`lit.interrupts`): say what a rerun finds
+            if is_offloaded(llm):
+                log(offloaded_stop(state_path if dist.is_zero else None))
+            raise
     seconds["statistics_s"] = round(time.perf_counter() - start, 2)
     with phase("fit"):
         # Every gap of every method solved and its view registered; each rank reads its share of the batches.

@@ -2,7 +2,8 @@
 
     chat_windows(data, src, seq_len, n, seed, cache)   calibration or training windows of a chat source, and
                                                        their answer mask (the dense model's answers cached)
-    score_source(data, src)                            the chat score's sequences (`data.answers.score_windows`)
+    score_source(data, src, cache)                     the chat score's sequences (`data.answers.score_windows`),
+                                                       the dense model's answers cached
     evaluation_sources(sources, chat, tokenizer)       the evaluation sources, with the chat score's when on
     statistics_masks(src, answers)                     what each calibration window counts (`chat.tokens`)
     check_chat_sources(data, distilling)               a chat template, and readable records, before any work
@@ -27,11 +28,12 @@ source ``{name: chat, source: generate, chat: {}}`` after the configured ones; `
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from ..core.io import atomic_torch_save
+from ..core.io import Resumable, atomic_torch_save, partial_path
 from ..data import GENERATE, ChatSettings, ChatWindows, TextSource
 from ..data.answers import generated_chat_windows, score_windows
 from ..data.chat import check_chat_template, conversations, given_windows, statistics_mask
@@ -50,20 +52,30 @@ def chat_windows(data, src: TextSource, seq_len: int, n: int, seed: int, cache: 
         return saved["input_ids"], saved["answers"]
     if data.dense is None:
         raise ValueError("source: generate needs the dense model, which this run did not provide")
+    keep = Resumable(partial_path(cache), data.write)  # answers kept as they come: an interrupted run resumes
     with data.dense() as model:
-        ids, answers = generated_chat_windows(model, data.tokenizer, src, seq_len, n, seed)
+        ids, answers = generated_chat_windows(model, data.tokenizer, src, seq_len, n, seed, keep=keep)
     if cache is not None and data.write:
         atomic_torch_save({"input_ids": ids, "answers": answers}, cache)
+    keep.finish()
     return ids, answers
 
 
-def score_source(data, src: TextSource) -> ChatWindows:
-    """The chat score's sequences of `src`: its instructions and the dense model's greedy answers."""
+def score_source(data, src: TextSource, cache: Path | None = None) -> ChatWindows:
+    """The chat score's sequences of `src`: its instructions and the dense model's greedy answers, kept in
+    `cache` (and, while they are written, batch by batch beside it: an interrupted run resumes)."""
     check_chat_template(data.tokenizer, src.label)
+    if cache is not None and cache.is_file():
+        return ChatWindows(**torch.load(cache, weights_only=True))
     if data.dense is None:
         raise ValueError("the chat score needs the dense model's answers, and this run did not provide the model")
+    keep = Resumable(partial_path(cache), data.write)
     with data.dense() as model:
-        return score_windows(model, data.tokenizer, src)
+        windows = score_windows(model, data.tokenizer, src, keep=keep)
+    if cache is not None and data.write:
+        atomic_torch_save(asdict(windows), cache)
+    keep.finish()
+    return windows
 
 
 def check_chat_sources(data, distilling: bool) -> None:

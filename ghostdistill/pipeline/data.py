@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..core.io import atomic_torch_save, json_digest
+from ..core.io import Resumable, atomic_torch_save, json_digest, partial_path
 from ..data import (
     GENERATE,
     ChatWindows,
@@ -78,11 +78,13 @@ class RunData:
     def batch_size(self) -> int:
         return self.cfg.batch_size
 
-    def _generate(self, seq_len: int, n: int, seed: int) -> torch.Tensor:
+    def _generate(self, seq_len: int, n: int, seed: int, keep: Resumable | None = None) -> torch.Tensor:
         if self.dense is None:
             raise ValueError("source: generate needs the dense model, which this run did not provide")
         with self.dense() as model:
-            return generate_windows(model, self.tokenizer, seq_len, n, seed, self.batch_size, progress=self.progress)
+            return generate_windows(
+                model, self.tokenizer, seq_len, n, seed, self.batch_size, progress=self.progress, keep=keep
+            )
 
     def generated_cache(self, what: str = "calibration") -> Path | None:
         """Where self-generated `what` (calibration, train) tokens are kept: keyed by the model that wrote them
@@ -95,6 +97,13 @@ class RunData:
         key = json_digest({"model": self.model_key, what: settings, "batch_size": self.batch_size})
         return Path(self.run_dir) / f"generated_{what}_{key}.pt"
 
+    def answers_cache(self, src: TextSource) -> Path | None:
+        """Where the chat score's sequences of `src` (the dense model's answers) are kept: keyed by the model
+        that wrote them and the source's settings."""
+        if self.run_dir is None:
+            return None
+        return Path(self.run_dir) / f"chat_answers_{json_digest({'model': self.model_key, 'source': asdict(src)})}.pt"
+
     def _windows(self, src: TextSource, seq_len: int, n: int, seed: int, cache: Path | None = None):
         """(ids, answer mask or None): `n` random windows of `src`, text, self-generated (kept in `cache`) or chat."""
         if src.chat is not None:
@@ -103,9 +112,11 @@ class RunData:
             return calibration_windows(self.tokenizer, src, seq_len, n, seed), None
         if cache is not None and cache.is_file():
             return torch.load(cache, weights_only=True), None
-        ids = self._generate(seq_len, n, seed)  # seeded: every rank samples the same text; rank 0 keeps it
+        keep = Resumable(partial_path(cache), self.write)  # batch by batch: an interrupted run resumes
+        ids = self._generate(seq_len, n, seed, keep)  # seeded: every rank samples the same text; rank 0 keeps it
         if cache is not None and self.write:
             atomic_torch_save(ids, cache)
+        keep.finish()
         return ids, None
 
     def calibration_ids(self) -> torch.Tensor:
@@ -134,7 +145,7 @@ class RunData:
         if src.chat is None:
             return self.eval_ids(src)
         if src.label not in self._chat:
-            self._chat[src.label] = score_source(self, src)
+            self._chat[src.label] = score_source(self, src, self.answers_cache(src))
         return self._chat[src.label]
 
     def eval_ids(self, src: TextSource) -> torch.Tensor:

@@ -44,7 +44,7 @@ from ..planning import check_plan, greedy_steps, no_progress
 from ..reporting.flags import view_warnings
 from ..reporting.report import RunReport
 from ..reporting.results import check_scored, markdown_table, rank_warning, write_report
-from .calibrate import Dist, calibrate, calibration_summary
+from .calibrate import Dist, calibrate, calibration_summary, offload_with_fsdp2
 from .config import RunConfig
 from .data import RunData
 from .evaluate import analysis, evaluate, score_batches, view_digests, view_results, zeroshot
@@ -101,10 +101,7 @@ class Run(Phases):
                 if mesh is None:
                     self.llm = load_model(self.cfg.model, self.device)
                 elif self.cfg.model.offload != "none":
-                    raise ValueError(
-                        f"model.model.offload {self.cfg.model.offload!r} with FSDP2: the blocks are sharded over the "
-                        "ranks instead; set model.model.offload: none, or run on one device without FSDP2"
-                    )
+                    raise ValueError(offload_with_fsdp2(self.cfg.model.offload))
                 else:
                     self.llm = load_sharded(self.cfg.model, mesh, device)
                 self.llm.requires_grad_(False)

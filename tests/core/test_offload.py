@@ -224,3 +224,85 @@ def test_fit_with_the_weights_on_the_disk_writes_the_same_results(tiny_dir, text
     with pytest.raises(ValueError, match="FSDP2"):
         main(tiny_run_args(tiny_dir, text_files, tmp_path / "distil", "--model.model.offload", "disk",
                            "--trainer.max_steps", "2", "--model.distill.methods", "[ghost]"))  # fmt: skip
+
+
+def test_params_count_a_tied_embedding_once_whatever_the_offload(tmp_path_factory):
+    """Issue 53: offloaded, accelerate gives the head and the embedding of a tied model a placeholder each after
+    the first pass, and the params column counted the embedding twice (SmolLM2 with offload disk: 162.8M
+    against 134.5M)."""
+    folder = saved_model(tmp_path_factory, tied=True)
+    windows = {"w": torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))}
+    counts = {}
+    for mode in MODES:
+        cal = calibrate(load(folder, mode), PLAN, RECOVERY[:2], random_batches(2), log=lambda m: None)
+        views = evaluate(cal.pruned, cal.pruned.views, windows, 2, methods=METHODS)  # passes: the heads untied
+        counts[mode] = {view: result.params for view, result in views.items()}
+    dense = sum(p.numel() for p in load(folder, "none").parameters())
+    assert counts["none"]["dense"] == dense, counts
+    assert counts["cpu"] == counts["none"] and counts["disk"] == counts["none"], counts
+
+
+def test_offload_with_fsdp2_on_one_device_is_refused_before_the_model_loads(
+    tiny_dir, text_files, tmp_path, monkeypatch
+):
+    """Issue 53: docs/gpu.md says offload with FSDP2 is refused; on one device it ran (the mesh check sat in the
+    sharded load, which the offloaded load went around)."""
+    import json
+
+    import pytest
+    from tiny_run import tiny_run_args
+
+    from ghostdistill.cli import main
+    from ghostdistill.pipeline import run as run_module
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(run_module, "load_model", never)
+    fsdp2 = {
+        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+        "init_args": {"data_parallel_size": 1, "tensor_parallel_size": 1, "save_distributed_checkpoint": False},
+    }
+    args = ["--model.model.offload", "disk", "--trainer.strategy", json.dumps(fsdp2), "--trainer.accelerator", "cpu"]
+    with pytest.raises(ValueError) as err:
+        main(tiny_run_args(tiny_dir, text_files, tmp_path / "run", *args))
+    assert str(err.value) == (
+        "model.model.offload 'disk' with FSDP2 (trainer.strategy ModelParallelStrategy): the blocks are sharded over "
+        "the ranks instead; set model.model.offload: none, or run without FSDP2"
+    )
+
+
+def test_an_interrupted_offloaded_calibration_says_what_a_rerun_finds_and_keeps_the_plan(tmp_path_factory, monkeypatch):
+    """Issue 53: SIGTERM in the block-by-block statistics pass said "rerun to resume" with nothing saved. The plan is
+    saved before the pass (no batch done), the stop says that the statistics are collected again, and the rerun
+    resumes from the saved plan to the uninterrupted run's operators, bit for bit."""
+    import pytest
+
+    from ghostdistill.pipeline import calibrate as calibrate_module
+    from ghostdistill.pipeline.state import load_state
+
+    folder, batches = saved_model(tmp_path_factory), random_batches(4)
+    state = tmp_path_factory.mktemp("state") / "calibration_state.pt"
+    plan = PlanConfig(criterion="streamline", num_layers=2)
+    whole = calibrate(load(folder, "disk"), plan, RECOVERY[:1], batches, log=lambda m: None)
+    real = calibrate_module.accumulate
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(calibrate_module, "accumulate", stopped)
+    said = []
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(load(folder, "disk"), plan, RECOVERY[:1], batches, log=said.append, state_path=state, state_key="k")
+    assert said[-1] == (
+        "calibration stopped: with model.model.offload the statistics are collected block by block over every batch "
+        f"and are complete only at the end of the pass, so none of them was saved; the plan is saved in {state}, and "
+        "a rerun collects them again from the first block"
+    )
+    saved = load_state(state, "k", {"ghost"}, 64, recovery=RECOVERY[:1])
+    assert saved is not None and saved.batches_done == 0 and saved.plan.removed == whole.plan.removed
+    monkeypatch.setattr(calibrate_module, "accumulate", real)
+    said.clear()
+    again = calibrate(load(folder, "disk"), plan, RECOVERY[:1], batches, log=said.append, saved=saved, state_path=state)
+    assert f"resuming calibration after 0/4 batches from {state}" in said
+    assert same(again.pruned.operators["ghost"].state_dict(), whole.pruned.operators["ghost"].state_dict())

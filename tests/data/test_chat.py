@@ -204,3 +204,75 @@ def test_text_sources_keep_their_fingerprints_and_the_shipped_prompts_are_disjoi
     heldout = {m[-1]["content"] for m in conversations(TextSource("generate", chat=ChatSettings()), for_eval=True)}
     assert CALIBRATION_PROMPTS.is_file() and HELDOUT_PROMPTS.is_file()
     assert len(calibration) == 846 and len(heldout) == 48 and not calibration & heldout
+
+
+class _Interrupted(KeyboardInterrupt):
+    """What Ctrl-C raises, here from inside an answer batch."""
+
+
+def _count_calls(monkeypatch, module, name: str, real, interrupt_after: int | None = None) -> list:
+    """`module.name` replaced by `real` counted (the list returned), raising `_Interrupted` at the call after
+    `interrupt_after` ones."""
+    calls: list = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        if interrupt_after is not None and len(calls) > interrupt_after:
+            raise _Interrupted
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def _run_data(run_dir, tokenizer, model, calibration: TextSource, evaluation: list[TextSource], seq_len: int):
+    from contextlib import nullcontext
+
+    from ghostdistill.pipeline.data import DataConfig, EvaluationData, RunData
+
+    cfg = DataConfig(
+        calibration=CalibrationData(calibration, num_samples=5, seq_len=seq_len, seed=0),
+        evaluation=EvaluationData(sources=evaluation, chat=False),
+        batch_size=2,
+    )
+    return RunData(cfg, tokenizer, run_dir, dense=lambda: nullcontext(model), model_key={"m": 1}, progress=False)
+
+
+@pytest.mark.parametrize("what", ["calibration", "score"])
+def test_interrupted_dense_answers_resume_and_equal_an_uninterrupted_run(what, chat_tokenizer, tmp_path, monkeypatch):
+    """Issue 53: the dense model's answers (sampled chat calibration; the chat score) were kept only at the end, so
+    Ctrl-C lost them. Kept batch by batch, a rerun answers only the batches not yet answered (the sampler's state
+    restored) and ends with the uninterrupted run's windows, to the bit; the partial file goes once they are kept."""
+    from ghostdistill.data import answers as answers_module
+
+    model, real = tiny_model("llama", num_layers=4), answers_module.answer
+    prompts = write_jsonl(
+        tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": f"the run {i}"}]} for i in range(40)]
+    )
+    # 40 instructions: batches of 16, 16 and 8, and (sampled calibration) a second round of them.
+    cal = TextSource("generate", chat=ChatSettings(instructions=str(prompts), max_new_tokens=6, temperature=1.0))
+    score = TextSource("generate", name="chat", chat=ChatSettings(max_new_tokens=6), max_documents=40)
+
+    def windows(run_dir):
+        data = _run_data(run_dir, chat_tokenizer, model, cal, [score], seq_len=192)
+        if what == "calibration":
+            return data.calibration_ids(), data._answers
+        out = data.eval_windows(score)
+        return out.input_ids, out.answers
+
+    whole_calls = _count_calls(monkeypatch, answers_module, "answer", real)
+    whole = windows(tmp_path / "whole")
+    assert len(whole_calls) > 2, len(whole_calls)
+    _count_calls(monkeypatch, answers_module, "answer", real, interrupt_after=2)
+    with pytest.raises(_Interrupted):
+        windows(tmp_path / "cut")
+    kept = "generated_calibration_" if what == "calibration" else "chat_answers_"
+    assert [p.name.startswith(kept) for p in (tmp_path / "cut").glob("*")] == [True], list((tmp_path / "cut").glob("*"))
+    resumed_calls = _count_calls(monkeypatch, answers_module, "answer", real)
+    resumed = windows(tmp_path / "cut")
+    assert torch.equal(resumed[0], whole[0]) and torch.equal(resumed[1], whole[1])
+    assert len(resumed_calls) == len(whole_calls) - 2  # the two batches kept were not answered again
+    assert sorted(p.name for p in (tmp_path / "cut").glob("*")) == sorted(
+        p.name for p in (tmp_path / "whole").glob("*")
+    )
+    assert not list((tmp_path / "cut").glob("*.partial.pt"))

@@ -147,6 +147,43 @@ def test_generated_calibration_is_seeded_and_full_length(tiny_tokenizer):
     assert (a[:, 0] == tiny_tokenizer.bos_token_id).all()
 
 
+def test_interrupted_generated_calibration_resumes_and_equals_an_uninterrupted_run(tiny_tokenizer, tmp_path):
+    """Issue 53: data-free calibration text (`source: generate`) was kept only at the end, so Ctrl-C lost it. Kept
+    batch by batch with the sampler's state, a rerun samples only the batches not yet made and ends with the
+    uninterrupted run's windows, to the bit; the partial file goes once the windows are kept."""
+    from contextlib import nullcontext
+
+    from ghostdistill.pipeline.data import CalibrationData, DataConfig, EvaluationData, RunData
+
+    model = tiny_model("llama", num_layers=2)
+    real, calls = model.generate, []
+
+    def generate(*args, interrupt_after=None, **kwargs):
+        calls.append(1)
+        if interrupt_after is not None and len(calls) > interrupt_after:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    def windows(run_dir, interrupt_after=None):
+        calls.clear()
+        model.generate = lambda *a, **k: generate(*a, interrupt_after=interrupt_after, **k)
+        cfg = DataConfig(CalibrationData(TextSource("generate"), 5, 12, 0), EvaluationData(sources=[]), batch_size=2)
+        data = RunData(
+            cfg, tiny_tokenizer, run_dir, dense=lambda: nullcontext(model), model_key={"m": 1}, progress=False
+        )
+        return data.calibration_ids()
+
+    whole = windows(tmp_path / "whole")
+    assert whole.shape == (5, 12) and len(calls) == 3  # batches of 2, 2 and 1
+    with pytest.raises(KeyboardInterrupt):
+        windows(tmp_path / "cut", interrupt_after=2)
+    assert [p.name.endswith(".partial.pt") for p in (tmp_path / "cut").iterdir()] == [True]
+    assert torch.equal(windows(tmp_path / "cut"), whole) and len(calls) == 1  # the third batch only
+    assert sorted(p.name for p in (tmp_path / "cut").iterdir()) == sorted(
+        p.name for p in (tmp_path / "whole").iterdir()
+    )
+
+
 def test_shared_data_files_load(tiny_tokenizer):
     need_shared(C4_SAMPLE, WIKITEXT)
     docs = load_documents(TextSource(str(C4_SAMPLE), first_document=1000), for_eval=True)
