@@ -4,21 +4,29 @@ methods that apply (`Method.supports`, `methods.check_family`; the table in docs
 
 from __future__ import annotations
 
+import json
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import GEMMA, TINY_FAMILIES, tiny_model
+from tiny_run import tiny_run_args
 
 import ghostdistill
+from ghostdistill.cli import entry, main
 from ghostdistill.core.anatomy import decoder_stack
 from ghostdistill.core.errors import GhostdistillError
 from ghostdistill.methods import RecoveryConfig, applicable, check_family, family_facts, registered
 from ghostdistill.methods.hadamard import has_hadamard
+from ghostdistill.pipeline import data, frontier
 from ghostdistill.pipeline import run as run_phases
 from ghostdistill.pipeline.config import RunConfig
 from ghostdistill.planning import PlanConfig
 
+DEMO = str(Path(__file__).resolve().parents[2] / "configs" / "smollm2_demo.yaml")
 FAMILIES = (*TINY_FAMILIES, GEMMA)
 # (family, method) → what the refusal names as the reason; every other pair applies.
 REFUSED = {
@@ -74,18 +82,8 @@ def test_family_each_method_is_fitted_or_refused_before_calibration(
     assert torch.isfinite(logits).all()
 
 
-def test_family_fit_refuses_every_wrong_entry_in_one_line_before_any_data(
-    tiny_tokenizer, tmp_path, capsys, monkeypatch
-):
+def test_family_fit_refuses_every_wrong_entry_in_one_line_before_any_data(gemma_dir, tmp_path, capsys, monkeypatch):
     """Through `fit` on a saved tiny Gemma 3: both rotations refused in one line, no calibration text read."""
-    import sys
-
-    from ghostdistill.cli import entry
-    from ghostdistill.pipeline import data
-
-    folder = tmp_path / "gemma"
-    tiny_model(GEMMA).save_pretrained(folder)
-    tiny_tokenizer.save_pretrained(folder)
 
     def refuse(*args, **kwargs):
         raise AssertionError("calibration text was read before the refusal")
@@ -93,7 +91,7 @@ def test_family_fit_refuses_every_wrong_entry_in_one_line_before_any_data(
     monkeypatch.setattr(data.RunData, "calibration_ids", refuse)
     run = tmp_path / "run"
     recovery = "[{name: g, method: ghost}, {name: rt, method: rotation_through}, {name: ra, method: rotation_anchored}]"
-    argv = ["fit", "--config", "configs/smollm2_demo.yaml", "--model.model.source", str(folder)]
+    argv = ["fit", "--config", DEMO, "--model.model.source", str(gemma_dir)]
     argv += ["--model.plan.layers", "[2,3]", "--model.plan.num_layers", "null", "--model.recovery", recovery]
     argv += ["--trainer.default_root_dir", str(run), "--calibration.progress", "false"]
     monkeypatch.setattr(sys, "argv", ["ghostdistill", *argv])
@@ -141,3 +139,26 @@ def test_family_linearpatch_rotate_without_a_hadamard_size_is_refused_and_diag_a
     with pytest.raises(ValueError, match=rf"variant 'rotate' needs a Hadamard matrix of the hidden size {size}"):
         check_family([RecoveryConfig(name="lp", method="linearpatch")], odd)
     check_family([RecoveryConfig(name="lp", method="linearpatch", variant="diag")], odd)
+
+
+@pytest.fixture
+def gemma_dir(tmp_path, tiny_tokenizer):
+    folder = tmp_path / "gemma"
+    tiny_model(GEMMA).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_family_frontier_refuses_before_any_depth(gemma_dir, text_files, tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a frontier depth was planned before the refusal")
+
+    monkeypatch.setattr(frontier, "frontier_point", refuse)
+    recovery = [{"name": "rt", "method": "rotation_through"}]
+    args = tiny_run_args(gemma_dir, text_files, tmp_path / "unused", layers=None, num_layers=2, recovery=recovery)
+    spec = tmp_path / "frontier.yaml"
+    spec.write_text(yaml.safe_dump({"base": args[2], "root": str(tmp_path / "f"), "num_layers": [1, 2]}))
+    overrides = args[3:] + ["--data.selection.source", json.dumps({"source": str(text_files["txt"])})]
+    with pytest.raises(ValueError, match=r"^recovery\[0\] 'rt' \(rotation_through\) cannot be right on gemma3_text"):
+        main(["frontier", str(spec), *overrides])
+    assert not list((tmp_path / "f").glob("points/*.json"))
