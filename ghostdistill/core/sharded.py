@@ -70,6 +70,12 @@ def _fsdp_module():
     return FSDPModule
 
 
+def plain_class(module: nn.Module) -> type:
+    """`module`'s own class: FSDP2 makes a sharded block an instance of ``FSDP<Class>``, a subclass of both."""
+    unit = _fsdp_module()
+    return next(c for c in type(module).__mro__ if unit is None or not issubclass(c, unit))
+
+
 def is_sharded(module: nn.Module) -> bool:
     """Whether `module` or any of its submodules is an FSDP2 unit."""
     unit = _fsdp_module()
@@ -118,7 +124,7 @@ def plain_copy(module: nn.Module) -> nn.Module:
                     memo[id(value)] = None
             if is_unit:
                 swapped.append((m, type(m)))
-                m.__class__ = next(c for c in type(m).__mro__ if not issubclass(c, unit))
+                m.__class__ = plain_class(m)
         try:
             clone = copy.deepcopy(module, memo)
         finally:

@@ -25,6 +25,10 @@ read is rejected (`validate_recovery`):
 | `replaceme`       | `Solved`                | solver (ridge), ridge (1e-4), order (sequential)                  |
 | `magnitude`, `rotation`, `rotation_through`, `rotation_anchored` | `Ordered` | order (sequential)      |
 
+Not every method can be right on every model family: a method says why not in its class
+(`Method.supports(cfg, family)`, the family's block layout in `family.py`), and a run refuses such an entry
+before calibration (`check_family`; the table method × family is in docs/reliability.md).
+
 The package's one public entry point is this module (`ghostdistill.methods`): the interface, the
 configuration and the registry (`interface.py`), and what a run does with them (`config.py`). Method
 modules import from `interface` and from each other's shared parts (`ghost_symmetric` and the rotations
@@ -38,6 +42,8 @@ its keys (they become keys of every recovery entry the CLI parses), its class at
 
 from . import ghost, ghost_symmetric, linearpatch, magnitude, none, replaceme, rotation  # noqa: F401  (the registry)
 from .config import (
+    applicable,
+    check_family,
     drop_flat_defaults,
     fit_gap,
     flat_settings,
@@ -47,6 +53,7 @@ from .config import (
     statistics_layout,
     validate_recovery,
 )
+from .family import FamilyFacts, family_facts
 from .ghost import GhostConfig, GhostSymmetricConfig
 from .interface import (
     FLAT_DEFAULTS,
@@ -71,6 +78,7 @@ from .linearpatch import LinearPatchConfig
 
 __all__ = [
     "Collector",
+    "FamilyFacts",
     "FLAT_DEFAULTS",
     "GapFit",
     "GapTaps",
@@ -83,7 +91,10 @@ __all__ = [
     "RecoveryConfig",
     "Ridge",
     "Solved",
+    "applicable",
+    "check_family",
     "drop_flat_defaults",
+    "family_facts",
     "fit_gap",
     "flat_settings",
     "get_method",

@@ -1,6 +1,7 @@
-"""What a run does with the registered methods: validating recovery entries (`validate_recovery`), the
-flat settings of older run folders, fitting a gap (`fit_gap`) and sizing the statistics collectors
-(`make_collectors`, `statistics_layout`). The configuration and the registry themselves are
+"""What a run does with the registered methods: validating recovery entries (`validate_recovery`) and, once the
+model is known, refusing those that cannot be right on its family (`check_family`), the flat settings of older
+run folders, fitting a gap (`fit_gap`) and sizing the statistics collectors (`make_collectors`,
+`statistics_layout`). The configuration and the registry themselves are
 `methods.interface`'s."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from ..core.plan import Gap
 from ..core.views import DENSE, PRUNED
+from .family import FamilyFacts
 from .interface import (
     FLAT_DEFAULTS,
     Collector,
@@ -165,3 +167,33 @@ def validate_recovery(configs: list[RecoveryConfig]) -> None:
             typed.validate()
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
+
+
+def applicable(family: FamilyFacts) -> list[str]:
+    """The registered methods that can be right on `family` with their default keys (`Method.supports`)."""
+    return [name for name in registered() if get_method(name).supports(get_method(name).config(), family) is None]
+
+
+def check_family(configs: list[RecoveryConfig], family: FamilyFacts, repair: RecoveryConfig | None = None) -> None:
+    """One line refusing every entry of `configs` (and `repair`, the plan's repair entry where it is not one
+    of them) whose method cannot be right on `family` (`Method.supports`): the entries, the family, the reason
+    and the methods that apply. Called before calibration, once the model (or its skeleton) is known."""
+    entries = [(f"recovery[{i}] {c.name!r} ({c.method})", c) for i, c in enumerate(configs)]
+    if repair is not None and all(repair.name != c.name for c in configs):
+        entries.append((f"plan.repair_method {repair.name!r} ({repair.method})", repair))
+    refused: dict[str, list[str]] = {}
+    for where, cfg in entries:
+        why = get_method(cfg.method).supports(cfg.method_config(), family)
+        if why is not None:
+            refused.setdefault(why, []).append(where)
+    if not refused:
+        return
+    ok = applicable(family)
+    stock = [name for name in ok if get_method(name).ships_stock]
+    reasons = "; ".join(
+        f"{', '.join(where)} cannot be right on {family.model_type}: {why}" for why, where in refused.items()
+    )
+    raise ValueError(
+        f"{reasons}. The methods that apply to {family.model_type}: "
+        f"{', '.join(ok)} (stock checkpoints: {', '.join(stock)}; docs/reliability.md, what applies to which family)"
+    )

@@ -27,7 +27,10 @@ What a method is, each member with a default on `Method` (a method overrides wha
 6. `student_operator(operator)`: what a fine-tuned student trains in place of a fitted operator (default:
    the operator, W = I + M freely; rotation: a scaled rotation, so that the student still folds);
 7. `token_groups(stats)`: the token counts of a gap the report shows (first position, massive activations);
-8. `card`: what the repair is, in a phrase, for the exported model card.
+8. `card`: what the repair is, in a phrase, for the exported model card;
+9. `supports(cfg, family)`: None, or why the method cannot be right on this model family (`methods.family`:
+   a fold that is not exact where the fold is the method's point, a width it has no construction for); a run
+   refuses such an entry before calibration (`methods.config.check_family`).
 
 `register` refuses a taken name (`core.registry`), a config class that is not a `MethodConfig` dataclass
 with a default for every key, and a key that another method declares with another type.
@@ -47,6 +50,7 @@ from ..core.plan import Gap
 from ..core.registry import Registry, origin
 from ..core.solver import SolverName
 from ..core.views import DENSE, PRUNED
+from .family import FamilyFacts
 
 
 @dataclass
@@ -174,6 +178,9 @@ class Method:
 
     def token_groups(self, stats: Collector | None) -> dict | None:
         return None
+
+    def supports(self, cfg: MethodConfig, family: FamilyFacts) -> str | None:
+        return None  # what every block layout allows: an operator view, or nothing at all
 
 
 # The defaults of the flat config, before each method read only its own keys: every entry carried every

@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 
 from ..core.plan import Gap
+from .family import FamilyFacts
 from .hadamard import hadamard_matrix, has_hadamard
 from .interface import GapFit, GapTaps, Method, Ordered, operator_of, register
 
@@ -69,7 +70,7 @@ class LinearPatchStatistics:
 
 @dataclass
 class LinearPatchConfig(Ordered):
-    """`linearpatch`'s keys (a hidden size without a Hadamard matrix fails at fit time, naming it).
+    """`linearpatch`'s keys (a hidden size without a Hadamard matrix is refused before calibration: `supports`).
 
     Args:
         variant: ``rotate`` (Hadamard; default) or ``diag`` (per-channel scaling only).
@@ -83,6 +84,15 @@ class LinearPatch(Method):
     config = LinearPatchConfig
     card = "LinearPatch: W = H·diag(s)·Hᵀ at each gap (H an orthonormal Hadamard matrix)"
     statistics = LinearPatchStatistics
+
+    def supports(self, cfg: LinearPatchConfig, family: FamilyFacts) -> str | None:
+        if cfg.variant == "diag" or has_hadamard(family.hidden_size):
+            return None
+        nxt = next(n for n in range(family.hidden_size + 1, 2 * family.hidden_size + 2) if has_hadamard(n))
+        return (
+            f"variant 'rotate' needs a Hadamard matrix of the hidden size {family.hidden_size}, and none is known to "
+            f"ghostdistill (the next supported order is {nxt}): use variant 'diag'"
+        )
 
     def fit(self, cfg: LinearPatchConfig, gap: Gap, stats: LinearPatchStatistics, hidden_size: int) -> GapFit:
         """W = H·diag(s)·Hᵀ with s_j = mean|X_post H|_j / mean|X_pre H|_j (H = I for `diag`)."""

@@ -4,6 +4,13 @@ With M the MLP output of the last block before the gap and Y = X_pre − M its r
 T = argmin ‖M T − (X_post − Y)‖² (float64 normal equations, `core.solver`). The map acts on the MLP
 output: out·T = h·W_downᵀ·T, so `fold` writes it into that block's down projection, W_down ← Tᵀ·W_down,
 and the method adds no parameters.
+
+The fit assumes the MLP writes the residual stream itself (X_pre = Y + M). Where its output passes through a
+norm first (Gemma 2 and 3: X_pre = Y + n(M), `post_feedforward_layernorm`), X_pre − M is not Y and the view's
+n(M·T) renormalises what least squares fitted. The fold stays exact (the exported model computes the view), and
+the view still beats no repair where measured (Gemma 3 270M without 4 blocks: 497.17 against the pruned model's
+7251.04, docs/export.md; on tiny random Gemma 3 models it does not), so the method is not refused there
+(docs/reliability.md, "What applies to which family").
 """
 
 from __future__ import annotations

@@ -52,6 +52,8 @@ from torch import nn
 
 from ..core.operator import GhostOperator, ReparametrisedOperator
 from ..core.plan import Gap
+from ..core.sharded import plain_class
+from .family import FamilyFacts
 from .ghost import GhostCollectorMixin, GhostStatistics
 from .interface import GapFit, Ordered, register
 from .magnitude import fold_residual_scale
@@ -169,6 +171,11 @@ class RotationThrough(_Rotation):
         docstring), so that the fine-tuned view still folds."""
         return ScaledRotationOperator(operator)
 
+    def supports(self, cfg: Ordered, family: FamilyFacts) -> str | None:
+        """Refused where the fold is not exact: folding is this method's point (`rotation` is its operator view)."""
+        why = fold_refusal(family.block)
+        return None if why is None else f"its fold into the stock weights is not exact for {family.block_class}: {why}"
+
     def fold(self, blocks: list[nn.Module | None], gap: Gap, fit: GapFit) -> None:
         """`fold_rotation`; the writer puts Q₁⋯Qₙ into the embedding. Called gap by gap in plan order
         (`export.fold` derives why that composes the gaps right)."""
@@ -241,18 +248,24 @@ ORTHOGONAL_TOL = 1e-4
 _POST_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm", "post_attention_norm", "post_mlp_norm")
 
 
+def fold_refusal(block: nn.Module) -> str | None:
+    """Why the rotation fold is not exact for `block`'s layout, or None: a pre-norm layout it is derived for."""
+    if plain_class(block).__name__ in FOLDABLE_BLOCKS:
+        return None
+    post = [n for n in _POST_NORMS if isinstance(getattr(block, n, None), nn.Module)]
+    if post:
+        return (
+            f"it has norms inside the residual branch ({', '.join(post)}): a rotation of the residual stream "
+            "does not commute with them"
+        )
+    return "its block layout is not one the fold is derived for"
+
+
 def check_foldable(block: nn.Module) -> None:
     """Raise unless `block` has the pre-norm layout the rotation fold is exact for."""
-    name = type(block).__name__
-    if name in FOLDABLE_BLOCKS:
+    name, why = plain_class(block).__name__, fold_refusal(block)
+    if why is None:
         return
-    post = [n for n in _POST_NORMS if isinstance(getattr(block, n, None), nn.Module)]
-    why = (
-        f"it has norms inside the residual branch ({', '.join(post)}): a rotation of the residual stream "
-        "does not commute with them"
-        if post
-        else "its block layout is not one the fold is derived for"
-    )
     raise ValueError(
         f"cannot fold a rotation into {name}: {why}. The rotation fold is exact only for the pre-norm "
         f"RMSNorm blocks {', '.join(FOLDABLE_BLOCKS)}; export the `rotation` (operator) view instead"

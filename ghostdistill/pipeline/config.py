@@ -11,7 +11,7 @@ from ..core.settings import cost_only
 from ..core.views import DENSE, PRUNED
 from ..distill.config import DistillConfig
 from ..evaluation.zeroshot import PAPER_TASKS, check_offline_tasks, task_limits
-from ..methods import RecoveryConfig, validate_recovery
+from ..methods import RecoveryConfig, check_family, family_facts, validate_recovery
 from ..planning import PlanConfig, check_selection, repair_config
 from .data import DataConfig
 
@@ -113,6 +113,12 @@ class RunConfig:
         self.data.validate()
         if self.plan.repair_aware():
             check_selection(self.data, f"plan.criterion {self.plan.criterion!r}")
+
+    def check_family(self, model) -> None:
+        """Every recovery entry (and the plan's repair entry) right on `model`'s family, or one line refusing those
+        that cannot be (`methods.check_family`): the first check once the model is known, before any data."""
+        repair = repair_config(self.plan, self.recovery) if self.plan.repair_aware() else None
+        check_family(self.recovery, family_facts(model), repair)
 
     def at_depth(self, num_layers: int) -> RunConfig:
         """This run's config at another depth (its criterion removing `num_layers` blocks), as a run of that

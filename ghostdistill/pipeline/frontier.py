@@ -260,6 +260,7 @@ def run_frontier(
     criteria = list(criteria)
     greedy = {"views": None, "criterion_samples": None, **(greedy or {})}
     views = check_greedy(cfg, greedy) if GREEDY in criteria else []
+    cfg.check_family(llm)
     check_depths(cfg, llm, depths)
     # What needs only the tokenizer (every evaluation source yields its windows), before any pass.
     data.check_before_calibration(getattr(text_config(llm), "max_position_embeddings", None), distilling=False)

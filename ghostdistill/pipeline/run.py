@@ -1,7 +1,7 @@
 """One run, top to bottom: `Run` holds a run's state and its phases, in the order they happen.
 
     run = Run(cfg)                       a complete `RunConfig` (data included), validated once, never patched
-    run.setup(run_dir)                   load the model (and its tokenizer), bind the data, the plan's depth checks
+    run.setup(run_dir)                   load the model (and its tokenizer), bind the data; the methods' family and the plan's depth checks
     run.calibrate()                      plan → calibrate (statistics, resumable) → fit (every method's operators)
     run.build_students()                 distil: the `<method>_ft` students from their closed forms
     run.distill_step(batch)              … one teacher pass, every student's loss
@@ -115,11 +115,13 @@ class Run(Phases):
 
     def setup(self, run_dir: Path | None = None, *, distilling: bool = False, checks: bool = True) -> RunData:
         """Load the model, bind the data to its tokenizer and dense model (windows are made on first use)
-        and, with `checks`, what needs only the model's depth and the tokenizer, before any text is generated."""
+        and, with `checks`, what needs only the model's family and depth and the tokenizer (every recovery
+        method right on this family: `RunConfig.check_family`), before any text is generated."""
         with self.phase("setup"):
             llm = self.load()
             self.run_dir = Path(run_dir) if run_dir is not None else None
             if checks:
+                self.cfg.check_family(llm)
                 check_plan(self.cfg.plan, len(decoder_stack(llm).layers))
             self.data = RunData(
                 self.cfg.data,
