@@ -43,6 +43,7 @@ from ..export.formats import export_targets, get_formats
 from ..export.gguf import DEFAULT_GGUF_TYPES
 from ..export.parts import exporting
 from ..export.writer import check_target, prepare
+from ..reporting.flags import view_flags
 from .config import RunConfig
 
 
@@ -182,12 +183,17 @@ def export_views(
     seed: int | None = None,
     write: bool = True,
     calibration: Callable[[], torch.Tensor] | None = None,
+    warn: Callable[[str], None] = lambda message: print(f"warning: {message}"),
 ) -> list[Path]:
     """Write each of `options.views` of an in-memory run under `root` in every format of `options` (checked
     first, `check_export`); `report` is the run's results; `calibration` gives the run's calibration windows
     (the importance matrix of a k-quant, the calibration of ``compressed-tensors``). Each view is described
-    once (`writer.prepare`) and handed to every format. Returns `export_targets`' paths. `write` false: a rank
-    of a sharded model other than rank 0, which joins every gather and writes nothing (`export.parts`)."""
+    once (`writer.prepare`) and handed to every format. Before a view is written, what the report flags about it
+    (`reporting.flags.view_flags`: worse than no repair, larger than the dense model, a method's assumption
+    that did not hold) and what a reader would make of its files otherwise (`ExportFormat.notes`) go to `warn`
+    and into its provenance (`warnings`), which the model card shows. Returns `export_targets`' paths. `write`
+    false: a rank of a sharded model other than rank 0, which joins every gather and writes nothing
+    (`export.parts`)."""
     check_built(pruned, cfg, options)
     formats = get_formats(options.format)
     needs = [f.name for f in formats if f.calibrates(options)]
@@ -204,6 +210,12 @@ def export_views(
         method, info = view_provenance(report, cfg, view, seed)
         with exporting(pruned, view):
             prepared = prepare(pruned, view, method, tokenizer, info, **kw)
+            if write:  # rank 0 says it once
+                notes = [f"exporting {view}, which this run flags: {line}" for line in view_flags(report, view)]
+                notes += [note for fmt in formats for note in fmt.notes(prepared, root, options)]
+                for note in notes:
+                    warn(note)
+                prepared.info["warnings"] = notes
             for fmt in formats:
                 paths += fmt.write(prepared, root, options)
     return paths

@@ -337,5 +337,6 @@ class Run(Phases):
         report = report if report is not None else self.report.to_dict()
         # The run's calibration windows: a k-quant's importance matrix and compressed-tensors calibrate on them.
         run = {"seed": self.seed, "write": self.write, "calibration": self.data.calibration_ids}
+        run["warn"] = self.warn or (lambda message: self.log(f"warning: {message}"))
         with self.phase("export"):
             return export_views(self.pruned, self.tokenizer, report, self.cfg, root, options, **run)
