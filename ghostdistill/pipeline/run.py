@@ -52,7 +52,7 @@ from .export import ExportOptions, export_views
 from .phases import PhaseObserver as PhaseObserver
 from .phases import Phases
 from .phases import observe as observe
-from .state import STATE_FILE, open_state, run_key
+from .state import STATE_FILE, incomplete_state, open_state, run_key
 from .train import BestSteps, build_students, distill_step, validate
 
 
@@ -149,14 +149,14 @@ class Run(Phases):
         # repair_greedy's first steps from an earlier run of these settings: a hand-edited or foreign one is
         # refused before this run's saved state is read (and said to be recomputed).
         taken = greedy_steps(cfg.plan, lambda n: run_key(cfg.at_depth(n), llm)) if not saved_only else None
+        why: list[str] = []  # from a run folder (`saved_only`): why its statistics cannot serve, said once
         if self.run_dir is not None:
-            self.key, saved = open_state(self.run_dir, cfg, llm, self.warn, self.log)
+            reason = why.append if saved_only else None
+            self.key, saved = open_state(self.run_dir, cfg, llm, self.warn, self.log, reason)
         else:
             self.key, saved = run_key(cfg, llm), None
         if saved_only and (saved is None or saved.batches_done < saved.batches_total):
-            raise ValueError(
-                f"{self.run_dir / STATE_FILE} does not hold this run's complete statistics: run `fit` again to finish it"
-            )
+            raise ValueError(incomplete_state(self.run_dir, saved, why))
         taken = taken if saved is None else None  # a resumed state has its plan already
         cal = calibrate(
             llm,
