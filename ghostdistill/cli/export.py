@@ -49,7 +49,7 @@ def run_export(argv: list[str]) -> list[Path]:
     --trust-remote-code. SIGTERM and SIGINT stop it with one line and leave no folder behind (each view is
     written in a temporary folder and renamed)."""
     from ..export.compressed import SETUP
-    from ..pipeline.export import ExportOptions, check_options
+    from ..pipeline.export import FORMAT_OF, ExportOptions, check_ignored, check_options
     from ..pipeline.reload import export_run
     from ..pipeline.trust import FLAG
 
@@ -64,7 +64,7 @@ def run_export(argv: list[str]) -> list[Path]:
     parser.add_argument(
         "--gguf-types",
         nargs="+",
-        default=default.gguf_types,
+        default=None,  # None: not given (`check_ignored`), then the default
         help=helps["gguf_types"] + " (llama-quantize from .serve/llama.cpp or $GHOSTDISTILL_LLAMA_CPP)",
     )
     parser.add_argument(
@@ -74,7 +74,7 @@ def run_export(argv: list[str]) -> list[Path]:
         help="k-quants without the importance matrix over the run's calibration windows (llama-quantize's "
         "round-to-nearest)",
     )
-    parser.add_argument("--schemes", nargs="+", default=default.schemes, help=helps["schemes"])
+    parser.add_argument("--schemes", nargs="+", default=None, help=helps["schemes"])
     parser.add_argument("--quantize-python", default=None, help=helps["quantize_python"] + f": `{SETUP}`")
     parser.add_argument(
         FLAG,
@@ -84,8 +84,10 @@ def run_export(argv: list[str]) -> list[Path]:
     )
     args = parser.parse_args(argv)
     keys = ("views", "dir", "overwrite", "format", "gguf_types", "imatrix", "schemes", "quantize_python")
-    options = ExportOptions(**{k: getattr(args, k) for k in keys})
+    given = [k for k in FORMAT_OF if getattr(args, k) not in (None, True)]  # imatrix: given as --no-imatrix
+    options = ExportOptions(**{k: getattr(args, k) for k in keys if getattr(args, k) is not None})
     check_options(options)  # formats, types, schemes and the tools they need, before the run is read
+    check_ignored(options, given)  # an option of a format not asked for is refused, never ignored
     run = Path(args.run)
     if not run.is_dir():
         raise FileNotFoundError(f"run folder {run} does not exist (the trainer.default_root_dir of a finished fit)")

@@ -48,6 +48,8 @@ def model_card(info: dict, kind: str) -> str:
         )
     if info.get("seed") is not None:
         lines.append(f"- **Seed**: {info['seed']}")
+    if info.get("warnings"):  # what the export printed: a flagged view, a file a reader would misread
+        lines += ["", "## Warnings", "", *(f"- {w}" for w in info["warnings"])]
     metrics = info.get("metrics") or {}
     if metrics:
         lines += [

@@ -2,8 +2,9 @@
 
 A format checks its options and the views it is asked for before any work (`check`; `check_view`: the kinds
 of view it `takes`, known from their method: those that ship stock are ``plain``, the others keep
-``operators``), names what it writes (`targets`, each a ``folder`` or a ``file``: `target`) and writes one view
-prepared once for every format (`write`, a `writer.ViewExport`). Shipped: ``hf``, the folder `<dir>/<view>`
+``operators``), names what it writes (`targets`, each a ``folder`` or a ``file``: `target`), says what a common reader would
+make of a view's files other than the view (`notes`: GGUF read by transformers' `gguf_file=`, `gguf_header`) and
+writes one view prepared once for every format (`write`, a `writer.ViewExport`). Shipped: ``hf``, the folder `<dir>/<view>`
 (`writer`; every kind); ``gguf``, `<dir>/<view>.<type>.gguf` per `gguf_types` for llama.cpp (`gguf`, the
 k-quants by `quantize` with an `imatrix`; plain views); ``compressed-tensors``, `<dir>/<view>.<scheme>` per
 `schemes` for vLLM (`compressed`, llm-compressor at `quantize_python`; every kind).
@@ -20,6 +21,7 @@ from ..core.registry import Registry
 from ..methods import ships_stock
 from . import compressed
 from .gguf import check_gguf_types, gguf_path, refusal, write_gguf_files
+from .gguf_header import transformers_misreadings
 from .quantize import check_quantize, quantized
 from .writer import ViewExport, write_folder
 
@@ -48,6 +50,11 @@ class ExportFormat:
     def calibrates(self, options) -> bool:
         """Whether writing needs the run's calibration windows (`ViewExport.calibration`)."""
         return False
+
+    def notes(self, view: ViewExport, root: Path, options) -> list[str]:
+        """What a reader users actually use would make of this view's files other than the view, one line each
+        (before anything is written: the export prints them and writes them into the model card)."""
+        return []
 
     def targets(self, root: Path, view: str, options) -> list[Path]:
         raise NotImplementedError(f"export format {self.name!r} names no targets")
@@ -84,6 +91,11 @@ class GGUF(ExportFormat):
 
     def targets(self, root: Path, view: str, options) -> list[Path]:
         return [gguf_path(root, view, t) for t in options.gguf_types]
+
+    def notes(self, view: ViewExport, root: Path, options) -> list[str]:
+        if view.kind != "plain":  # refused when written (`write_gguf_files`)
+            return []
+        return transformers_misreadings(view, [p.name for p in self.targets(root, view.view, options)])
 
     def write(self, view: ViewExport, root: Path, options) -> list[Path]:
         return write_gguf_files(view, root, options.gguf_types, overwrite=options.overwrite, imatrix=options.imatrix)

@@ -34,7 +34,6 @@ weights live off the device (`model.model.offload`) is never whole in memory; a 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import tempfile
@@ -49,8 +48,8 @@ from ..core.checks import check_names
 from ..core.io import atomic_path
 from ..core.lock import hold, lock_path
 from ..core.views import PrunedModel
-from .gguf_arch import TensorStream, add_hparams, family, gguf_tensors
-from .gguf_vocab import add_vocab, copy_vocab
+from .gguf_arch import TensorStream, gguf_tensors
+from .gguf_header import header, transformers_misreadings
 from .parts import exporting
 from .quantize import QUANTIZE_TYPES, check_quantize, quantize_view, quantized
 from .writer import ViewExport, check_target, check_view, prepare
@@ -121,29 +120,7 @@ def write_gguf(path: Path, tensors: TensorStream, view: ViewExport, gguf_type: s
         for _ in tensors.arrays():
             pass
         return
-    config, tokenizer, name = view.config, view.tokenizer, view.view
-    if tokenizer is None:
-        raise ValueError("GGUF export needs the tokenizer: llama.cpp reads the vocabulary from the file")
-    writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[family(config).arch])
-    writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name(name)
-    add_hparams(writer, config, GGUF_TYPES[gguf_type][1])
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    info = view.info
-    plan = info.get("plan") or {}
-    writer.add_string("ghostdistill.view", str(info.get("view", name)))
-    if plan.get("num_layers") is not None:
-        writer.add_uint32("ghostdistill.dense_block_count", int(plan["num_layers"]))
-    if plan.get("removed"):
-        writer.add_array("ghostdistill.removed_blocks", [int(i) for i in plan["removed"]])
-    if info:
-        writer.add_string("ghostdistill.provenance", json.dumps(info, default=str, sort_keys=True))
-    try:
-        add_vocab(writer, tokenizer, config.vocab_size)
-    except ValueError:
-        if view.vocab_source is None:
-            raise
-        copy_vocab(writer, view.vocab_source, config.vocab_size)
+    writer = header(view, GGUF_TYPES[gguf_type][1])
     plan = {n: _stored(n, shape, gguf_type) for n, shape in tensors.shapes.items()}
     for tensor_name, (storage, shape, dtype, nbytes) in plan.items():
         writer.add_tensor_info(tensor_name, shape, np.dtype(dtype), nbytes, raw_dtype=storage)
@@ -181,14 +158,23 @@ def export_gguf(
     removed) with an importance matrix over `calibration()`, the run's calibration windows, unless `imatrix` is
     false. `vocab_source`: the GGUF file the model came from, whose vocabulary serves a tokenizer `gguf_vocab`
     does not read. Refuses operator views (`refusal`), missing tools and existing files without `overwrite`,
-    before writing anything. `write` false: the same work, nothing written (a rank of a sharded model other
-    than rank 0)."""
+    before writing anything. What transformers' `gguf_file=` reader would read other than the view
+    (`gguf_header.transformers_misreadings`) goes to `log` as a warning, and into the files' provenance. `write`
+    false: the same work, nothing written (a rank of a sharded model other than rank 0)."""
     types = check_gguf_types(types)
     check_quantize(types, imatrix)
     check_view(pruned, view)
     with exporting(pruned, view):  # `write_gguf_files` refuses operator views and taken targets before any work
         prepared = prepare(pruned, view, method, tokenizer, info, write=write, calibration=calibration)
         prepared.vocab_source = vocab_source
+        if write and prepared.kind == "plain":  # what transformers' gguf_file= would read otherwise (`gguf_header`)
+            paths = [gguf_path(root, view, t) for t in types]
+            for path in paths:  # refused before a warning about files that will not be written
+                check_target(path, "file", overwrite, "overwrite (export.overwrite / --overwrite)")
+            notes = transformers_misreadings(prepared, [p.name for p in paths])
+            for note in notes:
+                log(f"warning: {note}")
+            prepared.info["warnings"] = [*prepared.info.get("warnings", []), *notes]
         return write_gguf_files(prepared, root, types, overwrite=overwrite, imatrix=imatrix, log=log)
 
 

@@ -25,8 +25,9 @@ Without the importance matrix (`imatrix=False`, `--no-imatrix`), llama-quantize 
 Q2_K_S needs one (llama-quantize refuses it otherwise), so it is refused before any work.
 
 **Where the tools are.** `$GHOSTDISTILL_LLAMA_CPP`, else the checkout's `.serve/llama.cpp`: the build of
-`scripts/serving/llama_cpp.sh`, with `bin/llama-quantize`, `bin/llama-imatrix`, `bin/llama-tokenize`. Where they
-are not built, asking for a k-quant is refused before anything loads, naming the command that builds them.
+`scripts/serving/llama_cpp.sh`, with `bin/llama-quantize`, `bin/llama-imatrix`, `bin/llama-tokenize` (the last two
+for the importance matrix only: `--no-imatrix` needs llama-quantize alone). Where those asked for are not built,
+asking for a k-quant is refused before anything loads, naming the command that builds them.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ QUANTIZE_TYPES = (
 )
 NEEDS_IMATRIX = ("Q2_K_S",)
 TOOLS = ("llama-quantize", "llama-imatrix", "llama-tokenize")
+IMATRIX_TOOLS = ("llama-imatrix", "llama-tokenize")  # only the importance matrix needs these
 ENV = "GHOSTDISTILL_LLAMA_CPP"
 BUILD = "bash scripts/serving/llama_cpp.sh"
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -69,15 +71,22 @@ def quantized(types: Iterable[str]) -> list[str]:
     return [t for t in types if t in QUANTIZE_TYPES]
 
 
-def find_tools(root: Path | None = None) -> dict[str, Path]:
-    """The tools under `root`/bin (default: `$GHOSTDISTILL_LLAMA_CPP`, else the checkout's `.serve/llama.cpp`), or
+def needed_tools(imatrix: bool = True) -> tuple[str, ...]:
+    """What writing k-quants runs: llama-quantize, and for the importance matrix llama-imatrix and
+    llama-tokenize (`--no-imatrix` needs neither)."""
+    return TOOLS if imatrix else tuple(t for t in TOOLS if t not in IMATRIX_TOOLS)
+
+
+def find_tools(root: Path | None = None, tools: tuple[str, ...] = TOOLS) -> dict[str, Path]:
+    """`tools` under `root`/bin (default: `$GHOSTDISTILL_LLAMA_CPP`, else the checkout's `.serve/llama.cpp`), or
     FileNotFoundError naming the build command."""
     root = Path(root) if root is not None else Path(os.environ.get(ENV) or CHECKOUT / ".serve" / "llama.cpp")
-    found = {name: root / "bin" / name for name in TOOLS}
+    found = {name: root / "bin" / name for name in tools}
     missing = [name for name, path in found.items() if not (path.is_file() and os.access(path, os.X_OK))]
     if missing:
         raise FileNotFoundError(
-            f"GGUF k-quants come from llama.cpp's tools, and {', '.join(missing)} are not built in {root}/bin: run "
+            f"GGUF k-quants come from llama.cpp's tools, and {', '.join(missing)} "
+            f"{'are' if len(missing) > 1 else 'is'} not built in {root}/bin: run "
             f"`{BUILD}` (or set {ENV} to a build that has them)"
         )
     return found
@@ -95,7 +104,7 @@ def check_quantize(types: Iterable[str], imatrix: bool = True) -> None:
                 f"GGUF type {needs} needs an importance matrix (llama-quantize refuses it without one): drop "
                 "--no-imatrix / export.imatrix: false, or choose another type"
             )
-    find_tools()
+    find_tools(tools=needed_tools(imatrix))
 
 
 def _round_trips(tokenizer, text: str, ids: list[int]) -> bool:
@@ -200,7 +209,7 @@ def quantize_view(
 ) -> None:
     """Write each of `targets` (type -> path) from the view's F32 file with llama-quantize; with `imatrix`, one
     importance matrix over `calibration()` (the run's windows) serves every type."""
-    tools = find_tools()
+    tools = find_tools(tools=needed_tools(imatrix))
     with tempfile.TemporaryDirectory(dir=f32.parent, prefix=".imatrix-") as tmp:
         matrix = None
         if imatrix:

@@ -16,7 +16,7 @@ from ..distill.config import DistillConfig
 from ..distill.interface import get_part
 from ..pipeline.calibrate import OFFLOAD_ONE_DEVICE, offload_with_fsdp2
 from ..pipeline.config import RunConfig
-from ..pipeline.export import ExportOptions, check_export, check_view_names
+from ..pipeline.export import CONFIG_NAMES, FORMAT_OF, ExportOptions, check_export, check_ignored, check_view_names
 from ..pipeline.state import STATE_FILE
 from ..pipeline.train import students_offloaded
 from .module import NO_DISTILL_METHODS, GhostDistill
@@ -151,6 +151,9 @@ class Export(Callback):
         self.options = ExportOptions(
             list(views or []), dir, overwrite, imatrix=imatrix, quantize_python=quantize_python, **lists
         )
+        # What the config sets of the options only one format reads (`check_ignored`: refused without it).
+        given.update(imatrix=None if imatrix else False, quantize_python=quantize_python)
+        self.given = [k for k in FORMAT_OF if given[k] is not None]
 
     def root(self, trainer: Trainer) -> Path:
         return self.options.root(trainer.default_root_dir)
@@ -161,6 +164,7 @@ class Export(Callback):
         if not self.options.views:
             return
         check_view_names(cfg, self.options.views, key="export.views")
+        check_ignored(self.options, self.given, CONFIG_NAMES)
         unbuilt = [v for v in self.options.views if v in cfg.distill.views() and trainer.max_steps == 0]
         if unbuilt:
             raise ValueError(

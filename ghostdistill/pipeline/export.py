@@ -23,7 +23,7 @@ last one).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,7 +42,9 @@ from ..export.compressed import DEFAULT_SCHEMES
 from ..export.formats import export_targets, get_formats
 from ..export.gguf import DEFAULT_GGUF_TYPES
 from ..export.parts import exporting
+from ..export.quantize import QUANTIZE_TYPES, quantized
 from ..export.writer import check_target, prepare
+from ..reporting.flags import view_flags
 from .config import RunConfig
 
 
@@ -124,6 +126,39 @@ def check_view_names(cfg: RunConfig, views: Sequence[str], where: str = "this ru
         raise ValueError(f"{key} {bad} are not views of {where}; its views are {cfg.views()}")
 
 
+# The options only one format reads (the rest apply to every format), and how each is named where it is given.
+FORMAT_OF = {
+    "gguf_types": "gguf",
+    "imatrix": "gguf",
+    "schemes": "compressed-tensors",
+    "quantize_python": "compressed-tensors",
+}
+CLI_NAMES = {"format": "--format", "gguf_types": "--gguf-types", "imatrix": "--no-imatrix", "schemes": "--schemes",
+             "quantize_python": "--quantize-python"}  # fmt: skip
+CONFIG_NAMES = {"format": "export.format", "gguf_types": "export.gguf_types", "imatrix": "export.imatrix: false",
+                "schemes": "export.schemes", "quantize_python": "export.quantize_python"}  # fmt: skip
+
+
+def check_ignored(options: ExportOptions, given: Iterable[str], names: dict[str, str] = CLI_NAMES) -> None:
+    """Refuse, in one line, an option the user gave (`given`, of `FORMAT_OF`'s keys) that this export would
+    ignore: a format's option without that format, and the importance matrix's switch without a type that uses
+    it (F32, F16 and Q8_0 are written without one). `names`: how the user wrote each key."""
+    formats = list(options.format)
+    for key in given:
+        owner = FORMAT_OF.get(key)
+        if owner is not None and owner not in formats:
+            raise ValueError(
+                f"{names[key]} applies to {names['format']} {owner} only, and the formats are {formats}: add {owner} "
+                f"to {names['format']}, or drop {names[key]}"
+            )
+    if "imatrix" in given and not quantized(options.gguf_types):
+        raise ValueError(
+            f"{names['imatrix']} applies to llama-quantize's GGUF types (Q4_K_M, Q6_K, ...) only, and "
+            f"{names['gguf_types']} {list(options.gguf_types)} has none: drop {names['imatrix']}, or add one of "
+            f"{list(QUANTIZE_TYPES)} to {names['gguf_types']}"
+        )
+
+
 def check_options(options: ExportOptions) -> list:
     """The formats and their options, and the tools they need (what needs no run); returns the formats."""
     formats = get_formats(options.format)
@@ -182,12 +217,17 @@ def export_views(
     seed: int | None = None,
     write: bool = True,
     calibration: Callable[[], torch.Tensor] | None = None,
+    warn: Callable[[str], None] = lambda message: print(f"warning: {message}"),
 ) -> list[Path]:
     """Write each of `options.views` of an in-memory run under `root` in every format of `options` (checked
     first, `check_export`); `report` is the run's results; `calibration` gives the run's calibration windows
     (the importance matrix of a k-quant, the calibration of ``compressed-tensors``). Each view is described
-    once (`writer.prepare`) and handed to every format. Returns `export_targets`' paths. `write` false: a rank
-    of a sharded model other than rank 0, which joins every gather and writes nothing (`export.parts`)."""
+    once (`writer.prepare`) and handed to every format. Before a view is written, what the report flags about it
+    (`reporting.flags.view_flags`: worse than no repair, larger than the dense model, a method's assumption
+    that did not hold) and what a reader would make of its files otherwise (`ExportFormat.notes`) go to `warn`
+    and into its provenance (`warnings`), which the model card shows. Returns `export_targets`' paths. `write`
+    false: a rank of a sharded model other than rank 0, which joins every gather and writes nothing
+    (`export.parts`)."""
     check_built(pruned, cfg, options)
     formats = get_formats(options.format)
     needs = [f.name for f in formats if f.calibrates(options)]
@@ -204,6 +244,12 @@ def export_views(
         method, info = view_provenance(report, cfg, view, seed)
         with exporting(pruned, view):
             prepared = prepare(pruned, view, method, tokenizer, info, **kw)
+            if write:  # rank 0 says it once
+                notes = [f"exporting {view}, which this run flags: {line}" for line in view_flags(report, view)]
+                notes += [note for fmt in formats for note in fmt.notes(prepared, root, options)]
+                for note in notes:
+                    warn(note)
+                prepared.info["warnings"] = notes
             for fmt in formats:
                 paths += fmt.write(prepared, root, options)
     return paths

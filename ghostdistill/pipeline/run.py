@@ -52,7 +52,7 @@ from .export import ExportOptions, export_views
 from .phases import PhaseObserver as PhaseObserver
 from .phases import Phases
 from .phases import observe as observe
-from .state import STATE_FILE, open_state, run_key
+from .state import STATE_FILE, incomplete_state, open_state, run_key
 from .train import BestSteps, build_students, curve_point, describe, describe_point, distill_step, validate
 
 
@@ -148,14 +148,14 @@ class Run(Phases):
         # repair_greedy's first steps from an earlier run of these settings: a hand-edited or foreign one is
         # refused before this run's saved state is read (and said to be recomputed).
         taken = greedy_steps(cfg.plan, lambda n: run_key(cfg.at_depth(n), llm)) if not saved_only else None
+        why: list[str] = []  # from a run folder (`saved_only`): why its statistics cannot serve, said once
         if self.run_dir is not None:
-            self.key, saved = open_state(self.run_dir, cfg, llm, self.warn, self.log)
+            reason = why.append if saved_only else None
+            self.key, saved = open_state(self.run_dir, cfg, llm, self.warn, self.log, reason)
         else:
             self.key, saved = run_key(cfg, llm), None
         if saved_only and (saved is None or saved.batches_done < saved.batches_total):
-            raise ValueError(
-                f"{self.run_dir / STATE_FILE} does not hold this run's complete statistics: run `fit` again to finish it"
-            )
+            raise ValueError(incomplete_state(self.run_dir, saved, why))
         taken = taken if saved is None else None  # a resumed state has its plan already
         cal = calibrate(
             llm,
@@ -340,5 +340,6 @@ class Run(Phases):
         report = report if report is not None else self.report.to_dict()
         # The run's calibration windows: a k-quant's importance matrix and compressed-tensors calibrate on them.
         run = {"seed": self.seed, "write": self.write, "calibration": self.data.calibration_ids}
+        run["warn"] = self.warn or (lambda message: self.log(f"warning: {message}"))
         with self.phase("export"):
             return export_views(self.pruned, self.tokenizer, report, self.cfg, root, options, **run)

@@ -99,18 +99,22 @@ def load_state(
     warn: Callable[[str], None] | None = None,
     info: Callable[[str], None] = lambda message: None,
     recovery: list[RecoveryConfig] | None = None,
+    reason: Callable[[str], None] | None = None,
 ) -> SavedState | None:
     """The saved state at `path` when it is readable, of this format, made with fingerprint `key`, and holds
     for every gap of its plan exactly the statistics `methods` collect at hidden size `hidden` (same keys,
     same shapes, finite); otherwise None, with the reason passed to `warn` (a UserWarning by default; a
     file of other settings is only `info`): the caller calibrates from scratch and the next checkpoint
     replaces the file. `recovery`: the run's entries, when its collectors are sized to them (as for
-    `fingerprint`)."""
+    `fingerprint`). `reason`: a caller that will not calibrate (`export <run>`) gets the bare reason there
+    instead, and nothing says "calibrating from scratch"."""
     warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3))
     if not path.is_file():
         return None
 
     def discard(why: str) -> None:
+        if reason is not None:
+            return reason(why)
         warn(f"{path} {why}: not used; calibrating from scratch (the file is replaced at the next checkpoint)")
 
     try:
@@ -123,7 +127,8 @@ def load_state(
     if state.get("format") != STATE_FORMAT:
         return discard(f"is of format {state.get('format', 1)}; this version writes format {STATE_FORMAT}")
     if state.get("fingerprint") != key:
-        info(f"{path} belongs to other settings (model, plan, calibration data or methods); calibrating from scratch")
+        other = "belongs to other settings (model, plan, calibration data or methods)"
+        (reason or (lambda why: info(f"{path} {why}; calibrating from scratch")))(other)
         return None
     try:
         plan = PruningPlan(**state["plan"])
@@ -142,6 +147,21 @@ def load_state(
     except (KeyError, TypeError, ValueError) as err:
         return discard(f"does not hold usable statistics ({type(err).__name__}: {err})")
     return SavedState(plan, state["stats"], done, total, tokens)
+
+
+def incomplete_state(run_dir: Path, saved: SavedState | None, why: list[str]) -> str:
+    """The one line of a run folder whose statistics cannot serve an export: why (`load_state`'s `reason`), and
+    what to do (no "calibrating from scratch": an export does not calibrate)."""
+    if saved is not None:
+        detail = f"it holds {saved.batches_done} of {saved.batches_total} batches: run `fit` again to finish it"
+    elif why and why[0].startswith("belongs to other settings"):
+        detail = (
+            f"it {why[0]} than {Path(run_dir) / 'config.yaml'} gives now (was config.yaml edited after the fit?): "
+            "restore config.yaml, or run `fit` with it again"
+        )
+    else:
+        detail = f"it {why[0] if why else 'is missing'}: run `fit` again"
+    return f"{Path(run_dir) / STATE_FILE} does not hold this run's complete statistics: {detail}"
 
 
 def _same_layout(expected: dict, saved: dict, where: str) -> None:
@@ -186,9 +206,11 @@ def open_state(
     llm: nn.Module,
     warn: Callable[[str], None] | None = None,
     info: Callable[[str], None] = lambda message: None,
+    reason: Callable[[str], None] | None = None,
 ) -> tuple[str, SavedState | None]:
     """The fingerprint of a run (`run_key`) and its usable saved state, if any, in `run_dir`; its
-    collectors are sized to the run's recovery entries."""
+    collectors are sized to the run's recovery entries (`reason`: as `load_state`'s)."""
     key = run_key(cfg, llm)
     methods = {r.method for r in cfg.recovery}
-    return key, load_state(Path(run_dir) / STATE_FILE, key, methods, hidden_size(llm), warn, info, cfg.recovery)
+    path = Path(run_dir) / STATE_FILE
+    return key, load_state(path, key, methods, hidden_size(llm), warn, info, cfg.recovery, reason)

@@ -33,33 +33,50 @@ def view_warnings(report: dict) -> list[str]:
     views = report.get("views") or {}
     if not views:
         return []
+    lines = [line for view in views if view not in ("dense", "pruned") for line in _view_lines(report, view)]
+    for name, fit in (report.get("recovery") or {}).items():
+        lines += _notes(name, fit)
+    return lines
+
+
+def view_flags(report: dict, view: str) -> list[str]:
+    """`view_warnings`' lines about `view` (its own, and the notes of the recovery entry it comes from), as
+    plain sentences: what an export of `view` says on the console and in its model card."""
+    recovery = report.get("recovery") or {}
+    entry = ((report.get("distill") or {}).get("resolved") or {}).get(view, {}).get("method", view)
+    lines = _view_lines(report, view) + (_notes(entry, recovery[entry]) if entry in recovery else [])
+    return [line.replace("**", "") for line in lines]
+
+
+def _view_lines(report: dict, view: str) -> list[str]:
+    views = report.get("views") or {}
+    entry = views.get(view)
+    if entry is None or view in ("dense", "pruned"):
+        return []
     source = next(iter(next(iter(views.values()))["metrics"]), None)
     pruned, dense = views.get("pruned"), views.get("dense")
-    recovery = report.get("recovery") or {}
     lines = []
-    for view, entry in views.items():
-        if view in ("dense", "pruned"):
-            continue
-        worse = worse_than_pruned(entry, pruned, source)
-        if worse:
-            lines.append(
-                f"**Warning: {view} is worse than no repair.** On {source} its {' and '.join(worse)}: removing the "
-                f"blocks and doing nothing does better, so {view} is not to be shipped."
-            )
-        if dense is not None and entry["params"] > dense["params"]:
-            why = (
-                " (the folded rotation unties the tied embedding: the head becomes its own vocabulary × hidden matrix)"
-                if _folds_embedding(report, view)
-                else ""
-            )
-            lines.append(
-                f"**Warning: {view} is larger than the dense model.** {entry['params'] / 1e6:.1f}M parameters against "
-                f"the dense model's {dense['params'] / 1e6:.1f}M{why}: removing blocks saves nothing here."
-            )
-    for name, fit in recovery.items():
-        for note in fit.get("notes", []):
-            lines.append(f"**Note: {name} ({fit.get('method', name)}).** {note[0].upper()}{note[1:]}.")
+    worse = worse_than_pruned(entry, pruned, source)
+    if worse:
+        lines.append(
+            f"**Warning: {view} is worse than no repair.** On {source} its {' and '.join(worse)}: removing the "
+            f"blocks and doing nothing does better, so {view} is not to be shipped."
+        )
+    if dense is not None and entry["params"] > dense["params"]:
+        why = (
+            " (the folded rotation unties the tied embedding: the head becomes its own vocabulary × hidden matrix)"
+            if _folds_embedding(report, view)
+            else ""
+        )
+        lines.append(
+            f"**Warning: {view} is larger than the dense model.** {entry['params'] / 1e6:.1f}M parameters against "
+            f"the dense model's {dense['params'] / 1e6:.1f}M{why}: removing blocks saves nothing here."
+        )
     return lines
+
+
+def _notes(name: str, fit: dict) -> list[str]:
+    return [f"**Note: {name} ({fit.get('method', name)}).** {n[0].upper()}{n[1:]}." for n in fit.get("notes", [])]
 
 
 def _folds_embedding(report: dict, view: str) -> bool:

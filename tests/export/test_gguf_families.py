@@ -3,7 +3,8 @@
 pattern, of the surviving blocks), the tokenizer's pre-type, each family's own tensors, and every tensor equal
 to the view's weight once the converter's changes are undone (LLaMA's Q/K permutation, Gemma's 1 + γ);
 transformers' own GGUF loader reads the LLaMA, Mistral and Qwen2 files to the view's logits (its Qwen3 and
-Gemma 3 readers ignore head_dim / the layer pattern, so llama.cpp checks those: test_serving_llama_cpp.py).
+Gemma 3 readers ignore head_dim / the layer pattern, so llama.cpp checks those: test_serving_llama_cpp.py; the
+export warns about those files: test_gguf_readers.py).
 The calibration text for llama-imatrix, and the refusals that come before any work."""
 
 from __future__ import annotations
