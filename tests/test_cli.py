@@ -374,6 +374,8 @@ def test_zeroshot_accuracy_lands_in_results(tiny_dir, text_files, tmp_path, shar
         "null",
         "--model.evaluation.views",
         "[dense, ghost]",
+        "--overwrite_run",  # the reruns below change settings in the same folder on purpose
+        "true",
         "--model.evaluation.zeroshot",
         json.dumps(zs),
     )
