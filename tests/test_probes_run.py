@@ -140,7 +140,7 @@ def test_another_run_a_copied_and_edited_config_is_refused_before_it_replaces_th
     assert line.startswith(
         f"error: trainer.default_root_dir {finished} holds a finished run, and its results.json was computed with "
         "other model.plan.layers: this run would replace its results; give another trainer.default_root_dir (a new "
-        "folder), or add --overwrite_run true to replace them"
+        "folder), add --overwrite_run true to replace them, or --ckpt_path last to continue that run"
     ), line
     assert {p.name: p.stat().st_mtime_ns for p in finished.iterdir()} == before
 

@@ -77,7 +77,8 @@ class GhostDistillCLI(LightningCLI):
         check_strategy_config(trainer.get("strategy"))
         root = trainer.get("default_root_dir")
         check_run_settings(trainer.get("max_steps"), root, self.config.get("ckpt_path"))
-        if not self.config.get("overwrite_run"):
+        # `--ckpt_path` continues this folder's run on purpose (e.g. with more steps): not a copy replacing it.
+        if not self.config.get("overwrite_run") and not self.config.get("ckpt_path"):
             check_same_run(root, settings_of(self))
 
     def instantiate_trainer(self, **kwargs):
@@ -155,7 +156,8 @@ def check_same_run(root_dir, settings: dict) -> None:
     if why:
         raise FileExistsError(
             f"trainer.default_root_dir {root_dir} holds a finished run, and {why}: this run would replace its "
-            "results; give another trainer.default_root_dir (a new folder), or add --overwrite_run true to replace them"
+            "results; give another trainer.default_root_dir (a new folder), add --overwrite_run true to replace them, "
+            "or --ckpt_path last to continue that run"
         )
 
 

@@ -36,6 +36,7 @@ RUN_FILES = (
     "plan.png",
     "analysis.png",
     "training.png",
+    "curve.png",
     "calibration_state.pt",
     "checkpoints",
     "zeroshot",

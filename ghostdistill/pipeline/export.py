@@ -249,7 +249,8 @@ def export_views(
                 notes += [note for fmt in formats for note in fmt.notes(prepared, root, options)]
                 for note in notes:
                     warn(note)
-                prepared.info["warnings"] = notes
+                if notes:  # the provenance of a view exported without a warning is as before
+                    prepared.info["warnings"] = notes
             for fmt in formats:
                 paths += fmt.write(prepared, root, options)
     return paths

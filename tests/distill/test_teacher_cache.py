@@ -151,9 +151,8 @@ def test_budget_curve_from_one_run_and_kept_across_a_resume(tiny_dir, text_files
     assert "Budget curve" in (run / "results.md").read_text()
     cli = main(
         _args(
-            # A longer run resumed from the shorter one's checkpoint (its results replaced: --overwrite_run).
+            # The run continued from its checkpoint with more steps (--ckpt_path: its own folder, on purpose).
             *(tiny_dir, text_files, run, "--model.distill.curve_tokens", "[100, 256, 384]", "--ckpt_path", "last"),
-            *("--overwrite_run", "true"),
             steps=3,
         )
     )
