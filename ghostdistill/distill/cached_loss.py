@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..core.head import token_chunks
-from .loss import LossConfig
+from .loss import LossConfig, cached_rows
 
 
 def fusable(cfg: LossConfig, head) -> bool:
@@ -125,12 +125,10 @@ def fused_cached_loss(
     cfg: LossConfig,
 ) -> torch.Tensor:
     """`loss.chunked_cached_loss` (same arguments, a linear `head`), its gradient computed in the forward pass."""
-    s = student_hidden[valid]
+    s, (logp, index, tail), y = cached_rows(student_hidden, valid, targets, teacher)
     n = s.shape[0]
     if n == 0:
         return student_hidden.sum() * 0.0
-    logp, index, tail = (t[valid.to(t.device)] for t in teacher)
-    y = targets[valid] if targets is not None else None
     device = s.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     total = _FusedCachedLoss.apply(s, head.weight, head.bias, logp, index, tail, y, cfg, dtype)

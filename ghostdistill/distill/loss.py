@@ -232,6 +232,13 @@ def chunked_distillation_loss(
     return _chunked_sum(chunk_loss, n, cfg.chunk_tokens, s, t, y) / n
 
 
+def cached_rows(student_hidden, valid, targets, teacher):
+    """The real positions of a batch: the student's hidden states [n, C], the teacher's cached top-k rows and the
+    labels (or None)."""
+    rows = tuple(t[valid.to(t.device)] for t in teacher)
+    return student_hidden[valid], rows, targets[valid] if targets is not None else None
+
+
 def chunked_cached_loss(
     student_hidden: torch.Tensor,
     head: Callable[[torch.Tensor], torch.Tensor],
@@ -242,12 +249,10 @@ def chunked_cached_loss(
 ) -> torch.Tensor:
     """`chunked_distillation_loss` against the teacher's cached top-k ([batch, seq, k], [batch, seq, k],
     [batch, seq], as `teacher_cache.TeacherCache.lookup` gives them) instead of the teacher's hidden states."""
-    s = student_hidden[valid]
+    s, (logp, index, tail), y = cached_rows(student_hidden, valid, targets, teacher)
     n = s.shape[0]
     if n == 0:
         return student_hidden.sum() * 0.0
-    logp, index, tail = (t[valid.to(t.device)] for t in teacher)
-    y = targets[valid] if targets is not None else None
 
     def chunk_loss(s_chunk, logp_chunk, index_chunk, tail_chunk, y_chunk):
         return cached_token_losses(head(s_chunk), (logp_chunk, index_chunk, tail_chunk), y_chunk, cfg).sum()
