@@ -282,6 +282,10 @@ def plot_curve(report: dict, path: Path) -> None:
         for view in views:
             ax.plot([p["tokens"] for p in curve], [p[view]["ppl"] for p in curve], marker="o", markersize=3, label=view)
         ax.set_xscale("log")
+        # Ticks at the budgets themselves (20k, 82k, 307k, 1.0M): log-axis minor labels overlap at these spans.
+        tokens = [p["tokens"] for p in curve]
+        ax.set_xticks(tokens, [f"{t / 1e6:.1f}M" if t >= 1e6 else f"{t / 1e3:.0f}k" for t in tokens])
+        ax.minorticks_off()
         ax.set_xlabel("training tokens per student (log scale)")
         ax.set_ylabel(f"perplexity on {curve[0]['source']}")
         ax.set_title(f"budget curve, removed layers {report.get('plan', {}).get('removed')}", fontsize=9)
