@@ -7,7 +7,7 @@
     student = distill_student(model, tokenizer, 7, "ghost", steps=80)   the distilled `<method>_ft` model
 
 Plain functions over the same run as `fit`: each builds a typed `RunConfig` from its arguments and runs the
-phases of `pipeline.run.Run` (`pipeline.direct`; distillation through `fit`'s Trainer, `lit.trainer`), so
+phases of `pipeline.run.Run` (`Run.execute`; distillation through `fit`'s Trainer, `lit.trainer`), so
 there is no second implementation of anything. A user's mistake is `fit`'s one-line message, raised before
 any work as `GhostdistillError` (a ValueError). Progress bars are tqdm.auto's (widgets in a notebook);
 ``progress=False`` and ``verbose=False`` quieten a call. The settings every function shares: `Options`.
