@@ -71,20 +71,17 @@ class SampledPeak:
     `close()`; `take()` returns them (a reading taken now included) and starts over from that reading."""
 
     def __init__(self, fields: tuple[str, ...] = ("VmRSS",), interval: float = 0.01) -> None:
-        self.fields, self.interval, self._lock = fields, interval, threading.Lock()
-        self._peak, self._stop = self._now(), threading.Event()
+        self.fields, self.interval, self._lock, self._stop = fields, interval, threading.Lock(), threading.Event()
+        self._peak = [status_bytes(f) or 0 for f in fields]
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
-
-    def _now(self) -> list[int]:
-        return [status_bytes(f) or 0 for f in self.fields]
 
     def _sample(self) -> None:
         while not self._stop.wait(self.interval):
             self.take(reset=False)
 
     def take(self, reset: bool = True) -> list[int]:
-        now = self._now()
+        now = [status_bytes(f) or 0 for f in self.fields]
         with self._lock:
             peak = [max(p, n) for p, n in zip(self._peak, now)]
             self._peak = now if reset else peak
