@@ -1,4 +1,5 @@
-"""The students study: several fine-tuning recipes of one run side by side (configs/smollm2_students.yaml).
+"""The students study: several fine-tuning recipes of one run side by side
+(configs/studies/students/smollm2_students.yaml).
 
 For each finished run folder given (one per depth):
 
@@ -260,7 +261,9 @@ def plot(summary: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", type=Path, help="finished run folders of configs/smollm2_students.yaml")
+    parser.add_argument(
+        "runs", nargs="+", type=Path, help="finished run folders of configs/studies/students/smollm2_students.yaml"
+    )
     parser.add_argument("--steps", type=int, default=4, help="timed steps per student (after one warm-up)")
     parser.add_argument("--no-cost", action="store_true", help="skip the per-student cost measurement")
     parser.add_argument("--out", type=Path, default=None)
