@@ -36,7 +36,6 @@ from pathlib import Path
 
 import torch
 
-from ..core.measure import PEAK
 from ..core.model import decoder_stack, hidden_size, load_model, load_tokenizer, model_key, padded
 from ..core.offload import is_offloaded, model_device
 from ..core.sharded import is_sharded, load_sharded
@@ -91,7 +90,7 @@ class Run(Phases, DistillPhases):
         self.pruned = self.students = self.tally = None
         self.tracker, self.last_validated = BestSteps(), None
         self._batches: list = []
-        self._peak, self._since = PEAK, {}
+        self._since: dict[str, float] = {}
         # The compute device an offloaded model's blocks are brought to (the strategy's, under Lightning).
         self.device: torch.device | None = None
         self._pending: list = []  # evaluation batches held for one block-by-block pass (offloaded weights)
