@@ -149,12 +149,14 @@ class Export(Callback):
         imatrix: bool = True,
         schemes: list[str] | None = None,
         quantize_python: str | None = None,
+        format_options: dict | None = None,
     ) -> None:
         given = {"format": format, "gguf_types": gguf_types, "schemes": schemes}
         lists = {k: list(v) for k, v in given.items() if v is not None}
         self.options = ExportOptions(
-            list(views or []), dir, overwrite, imatrix=imatrix, quantize_python=quantize_python, **lists
-        )
+            list(views or []), dir, overwrite, imatrix=imatrix, quantize_python=quantize_python,
+            format_options=format_options, **lists,
+        )  # fmt: skip
         # What the config sets of the options only one format reads (`check_ignored`: refused without it).
         given.update(imatrix=None if imatrix else False, quantize_python=quantize_python)
         self.given = [k for k in FORMAT_OF if given[k] is not None]

@@ -81,7 +81,7 @@ class GhostDistill(LightningModule):
     def _hold(self, run: Run) -> None:
         self.run, cfg = run, run.cfg
         self.save_hyperparameters(
-            {k: asdict(v) if k != "recovery" else [asdict(r) for r in v] for k, v in vars(cfg).items() if k != "data"}
+            {k: asdict(v) if k != "recovery" else [r.as_dict() for r in v] for k, v in vars(cfg).items() if k != "data"}
         )
         self.llm: torch.nn.Module | None = None
         # FSDP2 leaves the LoRA adapters whole on every rank; their gradients are averaged here.
