@@ -24,6 +24,7 @@ from ..lit.interrupts import terminate_on_sigterm
 from ..lit.module import GhostDistill
 from ..lit.trainer import TRAINER_DEFAULTS, fit_and_test, run_callbacks
 from ..methods import RecoveryConfig, recovery_entry
+from ..pipeline.config import check_steps
 from ..pipeline.settings import result_settings, stale_reason
 
 # A recovery entry is one flat mapping whose keys are its method's (`methods.RecoveryConfig`): the parser reads
@@ -120,8 +121,7 @@ def check_strategy_config(strategy) -> None:
 def check_run_settings(max_steps, root_dir, ckpt_path) -> None:
     """The trainer settings that would otherwise fail only after calibration (or as a traceback from the
     Trainer): the step count, the run folder, the checkpoint to resume from."""
-    if max_steps is not None and max_steps < 0:
-        raise ValueError(f"trainer.max_steps {max_steps}: set 0 (training-free) or the number of distillation steps")
+    check_steps(max_steps)
     # Empty, a dangling link, a file, not writable (tried by rank 0 alone), a folder of the user's.
     check_run_folder(root_dir, write=rank_zero_only.rank == 0)
     if ckpt_path not in (None, "last") and not Path(ckpt_path).is_file():
