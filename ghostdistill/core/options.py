@@ -6,7 +6,7 @@ way. A config names a plug-in's options as a mapping (``plan.criterion_options``
 ``part_options: {<part>: {...}}``, ``export.format_options: {<format>: {...}}``), from YAML or the command
 line, and `make_options` turns it into that class: a key the plug-in does not declare, or a value outside its
 type, is one line naming the plug-in, the key and what is valid. Nothing shared is rebuilt when a plug-in
-registers, and `options_help` prints a class's keys from its fields.
+registers: one registered at any time before a config is read brings its keys.
 """
 
 from __future__ import annotations

@@ -206,7 +206,7 @@ class RecoveryConfig:
     keys not given; `method_config` makes the typed config), so a method registered at any time brings its keys
     and nothing shared is rebuilt. `validate_recovery` checks them: a key the method does not read, or a value
     outside its type, is one line naming the key and the method's keys. The CLI reads an entry as this type
-    (`methods.config` registers it with jsonargparse), so a config file, ``--model.recovery`` and
+    (`cli.fit` registers it with jsonargparse, read by `methods.recovery_entry`), so a config file, ``--model.recovery`` and
     ``--print_config`` all see the same flat mapping.
 
     Args:
@@ -244,7 +244,7 @@ class RecoveryConfig:
     def settings(self) -> dict[str, Any]:
         """`name`, `method` and the resolved value of every key the method reads (what its fit sees)."""
         keys = method_keys(get_method(self.method))
-        return {"name": self.name, "method": self.method, **{k: getattr(self, k) for k in keys}}
+        return {"name": self.name, "method": self.method, **{k: self.options.get(k, d) for k, d in keys.items()}}
 
     def as_dict(self) -> dict[str, Any]:
         """The entry as a config file writes it: its `settings` (and any key given that its method does not
