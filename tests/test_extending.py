@@ -193,8 +193,8 @@ def test_a_method_a_criterion_a_part_and_a_format_of_ones_own_run_and_export(toy
 
 
 def test_the_methods_own_key_is_checked_printed_and_part_of_the_settings(toys, tiny_dir, text_files, tmp_path, capsys):
-    from ghostdistill.cli.config import parse_fit
     from ghostdistill.pipeline.settings import stale
+    from ghostdistill.runner.config import parse_fit
 
     args = _args(tiny_dir, text_files, tmp_path / "run", 0.5)[1:]
     with pytest.raises(SystemExit):

@@ -19,6 +19,13 @@ import torch
 from .run import Run
 
 
+def fit_device(accelerator: str | None = "auto") -> str:
+    """The device a single-process `fit` with `trainer.accelerator` `accelerator` runs on: the GPU for
+    ``auto`` (or None), ``gpu`` and ``cuda`` when torch sees one, the CPU otherwise. What a training-free run
+    outside the Trainer is put on (the `frontier`'s pass, the Python API's model loaded by name)."""
+    return "cuda" if str(accelerator or "auto") in ("auto", "gpu", "cuda") and torch.cuda.is_available() else "cpu"
+
+
 def run_training_free(
     run: Run, run_dir: Path | None = None, *, device: str | torch.device | None = None, evaluate: bool = True
 ) -> Run:
