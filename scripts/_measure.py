@@ -1,8 +1,11 @@
-"""Shared by the benchmark scripts: device synchronisation and peak-memory probes."""
+"""Shared by the benchmark scripts: device synchronisation, peak memory through the package's measurer, and a
+calibrated `Run` to measure after."""
 
 from __future__ import annotations
 
 import torch
+
+from ghostdistill.core.measure import PEAK, status_bytes
 
 
 def sync(device: torch.device) -> None:
@@ -11,30 +14,18 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def status_bytes(field: str) -> int:
-    """A memory field of /proc/self/status (VmRSS, VmHWM) in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
+def start_peak(device: torch.device) -> tuple:
+    """Open a span of the process's peak-memory measurer (`ghostdistill.core.measure.PEAK`: the CUDA allocator's
+    peak, or the kernel's peak RSS) and take the baseline: the memory allocated on the GPU, else the RSS."""
+    base = torch.cuda.memory_allocated() if device.type == "cuda" else status_bytes("VmRSS")
+    return PEAK.start(), base
 
 
-def start_peak(device: torch.device) -> int:
-    """Reset the peak-memory mark (CUDA allocator, or the kernel's peak RSS) and return the baseline."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return status_bytes("VmRSS")
-
-
-def peak_since(device: torch.device, base: int) -> int:
-    """Peak memory above `base` since `start_peak`."""
+def peak_since(device: torch.device, started: tuple) -> int:
+    """Peak memory above the baseline since `start_peak`."""
     sync(device)
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else status_bytes("VmHWM")
-    return peak - base
+    key, base = started
+    return PEAK.stop(key) - base
 
 
 def calibrated_run(

@@ -25,7 +25,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from _measure import status_bytes
+
+from ghostdistill.core.measure import status_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 

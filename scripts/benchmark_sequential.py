@@ -23,7 +23,7 @@ from ghostdistill.core.views import PrunedModel
 from ghostdistill.data import TextSource, calibration_windows
 from ghostdistill.methods import RecoveryConfig, identity_fit, make_collectors
 
-# The methods of configs/smollm2_methods.yaml (method, name).
+# The methods of configs/studies/compare/smollm2_methods.yaml (method, name).
 METHODS = [
     ("magnitude", "magnitude"),
     ("linearpatch", "linearpatch_diag"),

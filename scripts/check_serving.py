@@ -42,15 +42,15 @@ import tempfile
 from pathlib import Path
 
 import torch
+from serving import check_llama_cpp  # scripts/serving/check_llama_cpp.py
 
 from ghostdistill.cli import load_run_config
 from ghostdistill.export.compressed import SCHEMES, compressed_path
+from ghostdistill.export.formats import view_kind
 from ghostdistill.pipeline.export import ExportOptions, export_views
 from ghostdistill.pipeline.reload import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts" / "serving"))
-import check_llama_cpp  # noqa: E402  (scripts/serving/check_llama_cpp.py)
 
 PROMPTS = [
     "The capital of France is",
@@ -270,7 +270,7 @@ def main() -> None:
                     for p in prompts
                 ]
             got = fresh_transformers(folder, inputs, tmp / f"{view}.pt", tmp)
-            kind = "operators" if (folder / "modeling_ghostdistill.py").is_file() else "plain"
+            kind = view_kind(cfg.method_of(view))
             report["views"][view] = {
                 "folder": str(folder),
                 "kind": kind,

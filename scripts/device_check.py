@@ -87,23 +87,11 @@ import os
 import platform
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from rehearsal_8b import (  # noqa: E402  (the scripts folder is on the path from here on)
-    ACTIVE,
-    GIB,
-    LLAMA3_8B,
-    TINY,
-    Phases,
-    build_model_dir,
-    fit_args,
-    fit_hooks,
-    parameter_count,
-)
+from _rehearsal import ACTIVE, GIB, LLAMA3_8B, TINY, Phases, build_model_dir, fit_hooks, parameter_count
+from rehearsal_8b import fit_args
 
 PEAK_BF16_FLOPS = 790e12  # H200, bfloat16 dense, as the issue states it (the SXM datasheet says 989 TFLOP/s)
 LLAMA3_11_STEPS = 500  # configs/llama3_11.yaml: trainer.max_steps
@@ -310,6 +298,21 @@ def implied_llama3_11(run: dict, sizes: Sizes) -> dict:
     }
 
 
+def sizing(config: Path) -> dict:
+    """The full check's arithmetic for `config`'s students (`--sizing`): parameters, FLOPs per token of run A
+    (the config's students) and run B (the fair pair), and what a step of one second would achieve."""
+    sizes = Sizes(tiny=False)
+    kinds = {"llama3_11": config_students(config), "fair_pair": config_students(config, extra=False)}
+    tokens = sizes.batch_size * sizes.seq_len
+    out: dict = {"shape": LLAMA3_8B, "params": parameter_count(LLAMA3_8B, sizes.num_layers), "students": kinds}
+    out["flops_per_token"], out["one_second_step"] = {}, {}
+    for run, students in kinds.items():
+        flops = flops_per_token(LLAMA3_8B, sizes.num_layers, sizes.layers, sizes.seq_len, tuple(students.values()))
+        out["flops_per_token"][run] = flops
+        out["one_second_step"][run] = step_summary([{"seconds": 1.0, "tokens": tokens}] * 3, flops, len(students))
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a hidden-64 model on the CPU (seconds)")
@@ -317,7 +320,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dir", default=None, help="work folder (default /tmp/ghostdistill_device_check)")
     parser.add_argument("--budget", type=float, default=450.0, help="seconds after which run B is skipped")
     parser.add_argument("--keep", action="store_true", help="keep the exported views")
+    parser.add_argument(
+        "--sizing", nargs="?", const=str(LLAMA3_11), default=None, metavar="CONFIG",
+        help="print the full check's sizing (parameters, FLOPs per token) for CONFIG's students and exit",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.sizing is not None:
+        try:
+            print(json.dumps(sizing(Path(args.sizing))))
+        except ValueError as err:
+            raise SystemExit(f"--sizing {args.sizing}: {err}") from None
+        return {"ok": True}
     start = time.perf_counter()
     out_path = Path(args.out or Path(os.environ.get("OUT", ".")) / "device_check.json")
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,16 +23,14 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from serving import check_llama_cpp  # scripts/serving/check_llama_cpp.py
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts" / "serving"))
-import check_llama_cpp  # noqa: E402  (scripts/serving/check_llama_cpp.py)
+from ghostdistill.export.quantize import llama_tokens
 
 TYPES = ("F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M")
 PLAIN = "Q4_K_M no imatrix"
@@ -93,7 +91,7 @@ def measure_run(run: Path, views: list[str] | None, out: Path, llama_cpp: Path, 
             (files[PLAIN],) = export_gguf(
                 loaded.pruned, view, root / "plain", types=["Q4_K_M"], imatrix=False, **common
             )
-            tokens = check_llama_cpp.tokenize(tools["llama-tokenize"], files["F16"], text)
+            tokens = llama_tokens(tools, files["F16"], text)
             entry["same_windows"] = tokens[: n * seq] == windows.flatten().tolist()
             for column in COLUMNS:
                 ppl = check_llama_cpp.perplexity(tools["llama-perplexity"], files[column], text, seq, n, False)

@@ -2,7 +2,7 @@
 
 LLaMA-3-8B's shape at every depth (32 blocks, hidden 4096, 32 heads, 8 KV heads, intermediate 14,336, vocabulary
 128,256, untied head), random weights, float32: 8.03B parameters, 32.1 GB, more than this machine's 24 GiB.
-Every step in a fresh process (`rehearsal_8b.run_worker`), each measured per phase (seconds, peak RssAnon: the
+Every step in a fresh process (`_rehearsal.run_worker`), each measured per phase (seconds, peak RssAnon: the
 process's own memory, not the page cache of the files it maps):
 
 1. build: the model folder written a block at a time (never whole in memory), one safetensors shard per block;
@@ -32,7 +32,21 @@ import subprocess
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _rehearsal import (
+    C4_HEAD,
+    EVAL_SOURCE,
+    LLAMA3_8B,
+    ROOT,
+    TINY,
+    WIKITEXT_HEAD,
+    model_config,
+    parameter_count,
+    reload_inputs,
+    run_worker,
+    same_model,
+    small_tokenizer,
+)
+
 GOAL = 0.25  # peak RssAnon / model bytes, every phase
 LLAMA_CPP = ROOT / ".serve" / "llama.cpp" / "bin"
 
@@ -47,7 +61,6 @@ def build_streamed(folder: Path, shape: dict, blocks: int, dtype: str = "float32
     """A random-weight LLaMA of `shape` written a block at a time, as `from_config` initialises one (every linear
     and the embedding N(0, 0.02), norms 1), with the small tokenizer: never more than the embedding in memory."""
     import torch
-    from rehearsal_8b import model_config, small_tokenizer
     from safetensors.torch import save_file
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -104,8 +117,6 @@ def build_streamed(folder: Path, shape: dict, blocks: int, dtype: str = "float32
 def fit_args(model_dir: Path, run: Path, dtype: str, offload: str, layers: list[int], windows: dict) -> list[str]:
     """`fit` of configs/llama3_11.yaml on the CPU with the weights offloaded: ghost and rotation_anchored,
     training-free, the shipped excerpts."""
-    from rehearsal_8b import C4_HEAD, EVAL_SOURCE
-
     recovery = [
         {"name": "ghost", "fit": "first_weighted"},
         {"name": "rotation_anchored", "method": "rotation_anchored"},
@@ -127,34 +138,6 @@ def fit_args(model_dir: Path, run: Path, dtype: str, offload: str, layers: list[
         "--data.evaluation.sources", json.dumps([EVAL_SOURCE]), "--data.evaluation.seq_len", seq,
         "--data.evaluation.max_windows", str(windows["eval_windows"]), "--data.batch_size", str(windows["batch_size"]),
     ]  # fmt: skip
-
-
-def reload_inputs(model_dir: Path, windows: dict, dtype: str, path: Path) -> None:
-    """scripts/reload_check.py's inputs: four left-padded prompts, two new tokens (each forward of a folder bigger
-    than the page cache reads it from the disk again), the run's evaluation windows in one batch."""
-    import torch
-    from rehearsal_8b import EVAL_SOURCE
-    from transformers import AutoTokenizer
-
-    from ghostdistill.data import TextSource, evaluation_windows
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    tok.padding_side = "left"
-    prompts = ["The capital of France is", "In 1969, the first", "A model", "Once upon a time"]
-    enc = tok(prompts, return_tensors="pt", padding=True)
-    ids = evaluation_windows(tok, TextSource(**EVAL_SOURCE), windows["seq_len"], windows["eval_windows"])
-    torch.save(
-        {
-            "ids": enc["input_ids"],
-            "mask": enc["attention_mask"],
-            "new": 2,
-            "windows": ids,
-            "batch_size": len(ids),
-            "dtype": getattr(torch, dtype),
-        },
-        path,
-    )
-    return None
 
 
 def gguf_check(path: str, out: str, expect: str) -> None:
@@ -195,8 +178,6 @@ def llama_perplexity(path: Path, windows: dict, work: Path) -> dict | None:
     tool = LLAMA_CPP / "llama-perplexity"
     if not tool.is_file():
         return None
-    from rehearsal_8b import WIKITEXT_HEAD
-
     text = work / "eval.txt"
     text.write_text(WIKITEXT_HEAD.read_text())
     cmd = [
@@ -232,7 +213,6 @@ def rehearse(
 ) -> dict:
     """Build, fit, export and check (module docstring); the JSON's content."""
     import torch
-    from rehearsal_8b import LLAMA3_8B, TINY, parameter_count, run_worker, same_model
 
     shape = TINY if tiny else LLAMA3_8B
     layers = plan_layers(blocks)
@@ -278,7 +258,7 @@ def rehearse(
     # The ghost folder, reloaded in a fresh process without ghostdistill, then deleted.
     out = work / f"export_{blocks}"
     inputs = work / f"inputs_{blocks}.pt"
-    reload_inputs(model_dir, windows, dtype, inputs)
+    reload_inputs(model_dir, windows["seq_len"], windows["eval_windows"], dtype, inputs, new=2, batch_size=None)
     args = ["export", str(run), "--views", "ghost", "--dir", str(out), "--overwrite"]
     exported = run_worker("export", args, log, timeout=4 * 3600)
     phases["export_ghost_load"], phases["export_ghost"] = _phase(exported, "load"), _phase(exported, "export")
@@ -303,7 +283,7 @@ def rehearse(
         path = out / "rotation_anchored.Q8_0.gguf"
         expect = {**shape, "blocks": blocks, "kept": blocks - len(layers), "removed": layers}
         found = work / "gguf_check.json"
-        checked = run_worker("gguf", [str(path), str(found), json.dumps(expect)], log, env={"PYTHONPATH": ""})
+        checked = run_worker("gguf", [str(path), str(found), json.dumps(expect)], log)
         phases["check_gguf"] = _phase(checked, "startup")
         got = json.loads(found.read_text()) if checked["ok"] else {"checks": {"read": False}}
         checks.update({f"gguf {k}": {"ok": bool(v)} for k, v in got["checks"].items()})
@@ -324,10 +304,10 @@ def reload_folder(folder: Path, inputs: Path, work: Path, log: Path, want: float
     """scripts/reload_check.py on `folder` in a fresh process without ghostdistill: greedy tokens and the run's
     perplexity (`want`) within float32 round-off."""
     import torch
-    from rehearsal_8b import run_worker
 
     out = work / "reload_ghost.pt"
-    env = {"PYTHONPATH": "", "HF_MODULES_CACHE": str(work / "modules")}
+    # The worker measures through ghostdistill (`core.measure`), imported before reload_check.py makes it unimportable.
+    env = {"HF_MODULES_CACHE": str(work / "modules")}
     summary = run_worker("reload", [str(folder), str(inputs), str(out)], log, env=env, timeout=4 * 3600)
     if not summary["ok"]:
         return summary

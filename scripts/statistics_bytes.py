@@ -27,7 +27,7 @@ CASES: dict[str, list[RecoveryConfig]] = {
     "demo_ghost_and_ghost_paper": [RecoveryConfig(name="ghost"), RecoveryConfig(name="ghost_paper", fit="plain")],
     # Every fit variant: the one-pass, all-variants collector.
     "all_ghost_variants": [RecoveryConfig(name=f"ghost_{f}", fit=f) for f in VARIANTS],
-    # configs/smollm2_variants.yaml (its ghost entries fit first_weighted, first and first_normed)
+    # configs/studies/fit-variants/smollm2_variants.yaml (its ghost entries fit first_weighted, first and first_normed)
     "smollm2_variants_yaml": [
         RecoveryConfig(name="ghost", fit="first_weighted"),
         RecoveryConfig(name="ghost_first", fit="first"),

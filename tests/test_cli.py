@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from shipped_configs import SHIPPED, raw
 from tiny_run import tiny_run_args
 
 from ghostdistill.cli import main
 from ghostdistill.lit.callbacks import Calibration
 
 ROOT = Path(__file__).resolve().parents[1]
-ALL_CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+ALL_CONFIGS = SHIPPED
 COMPARE_CONFIGS = [p for p in ALL_CONFIGS if "plans" in yaml.safe_load(p.read_text())]
 FRONTIER_CONFIGS = [
     p for p in ALL_CONFIGS if "num_layers" in yaml.safe_load(p.read_text()) and p not in COMPARE_CONFIGS
@@ -51,10 +52,10 @@ def test_every_shipped_config_parses(config, monkeypatch, capsys):
     except SystemExit as exit_:
         assert exit_.code in (0, None), capsys.readouterr().err[-2000:]
     parsed = yaml.safe_load(capsys.readouterr().out)
-    raw = yaml.safe_load(config.read_text())
-    assert parsed["model"]["model"]["source"] == raw["model"]["model"]["source"]
-    assert parsed["trainer"]["max_steps"] == raw["trainer"]["max_steps"]
-    assert [r["name"] for r in parsed["model"]["recovery"]] == [r["name"] for r in raw["model"]["recovery"]]
+    written = raw(config)
+    assert parsed["model"]["model"]["source"] == written["model"]["model"]["source"]
+    assert parsed["trainer"]["max_steps"] == written["trainer"]["max_steps"]
+    assert [r["name"] for r in parsed["model"]["recovery"]] == [r["name"] for r in written["model"]["recovery"]]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
@@ -271,7 +272,7 @@ def test_all_methods_and_sequential_fit_through_the_cli(tiny_dir, text_files, tm
             "[1, 4]",
             "--model.plan.num_layers",
             "null",
-            config="smollm2_methods.yaml",
+            config="studies/compare/smollm2_methods.yaml",
         )
     )
     results = json.loads((run / "results.json").read_text())
@@ -308,7 +309,7 @@ def test_compare_gathers_every_plan_and_method(tiny_dir, text_files, tmp_path, m
     spec.write_text(
         yaml.safe_dump(
             {
-                "base": "configs/smollm2_methods.yaml",
+                "base": "configs/studies/compare/smollm2_methods.yaml",
                 "root": str(tmp_path / "cmp"),
                 "plans": [
                     {"criterion": "streamline", "num_layers": 1},

@@ -85,3 +85,16 @@ def test_an_unknown_key_in_a_config_file_is_named(tmp_path):
         main([*BASE, "--config", str(bad)])
     err = str(info.value)
     assert "model.recovery" in err and "'solvr' is not accepted" in err
+
+
+def test_a_bad_setting_is_named_before_the_run_folder_is_judged(tmp_path):
+    """A run folder that holds another run's results (the demo's, once the README's demo ran in this clone) must
+    not hide a bad setting: the setting is the error the user can fix; the folder check comes after it."""
+    finished = tmp_path / "finished"
+    finished.mkdir()
+    (finished / "results.json").write_text(
+        '{"plan": {}, "views": {}, "settings": {"model": {"model": {"source": "another"}}}}'
+    )
+    # (tests/test_probes_run.py checks that the folder is still refused once the settings are right)
+    with pytest.raises(ValueError, match="plan.criterion 'best' is not known"):
+        main([*BASE, f"--trainer.default_root_dir={finished}", "--model.plan.criterion=best"])

@@ -5,7 +5,6 @@ end to end, and its sizing arithmetic is the docstring's."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -18,59 +17,65 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "device_check.py"
 
 
+def sizing(*config: str) -> subprocess.CompletedProcess:
+    """`python scripts/device_check.py --sizing [CONFIG]`: the full check's arithmetic, as JSON."""
+    command = [sys.executable, str(SCRIPT), "--sizing", *config]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+
+
 @pytest.fixture(scope="module")
-def device_check():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        yield importlib.import_module("device_check")
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+def shipped() -> dict:
+    done = sizing()
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
 
 
-def test_the_llama3_8b_shape_has_its_parameter_count(device_check):
-    counts = device_check.parameter_count(device_check.LLAMA3_8B, 32)
+def test_the_llama3_8b_shape_has_its_parameter_count(shipped):
+    shape, counts = shipped["shape"], shipped["params"]
     assert counts["total"] == 8_030_261_248  # Meta-Llama-3-8B
     assert counts["block"] == 218_112_000
+    assert counts["embed"] == counts["head"] == 128_256 * 4096  # untied: the head is a matrix of its own
+    assert counts["total"] == 32 * counts["block"] + counts["embed"] + counts["head"] + 4096
+    assert (shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]) == (4096, 32, 8)
+    assert not shape["tie_word_embeddings"] and shape["vocab_size"] == 128_256
 
 
-def test_flops_per_token_are_the_docstrings(device_check):
+def test_flops_per_token_are_the_docstrings(shipped):
     """The sizing in the docstring (and docs/gpu.md), for plan 20–30 of 32 blocks at 2048 tokens: ≈ 6.25 GFLOP
     per token for an operators student, ≈ 24.4 for operators + LoRA, so ≈ 51 per step for llama3_11's three
     students (run A) and ≈ 27 for the fair pair (run B)."""
-    shape, layers = device_check.LLAMA3_8B, list(range(20, 31))
-    shipped = device_check.flops_per_token(shape, 32, layers, 2048)
-    pair = device_check.flops_per_token(shape, 32, layers, 2048, device_check.FAIR_PAIR)
-    assert shipped["block"] / 1e9 == pytest.approx(0.453, abs=0.002)
-    assert shipped["head"] / 1e9 == pytest.approx(1.05, abs=0.01)
-    assert shipped["teacher"] / 1e9 == pytest.approx(14.5, abs=0.1)
-    assert shipped["per_student_operators"] / 1e9 == pytest.approx(6.25, abs=0.05)
-    assert shipped["per_student_lora"] / 1e9 == pytest.approx(24.4, abs=0.1)
-    assert shipped["total"] / 1e9 == pytest.approx(51, abs=0.5)
+    a, pair = shipped["flops_per_token"]["llama3_11"], shipped["flops_per_token"]["fair_pair"]
+    assert a["block"] / 1e9 == pytest.approx(0.453, abs=0.002)
+    assert a["head"] / 1e9 == pytest.approx(1.05, abs=0.01)
+    assert a["teacher"] / 1e9 == pytest.approx(14.5, abs=0.1)
+    assert a["per_student_operators"] / 1e9 == pytest.approx(6.25, abs=0.05)
+    assert a["per_student_lora"] / 1e9 == pytest.approx(24.4, abs=0.1)
+    assert a["total"] / 1e9 == pytest.approx(51, abs=0.5)
     assert pair["total"] / 1e9 == pytest.approx(27, abs=0.5)
-    with pytest.raises(ValueError, match=r"student kinds \['tail'\]: each is one of \['lora', 'operators'\]"):
-        device_check.flops_per_token(shape, 32, layers, 2048, ("operators", "tail"))
-    steps = device_check.step_summary([{"seconds": 1.0, "tokens": 8192}] * 3, shipped)
-    assert steps["mfu"] == pytest.approx(shipped["total"] * 8192 / 790e12, rel=1e-3)
+    steps = shipped["one_second_step"]["llama3_11"]
+    assert steps["mfu"] == pytest.approx(a["total"] * 8192 / 790e12, rel=1e-3)
     assert steps["tokens_per_s_per_student"] == 8192 and steps["students"] == 3
 
 
-def test_the_sized_students_are_read_from_the_config(device_check, tmp_path):
+def test_the_sized_students_are_read_from_the_config(shipped, tmp_path):
     """The sizing prices configs/llama3_11.yaml's students as `fit` resolves them, so editing the config
     changes the check; a student the arithmetic cannot price is named, not priced as operators."""
-    assert device_check.config_students() == {
-        "ghost_ft": "operators",
-        "linearpatch_ft": "operators",
-        "ghost_lora_ft": "lora",
+    assert shipped["students"] == {
+        "llama3_11": {"ghost_ft": "operators", "linearpatch_ft": "operators", "ghost_lora_ft": "lora"},
+        "fair_pair": {"ghost_ft": "operators", "linearpatch_ft": "operators"},
     }
-    assert device_check.config_students(extra=False) == {"ghost_ft": "operators", "linearpatch_ft": "operators"}
     config = tmp_path / "tail.yaml"
     config.write_text(
         "model:\n  distill:\n    methods: [ghost]\n    train: [lora]\n"
         "    students:\n      - {name: ghost_tail_ft, method: ghost, train: [operators, tail]}\n"
     )
-    with pytest.raises(ValueError, match=r"student ghost_tail_ft trains \['operators', 'tail'\]"):
-        device_check.config_students(config)
-    assert device_check.config_students(config, extra=False) == {"ghost_ft": "lora"}
+    done = sizing(str(config))
+    assert done.returncode != 0
+    assert "student ghost_tail_ft trains ['operators', 'tail']" in done.stderr, done.stderr[-3000:]
+    config.write_text("model:\n  distill:\n    methods: [ghost]\n    train: [lora]\n")
+    done = sizing(str(config))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["students"] == {"llama3_11": {"ghost_ft": "lora"}, "fair_pair": {"ghost_ft": "lora"}}
 
 
 def test_tiny_device_check_runs_every_phase(tmp_path):

@@ -16,25 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from tiny_run import tiny_run_args
-
-from ghostdistill.cli import entry
+from tiny_run import cli_error_line, tiny_run_args
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = str(ROOT / "configs" / "smollm2_demo.yaml")
-
-
-def _one_line(args: list[str], capsys, monkeypatch) -> str:
-    """Run `ghostdistill <args>`; the last line of stderr, after checking it is the one `error:` line and exit 2."""
-    monkeypatch.setattr(sys, "argv", ["ghostdistill", *args])
-    monkeypatch.delenv("GHOSTDISTILL_DEBUG", raising=False)
-    with pytest.raises(SystemExit) as exit_info:
-        entry()
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert exit_info.value.code == 2, err[-3000:]
-    assert "Traceback" not in err and lines and lines[-1].startswith("error: "), err[-3000:]
-    return lines[-1]
 
 
 def _no_model_load(monkeypatch) -> None:
@@ -83,7 +68,7 @@ def _holder(path: Path) -> subprocess.Popen:
 )
 def test_late_check_frontier_depths_are_refused_before_any_work(depths, message, tmp_path, capsys, monkeypatch):
     _no_model_load(monkeypatch)
-    line = _one_line(["frontier", _frontier(tmp_path, num_layers=depths)], capsys, monkeypatch)
+    line = cli_error_line(["frontier", _frontier(tmp_path, num_layers=depths)], capsys, monkeypatch)
     assert re.search(message, line), line
     assert not (tmp_path / "f").exists()
 
@@ -94,7 +79,7 @@ def test_late_check_an_export_dir_that_cannot_be_made_is_refused_before_the_mode
     """`/proc/x`: `os.access` says a root user may write /proc; only a try says it cannot be made."""
     _no_model_load(monkeypatch)
     run = _run_folder(tmp_path, tiny_dir)
-    line = _one_line(["export", str(run), "--views", "pruned", "--dir", "/proc/x"], capsys, monkeypatch)
+    line = cli_error_line(["export", str(run), "--views", "pruned", "--dir", "/proc/x"], capsys, monkeypatch)
     assert line.startswith("error: export dir /proc/x cannot be written: /proc/x: "), line
 
 
@@ -107,7 +92,7 @@ def test_late_check_a_folder_where_a_gguf_file_goes_is_refused_before_the_model_
     (out / "pruned.F32.gguf").mkdir(parents=True)
     (out / "pruned.F32.gguf" / "mine.txt").write_text("mine")
     args = ["export", str(run), "--views", "pruned", "--format", "gguf", "--gguf-types", "F32", "--dir", str(out)]
-    line = _one_line([*args, "--overwrite"], capsys, monkeypatch)
+    line = cli_error_line([*args, "--overwrite"], capsys, monkeypatch)
     assert f"export target {out / 'pruned.F32.gguf'} is a folder where a .gguf file goes" in line, line
     assert (out / "pruned.F32.gguf" / "mine.txt").is_file()
 
@@ -118,7 +103,7 @@ def test_late_check_ghostdistill_cache_that_is_a_file_names_the_variable(tmp_pat
     cache.write_text("x")
     monkeypatch.setenv("GHOSTDISTILL_CACHE", str(cache))
     args = ["fit", "--config", BASE, "--trainer.default_root_dir", str(tmp_path / "run")]
-    line = _one_line(args, capsys, monkeypatch)
+    line = cli_error_line(args, capsys, monkeypatch)
     assert line.startswith(f"error: GHOSTDISTILL_CACHE='{cache}' cannot hold the converted GGUF model: {cache} is a"), (
         line
     )
@@ -143,7 +128,7 @@ def test_late_check_a_refused_hand_edited_plan_does_not_first_say_it_calibrates_
         "--data.selection.source", json.dumps(selection), "--data.selection.num_windows", "4",
         "--data.selection.seq_len", "32", layers=None, num_layers=2,
     )  # fmt: skip
-    line = _one_line(args, capsys, monkeypatch)
+    line = cli_error_line(args, capsys, monkeypatch)
     assert "plan.greedy_from" in line and "was run with other settings than this run" in line, line
     assert "calibrating from scratch" not in caplog.text + capsys.readouterr().out
 
@@ -203,7 +188,7 @@ def test_duplicate_list_arguments_are_refused_before_any_work(
                                           "greedy": {"views": ["ghost", "ghost"]}}}[case]  # fmt: skip
         args = ["frontier", _frontier(tmp_path, **spec)]
         expected = r"(criteria|greedy.views) \[.*\] names \['(repair|ghost)'\] more than once"
-    line = _one_line(args, capsys, monkeypatch)
+    line = cli_error_line(args, capsys, monkeypatch)
     assert re.search(expected, line), line
     assert not (tmp_path / "fit" / "calibration_state.pt").exists()
 
@@ -225,7 +210,7 @@ def test_disk_full_during_fit_names_the_disk_and_the_file(tmp_path, tiny_dir, te
     monkeypatch.setattr(io.shutil, "disk_usage", lambda path: usage._replace(free=4096))
     run = tmp_path / "fit"
     args = tiny_run_args(tiny_dir, text_files, run, "--calibration.checkpoint_every", "1")
-    line = _one_line(args, capsys, monkeypatch)
+    line = cli_error_line(args, capsys, monkeypatch)
     assert line.startswith(f"error: no space left on the disk of {run} (mounted at "), line
     assert f"4.0 KiB free) to write {run / 'calibration_state.pt'}: free space there or write elsewhere" in line
     assert "unexpected pos 2048 vs 1942" in line
@@ -242,7 +227,7 @@ def test_lock_a_second_fit_into_a_run_folder_in_use_is_refused_naming_the_first(
     run = tmp_path / "fit"
     holder = _holder(run / RUN_LOCK)
     try:
-        line = _one_line(_fit(tiny_dir, text_files, tmp_path), capsys, monkeypatch)
+        line = cli_error_line(_fit(tiny_dir, text_files, tmp_path), capsys, monkeypatch)
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
@@ -265,7 +250,7 @@ def test_lock_a_second_export_of_a_target_in_use_is_refused_before_the_model_loa
     holder = _holder(lock_path(out / "pruned"))
     try:
         args = ["export", str(run), "--views", "pruned", "--dir", str(out), "--overwrite"]
-        line = _one_line(args, capsys, monkeypatch)
+        line = cli_error_line(args, capsys, monkeypatch)
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()

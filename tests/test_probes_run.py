@@ -15,24 +15,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tiny_run import tiny_run_args
+from tiny_run import cli_error_line, tiny_run_args
 
 from ghostdistill.cli import entry
 from ghostdistill.core.run_folder import RUN_MARKER, is_run_folder
-
-
-def _one_line(args: list[str], capsys, monkeypatch) -> str:
-    """Run `ghostdistill <args>`; the last line of stderr, after checking it is the one `error:` line and exit 2."""
-    monkeypatch.setattr(sys, "argv", ["ghostdistill", *args])
-    monkeypatch.delenv("GHOSTDISTILL_DEBUG", raising=False)
-    with pytest.raises(SystemExit) as exit_info:
-        entry()
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert exit_info.value.code == 2, err[-3000:]
-    assert "Traceback" not in err and lines and lines[-1].startswith("error: "), err[-3000:]
-    assert not any(line.startswith("usage:") for line in lines), err[-3000:]
-    return lines[-1]
 
 
 def _runs(args: list[str], monkeypatch) -> None:
@@ -81,7 +67,7 @@ def test_overwrite_an_empty_run_folder_path_is_refused_and_the_current_folders_f
     _no_model_load(monkeypatch)
     files = _users_folder(tmp_path / "cwd")
     monkeypatch.chdir(tmp_path / "cwd")
-    line = _one_line(tiny_run_args(tiny_dir, text_files, Path("x"))[:-1] + [""], capsys, monkeypatch)
+    line = cli_error_line(tiny_run_args(tiny_dir, text_files, Path("x"))[:-1] + [""], capsys, monkeypatch)
     assert line.startswith("error: trainer.default_root_dir '' is empty: give the run folder, e.g. runs/my_run"), line
     assert {p.name: p.read_text() for p in (tmp_path / "cwd").iterdir()} == files
 
@@ -96,7 +82,7 @@ def test_overwrite_a_folder_holding_the_users_files_is_refused_naming_them(
     if where == "the current folder":
         monkeypatch.chdir(folder)
     given = folder if where == "a folder" else Path(".")
-    line = _one_line(tiny_run_args(tiny_dir, text_files, given), capsys, monkeypatch)
+    line = cli_error_line(tiny_run_args(tiny_dir, text_files, given), capsys, monkeypatch)
     assert line.startswith(
         f"error: trainer.default_root_dir {given} is not a ghostdistill run folder, and a run there would replace "
         "its config.yaml, results.md: choose another (new or empty) folder"
@@ -136,7 +122,7 @@ def test_another_run_a_copied_and_edited_config_is_refused_before_it_replaces_th
     copy = tmp_path / "copy.yaml"
     copy.write_text(yaml.safe_dump(config))
     before = {p.name: p.stat().st_mtime_ns for p in finished.iterdir()}
-    line = _one_line(["fit", "--config", str(copy)], capsys, monkeypatch)
+    line = cli_error_line(["fit", "--config", str(copy)], capsys, monkeypatch)
     assert line.startswith(
         f"error: trainer.default_root_dir {finished} holds a finished run, and its results.json was computed with "
         "other model.plan.layers: this run would replace its results; give another trainer.default_root_dir (a new "
@@ -166,7 +152,7 @@ def test_another_run_overwrite_run_replaces_it_and_its_config_does_not_carry_the
     config["model"]["plan"]["layers"] = [2, 3]
     edited.write_text(yaml.safe_dump(config))
     capsys.readouterr()
-    line = _one_line(["fit", "--config", str(edited)], capsys, monkeypatch)
+    line = cli_error_line(["fit", "--config", str(edited)], capsys, monkeypatch)
     assert "computed with other model.plan.layers" in line, line
 
 
@@ -189,7 +175,7 @@ def test_unwritable_a_read_only_run_folder_is_one_line_naming_it(tmp_path, tiny_
         return real(*args, **kwargs)
 
     monkeypatch.setattr(io.tempfile, "mkstemp", read_only)
-    line = _one_line(tiny_run_args(tiny_dir, text_files, run), capsys, monkeypatch)
+    line = cli_error_line(tiny_run_args(tiny_dir, text_files, run), capsys, monkeypatch)
     assert line.startswith(f"error: trainer.default_root_dir {run} cannot be written: {run}/.ghostdistill-probe-x: "), (
         line
     )
@@ -197,7 +183,7 @@ def test_unwritable_a_read_only_run_folder_is_one_line_naming_it(tmp_path, tiny_
     assert list(run.iterdir()) == []
 
 
-def test_unwritable_the_lock_of_a_read_only_folder_is_one_line(tmp_path):
+def test_unwritable_the_lock_of_a_read_only_folder_iscli_error_line(tmp_path):
     """The lock of a folder on a read-only mount (compare's and frontier's roots take it directly)."""
     from ghostdistill.core import lock
 
@@ -221,7 +207,7 @@ def test_dangling_link_as_run_folder_is_one_line_naming_its_target(tmp_path, tin
     _no_model_load(monkeypatch)
     link = tmp_path / "run"
     link.symlink_to(tmp_path / "gone" / "run")
-    line = _one_line(tiny_run_args(tiny_dir, text_files, link), capsys, monkeypatch)
+    line = cli_error_line(tiny_run_args(tiny_dir, text_files, link), capsys, monkeypatch)
     assert line.startswith(
         f"error: trainer.default_root_dir {link} is a symbolic link to {tmp_path / 'gone' / 'run'}, which does not "
         "exist: create that folder, or give another run folder"
@@ -235,7 +221,7 @@ def test_left_behind_nothing_by_a_plan_the_models_depth_refuses(tmp_path, tiny_d
     _no_model_load(monkeypatch)
     run = tmp_path / "runs" / "r"
     args = tiny_run_args(tiny_dir, text_files, run, layers=None, num_layers=1000)
-    line = _one_line(args, capsys, monkeypatch)
+    line = cli_error_line(args, capsys, monkeypatch)
     assert "plan.num_layers 1000 with plan.criterion 'streamline': cannot remove 1000 contiguous layers from 6" in line
     assert list(tmp_path.iterdir()) == []
 
@@ -247,12 +233,12 @@ def test_left_behind_nothing_by_a_run_refused_after_its_folder_was_made(
     was made: the folders this run made go again; a folder that was there stays, with what it held."""
     run = tmp_path / "runs" / "r"
     args = tiny_run_args(tiny_dir, text_files, run, "--data.evaluation.seq_len", "100000")
-    assert "is fewer than one window of seq_len=100000" in _one_line(args, capsys, monkeypatch)
+    assert "is fewer than one window of seq_len=100000" in cli_error_line(args, capsys, monkeypatch)
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "there").mkdir()
     (tmp_path / "there" / "notes.txt").write_text("keep")
     args = tiny_run_args(tiny_dir, text_files, tmp_path / "there", "--data.evaluation.seq_len", "100000")
-    _one_line(args, capsys, monkeypatch)
+    cli_error_line(args, capsys, monkeypatch)
     assert (tmp_path / "there" / "notes.txt").read_text() == "keep"
 
 
@@ -267,7 +253,7 @@ def test_one_line_a_number_of_layers_that_is_no_integer_names_the_key_and_what_i
     """It printed the usage of every key (152 lines) before the error."""
     _no_model_load(monkeypatch)
     args = tiny_run_args(tiny_dir, text_files, tmp_path / "r", "--model.plan.num_layers", value, layers=None)
-    line = _one_line(args, capsys, monkeypatch)
+    line = cli_error_line(args, capsys, monkeypatch)
     assert line.startswith(f"error: {expected}"), line
     assert not (tmp_path / "r").exists()
 
@@ -283,7 +269,7 @@ def test_late_check_compare_refuses_an_impossible_plan_before_the_first_plan_run
     spec = tmp_path / "compare.yaml"
     plans = [{"layers": [2, 3]}, {"num_layers": 9}]
     spec.write_text(yaml.safe_dump({"base": base[2], "root": str(tmp_path / "cmp"), "plans": plans}))
-    line = _one_line(["compare", str(spec), *base[3:-2]], capsys, monkeypatch)
+    line = cli_error_line(["compare", str(spec), *base[3:-2]], capsys, monkeypatch)
     assert line.startswith(
         f"error: {spec}: plan streamline_9: plan.num_layers 9 with plan.criterion 'streamline': cannot remove 9 "
         "contiguous layers from 6"
@@ -300,7 +286,7 @@ def test_late_check_compare_refuses_a_plan_folder_of_the_users_before_the_first_
     plans = [{"layers": [2, 3]}, {"layers": [3, 4]}]
     spec.write_text(yaml.safe_dump({"base": base[2], "root": str(tmp_path / "cmp"), "plans": plans}))
     files = _users_folder(tmp_path / "cmp" / "layers_3_4")
-    line = _one_line(["compare", str(spec), *base[3:-2]], capsys, monkeypatch)
+    line = cli_error_line(["compare", str(spec), *base[3:-2]], capsys, monkeypatch)
     assert line.startswith(
         f"error: {spec}: plan layers_3_4: its run folder {tmp_path / 'cmp' / 'layers_3_4'} is not a ghostdistill run "
         "folder, and a run there would replace its config.yaml, results.md"

@@ -1,22 +1,21 @@
 """scripts/rehearsal_8b.py: the 8B-width rehearsal on the CPU (LLaMA-3-8B's width, 4 blocks, random weights).
 
-Fast here: the phase markers come from the run's observers, and the RSS sampler measures. Slow: the whole
+Fast here: a `fit` step of the rehearsal, its phases marked by the run's observers and measured. Slow: the whole
 rehearsal on a hidden-64 model (every step: two fits, exports, reloads in fresh processes). At the real
 width (`GHOSTDISTILL_REHEARSAL=1`, slow): the rehearsal in float32 and in bfloat16, every exported view
 reloading with the run's perplexity."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
 import pytest
+from tiny_run import tiny_run_args
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "rehearsal_8b.py"
@@ -27,74 +26,39 @@ REAL_WIDTH = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def rehearsal():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        yield importlib.import_module("rehearsal_8b")
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+def worker(kind: str, out: Path, *args: str) -> dict:
+    """One step as the rehearsal runs it, `python scripts/rehearsal_8b.py worker <kind> <out> ...`: its summary."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, str(SCRIPT), "worker", kind, str(out), *args]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return json.loads(out.read_text())
 
 
-def test_phase_markers_come_from_the_runs_observers(rehearsal, tiny_dir):
-    """The rehearsal marks its phases from the run's own phase reports (`pipeline.run.observe`), wrapping
-    nothing in the package; a phase it maps must be one the run reports, or two phases would merge."""
-    from ghostdistill.core.model import ModelConfig
-    from ghostdistill.pipeline.config import RunConfig
-    from ghostdistill.pipeline.run import Run
-    from ghostdistill.planning import PlanConfig
-
-    package = ROOT / "ghostdistill" / "pipeline"
-    reported = (package / "run.py").read_text() + (package / "calibrate.py").read_text()
-    for name in (*rehearsal.FIT_PHASES, *rehearsal.EXPORT_PHASES, "step", "validate"):
-        assert f'"{name}"' in reported, name
-    phases = rehearsal.Phases(interval=0.005)
-    steps = rehearsal.fit_hooks(phases)
-    try:
-        cfg = RunConfig(model=ModelConfig(source=str(tiny_dir)), plan=PlanConfig(layers=[2, 3], num_layers=None))
-        run = Run(cfg, log=lambda m: None)
-        run.load()
-        assert phases.current == "load" and phases.baseline_rss is not None
-        with run.phase("calibrate"):
-            assert phases.current == "calibration"
-        run.start_step()
-        run.end_step(1, tokens=64)
-        with run.phase("validate"):
-            pass
-        with run.phase("evaluate"):
-            pass
-        assert phases.current == "evaluation"
-    finally:
-        rehearsal._INSTALLED.close()
-    out = phases.close()
-    assert {"load", "calibration", "evaluation"} <= set(out["phases"])
-    assert [(s["step"], s["tokens"]) for s in steps] == [(1, 64)] and steps[0]["seconds"] >= 0
-    assert len(rehearsal.ACTIVE["timings"]["validate_s"]) == 1
-    assert set(run.report.phases) == {"load", "calibrate", "step", "validate", "evaluate"}
-
-
-def test_phases_measure_seconds_and_peak_rss(rehearsal):
-    phases = rehearsal.Phases(interval=0.005)
-    phases.mark_loaded()
-    phases.enter("big")
-    block = bytearray(256 * 2**20)  # touched, so resident
-    block[::4096] = b"x" * len(block[::4096])
-    time.sleep(0.05)
-    del block
-    phases.enter("small")
-    time.sleep(0.02)
-    out = phases.close()
-    assert out["phases"]["big"]["peak_rss_above_model_gib"] >= 0.2
-    assert out["phases"]["small"]["peak_rss_above_model_gib"] < out["phases"]["big"]["peak_rss_above_model_gib"]
-    assert out["phases"]["big"]["seconds"] >= 0.05
-
-
-def test_the_rehearsal_model_has_llama3_8b_width(rehearsal):
-    counts = rehearsal.parameter_count(rehearsal.LLAMA3_8B, 4)
-    assert counts["total"] == 4 * 218_112_000 + 2 * 128_256 * 4096 + 4096
-    shape = rehearsal.LLAMA3_8B
-    assert (shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]) == (4096, 32, 8)
-    assert not shape["tie_word_embeddings"] and shape["vocab_size"] == 128_256
+def test_phases_are_marked_by_the_runs_observers_and_measured(tiny_dir, text_files, tmp_path):
+    """A `fit` step of the rehearsal marks its phases from the run's own phase reports (`pipeline.run.observe`,
+    wrapping nothing in the package): each mapped phase is one the run reports (else it would be missing, merged
+    into the one before), each optimizer step is timed with its tokens, each validation too, and every phase has
+    its seconds and peak RSS above the loaded model."""
+    run = tmp_path / "run"
+    fit = tiny_run_args(
+        tiny_dir, text_files, run,
+        "--model.distill.methods", "[ghost]", "--model.distill.val_every", "1",
+        "--data.validation.source", json.dumps({"source": str(text_files["jsonl_gz"]), "first_document": 150}),
+        "--data.validation.num_windows", "1", "--data.validation.seq_len", "32", "--trainer.max_steps", "1",
+        "--trainer.enable_progress_bar", "false",
+        samples=4,
+    )  # fmt: skip
+    summary = worker("fit", tmp_path / "fit.json", *fit)
+    assert summary["ok"]
+    phases = summary["phases"]
+    assert {"startup", "load", "calibration", "fit", "distillation", "evaluation", "report"} <= set(phases), phases
+    for name, row in phases.items():
+        assert row["seconds"] >= 0 and row["peak_rss_gib"] > 0 and row["peak_rss_anon"] > 0, name
+    assert summary["loaded_rss_gib"] > 0
+    assert [(s["step"], s["tokens"]) for s in summary["steps"]] == [(1, 4 * 32)] and summary["steps"][0]["seconds"] > 0
+    assert len(summary["timings"]["validate_s"]) == 2  # at the start and the end
+    assert set(json.loads((run / "results.json").read_text())["phases"]) >= {"load", "calibrate", "step", "evaluate"}
 
 
 def test_unused_window_lengths_are_not_checked_against_the_position_limit(tiny_tokenizer, text_files, tmp_path):

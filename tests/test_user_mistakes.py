@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from tiny_run import tiny_run_args
+from tiny_run import cli_error_line, tiny_run_args
 
-from ghostdistill.cli import entry
 from ghostdistill.core.model import packaged_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,15 +155,6 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 def test_a_user_mistake_is_one_line_and_exit_2(case, tmp_path, tiny_dir, text_files, capsys, monkeypatch):
     args, message = _case(case, tmp_path, tiny_dir, text_files)
-    monkeypatch.setattr(sys, "argv", ["ghostdistill", *args])
-    monkeypatch.delenv("GHOSTDISTILL_DEBUG", raising=False)
-    with pytest.raises(SystemExit) as exit_info:
-        entry()
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert exit_info.value.code == 2, err[-3000:]
-    assert "Traceback" not in err and lines and lines[-1].startswith("error: "), err[-3000:]
-    import re
-
-    assert re.search(message, lines[-1]), lines[-1]
+    line = cli_error_line(args, capsys, monkeypatch)
+    assert re.search(message, line), line
     shutil.rmtree(tmp_path / "fit", ignore_errors=True)

@@ -137,3 +137,24 @@ def exported_perplexity(folder, run) -> tuple[float, int]:
             nll += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum"))
             tokens += targets.numel()
     return math.exp(nll / tokens), tokens
+
+
+def cli_error_line(args: list[str], capsys, monkeypatch) -> str:
+    """Run `ghostdistill <args>` (pytest's `capsys` and `monkeypatch`); the last line of stderr, after checking that
+    the command failed with exit 2 and one `error:` line: no traceback, no usage text."""
+    import sys
+
+    import pytest
+
+    from ghostdistill.cli import entry
+
+    monkeypatch.setattr(sys, "argv", ["ghostdistill", *args])
+    monkeypatch.delenv("GHOSTDISTILL_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        entry()
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert exit_info.value.code == 2, err[-3000:]
+    assert "Traceback" not in err and lines and lines[-1].startswith("error: "), err[-3000:]
+    assert not any(line.startswith("usage:") for line in lines), err[-3000:]
+    return lines[-1]

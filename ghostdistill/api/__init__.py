@@ -9,7 +9,7 @@
     report = frontier({"base": ..., "num_layers": [1, 2]})             the `frontier` command: per depth
 
 Plain functions over the same run as `fit`: each builds a typed `RunConfig` from its arguments and runs the
-phases of `pipeline.run.Run` (`pipeline.direct`; distillation through `fit`'s Trainer, `lit.trainer`), so
+phases of `pipeline.run.Run` (`Run.execute`; distillation through `fit`'s Trainer, `lit.trainer`), so
 there is no second implementation of anything; `compare` and `frontier` call what the commands call
 (`runner.compare`, `runner.frontier`) and write the same files. A user's mistake is `fit`'s one-line message,
 raised before any work as `GhostdistillError` (a ValueError). Progress bars are tqdm.auto's (widgets in a notebook);

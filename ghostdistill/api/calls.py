@@ -1,5 +1,5 @@
 """The API's functions: each builds a typed `RunConfig` from its arguments (`options`) and runs the phases
-`fit` runs (`pipeline.direct.run_training_free`; with distillation, `lit.trainer.fit_run`: `fit`'s Trainer),
+`fit` runs (`pipeline.run.Run.execute`; with distillation, `lit.trainer.fit_run`: `fit`'s Trainer),
 then hands back what the caller asked for: a `transformers` model of one view (`pipeline.export.run_view_model`:
 the model its exported folder loads as), the plan, or the results.
 """
@@ -22,9 +22,8 @@ from ..distill.config import DistillConfig
 from ..methods import RecoveryConfig
 from ..pipeline.config import EvalConfig, RunConfig
 from ..pipeline.data import CalibrationData, DataConfig, EvaluationData, SelectionData, TrainData, ValidationData
-from ..pipeline.direct import fit_device, run_training_free
 from ..pipeline.export import run_view_model
-from ..pipeline.run import Run
+from ..pipeline.run import Run, fit_device
 from ..planning import PlanConfig
 from ..reporting.results import markdown_table
 from .options import (
@@ -278,7 +277,7 @@ def _config(
 
 @contextmanager
 def _direct(model, tokenizer, opts: Options, folder: Path, num_layers: int, recovery, *, evaluate: bool, **config):
-    """A training-free run of these settings (`pipeline.direct`); the source model is left as it was given."""
+    """A training-free run of these settings (`Run.execute`); the source model is left as it was given."""
     model_cfg, obj = model_source(model, opts)
     cfg = _config(model_cfg, opts, folder, num_layers, recovery, **config)
     device = opts.device
@@ -287,7 +286,7 @@ def _direct(model, tokenizer, opts: Options, folder: Path, num_layers: int, reco
     run = Run(cfg, model=obj, tokenizer=tokenizer, progress=bar(opts), log=log(opts))
     try:
         run_dir = Path(opts.workdir) if opts.workdir is not None else None
-        yield run_training_free(run, run_dir, device=device, evaluate=evaluate)
+        yield run.execute(run_dir, device=device, evaluate=evaluate)
     finally:
         _release(run)
 

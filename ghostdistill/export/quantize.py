@@ -77,15 +77,22 @@ def needed_tools(imatrix: bool = True) -> tuple[str, ...]:
     return TOOLS if imatrix else tuple(t for t in TOOLS if t not in IMATRIX_TOOLS)
 
 
-def find_tools(root: Path | None = None, tools: tuple[str, ...] = TOOLS) -> dict[str, Path]:
-    """`tools` under `root`/bin (default: `$GHOSTDISTILL_LLAMA_CPP`, else the checkout's `.serve/llama.cpp`), or
-    FileNotFoundError naming the build command."""
-    root = Path(root) if root is not None else Path(os.environ.get(ENV) or CHECKOUT / ".serve" / "llama.cpp")
+def llama_cpp_root() -> Path:
+    """Where llama.cpp's build is: `$GHOSTDISTILL_LLAMA_CPP`, else the checkout's `.serve/llama.cpp`."""
+    return Path(os.environ.get(ENV) or CHECKOUT / ".serve" / "llama.cpp")
+
+
+def find_tools(
+    root: Path | None = None, tools: tuple[str, ...] = TOOLS, what: str = "GGUF k-quants"
+) -> dict[str, Path]:
+    """`tools` under `root`/bin (default: `llama_cpp_root()`), or FileNotFoundError naming the build command
+    (and `what` needs them)."""
+    root = Path(root) if root is not None else llama_cpp_root()
     found = {name: root / "bin" / name for name in tools}
     missing = [name for name, path in found.items() if not (path.is_file() and os.access(path, os.X_OK))]
     if missing:
         raise FileNotFoundError(
-            f"GGUF k-quants come from llama.cpp's tools, and {', '.join(missing)} "
+            f"{what} come from llama.cpp's tools, and {', '.join(missing)} "
             f"{'are' if len(missing) > 1 else 'is'} not built in {root}/bin: run "
             f"`{BUILD}` (or set {ENV} to a build that has them)"
         )
@@ -140,12 +147,13 @@ def imatrix_text(tokenizer, windows: torch.Tensor, add_bos: bool = False) -> tup
     return text, order
 
 
-def _run(cmd: list, what: str) -> str:
-    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, check=False)
+def run_tool(cmd: list, what: str, **kwargs) -> subprocess.CompletedProcess:
+    """One of llama.cpp's tools (`kwargs`: `subprocess.run`'s `input`, `env`), or RuntimeError with its last words."""
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, check=False, **kwargs)
     if done.returncode:
         tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
         raise RuntimeError(f"{what} failed (exit {done.returncode}): {tail}")
-    return done.stdout + done.stderr
+    return done
 
 
 def threads() -> int:
@@ -156,9 +164,8 @@ def llama_tokens(tools: dict[str, Path], model: Path, text: Path) -> list[int]:
     """llama.cpp's token ids of a text file as llama-imatrix reads it (BOS added where the model asks for it)."""
     import json
 
-    out = _run(
-        [tools["llama-tokenize"], "-m", model, "-f", text, "--ids", "--no-escape", "--log-disable"], "llama-tokenize"
-    )
+    cmd = [tools["llama-tokenize"], "-m", model, "-f", text, "--ids", "--no-escape", "--log-disable"]
+    out = run_tool(cmd, "llama-tokenize").stdout
     return json.loads(next(line for line in out.splitlines() if line.startswith("[")))
 
 
@@ -183,7 +190,7 @@ def compute_imatrix(
     batch = n_ctx * max(1, 2048 // n_ctx)  # llama-imatrix runs 2048 // n_ctx windows side by side
     cmd = [tools["llama-imatrix"], "-m", model, "-f", path, "-c", n_ctx, "-b", batch, "--chunks", len(order)]
     cmd += ["-o", out, "--no-ppl", "--parse-special", "-t", threads()]
-    _run(cmd, "llama-imatrix")
+    run_tool(cmd, "llama-imatrix")
     path.unlink()
     left_out = windows.shape[0] - len(order)
     log(
@@ -195,7 +202,7 @@ def quantize(tools: dict[str, Path], source: Path, target: Path, gguf_type: str,
     """`llama-quantize [--imatrix M] source target TYPE`, written beside `target` and renamed into place."""
     with atomic_path(target) as tmp:
         cmd = [tools["llama-quantize"]] + (["--imatrix", imatrix] if imatrix is not None else [])
-        _run(cmd + [source, tmp, gguf_type, threads()], f"llama-quantize {gguf_type}")
+        run_tool(cmd + [source, tmp, gguf_type, threads()], f"llama-quantize {gguf_type}")
 
 
 def quantize_view(

@@ -1,6 +1,7 @@
-"""The Lightning callbacks that call the run's phases (`pipeline.run.Run`) around the loop: `Calibration`
-(setup, plan, calibrate, fit and the students, before any step), `Report` (zero-shot, analyses, results
-files, after `test`) and `Export` (Hugging Face folders of chosen views, after the report)."""
+"""The Lightning callbacks that call the run's phases (`pipeline.run.Run`, which owns their order) around the
+loop: `Calibration` (`Run.prepare`: setup, plan, calibrate, fit and the students, before any step), `Report`
+(`Run.finish`: zero-shot, analyses, results files, after `test`) and `Export` (the chosen views in their
+formats, after the report)."""
 
 from __future__ import annotations
 
@@ -51,13 +52,19 @@ class Calibration(Callback):
         check_strategy(trainer, run.cfg.distill)
         run.progress, run.write = partial(tqdm, disable=not self.progress), trainer.is_global_zero
         run.device = trainer.strategy.root_device  # where an offloaded model's blocks are brought
-        run.setup(trainer.default_root_dir, distilling=pl_module.distilling)
-        pl_module.configure_model()  # registers the run's model
-        # The strategy moves the module only after setup; calibrating an 8B model on the CPU would crawl.
-        pl_module.to(trainer.strategy.root_device)
-        run.calibrate(dist=pl_module.dist(), checkpoint_every=self.checkpoint_every)
-        if pl_module.distilling:
-            run.build_students()  # students start from their method's closed form, before the optimizer exists
+
+        def place() -> None:
+            pl_module.configure_model()  # registers the run's model
+            # The strategy moves the module only after setup; calibrating an 8B model on the CPU would crawl.
+            pl_module.to(trainer.strategy.root_device)
+
+        run.prepare(
+            trainer.default_root_dir,
+            distilling=pl_module.distilling,
+            dist=pl_module.dist(),
+            checkpoint_every=self.checkpoint_every,
+            place=place,
+        )
         pl_module.attach()
         self.done = True
 
@@ -123,10 +130,7 @@ class Report(Callback):
     """After `test`: zero-shot (when enabled), the analyses, then results.json, results.md and the plots."""
 
     def on_test_end(self, trainer: Trainer, pl_module: GhostDistill) -> None:
-        run = pl_module.run
-        run.zeroshot(pl_module.global_step)
-        run.analyse()
-        run.write_report()
+        pl_module.run.finish(pl_module.global_step)
 
 
 class Export(Callback):

@@ -17,8 +17,9 @@ views, students, report, fingerprint):
 7. `Run.export`     `export.export_views`; a finished run folder: `reload.load_run` / `reload.export_run`;
                     one view as a model in memory: `export.run_view_model`
 
-`direct.run_training_free(Run(cfg), run_dir)` runs 1-6 training-free for a typed `RunConfig` (the Python
-API's runs); distillation goes through `fit`'s Trainer (`lit.trainer.fit_run`).
+`Run.prepare` runs 1-2 (and the students of 3) in their order, `Run.finish` 5-6; `Run(cfg).execute(run_dir)`
+runs 1-6 training-free for a typed `RunConfig` (the Python API's runs); distillation goes through `fit`'s
+Trainer (`lit.trainer.fit_run`).
 
 Each phase's seconds and peak memory go to the run's `on_phase` observers (`run.observe`) and to
 results.json's `phases`. The Lightning layer (`ghostdistill.lit`) calls the same phases from its hooks

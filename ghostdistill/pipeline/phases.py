@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from ..core.measure import PEAK
+
 Run = Any  # a `pipeline.run.Run` (not imported: it imports this module)
 
 GIB = 2**30
@@ -41,17 +43,17 @@ def observe(*observers: PhaseObserver) -> Iterator[None]:
 
 
 class Phases:
-    """`begin` / `end` / `phase` of a `pipeline.run.Run`, which holds `observers`, `report`, `_peak` (a
-    `PeakMemory`) and `_since` (each open phase's start)."""
+    """`begin` / `end` / `phase` of a `pipeline.run.Run`, which holds `observers`, `report` and `_since` (each open
+    phase's start); peak memory is the process's measurer's (`core.measure.PEAK`), one span per run and phase."""
 
     def begin(self, name: str) -> None:
         for o in [*self.observers, *_OBSERVERS]:
             o.start(name, self)
-        self._peak.start()
+        PEAK.start((id(self), name))
         self._since[name] = time.perf_counter()
 
     def end(self, name: str, **info) -> None:
-        seconds, peak = time.perf_counter() - self._since.pop(name), self._peak.stop()
+        seconds, peak = time.perf_counter() - self._since.pop(name), PEAK.stop((id(self), name))
         row = self.report.phases.setdefault(name, {"seconds": 0.0, "count": 0, "peak_gib": None})
         row["seconds"], row["count"] = round(row["seconds"] + seconds, 3), row["count"] + 1
         if peak is not None:

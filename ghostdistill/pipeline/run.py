@@ -1,18 +1,22 @@
-"""One run, top to bottom: `Run` holds a run's state and its phases, in the order they happen.
+"""One run, top to bottom: `Run` holds a run's state and its phases, and owns the order they run in.
 
     run = Run(cfg)                       a complete `RunConfig` (data included), validated once, never patched
-    run.setup(run_dir)                   load the model (and its tokenizer), bind the data; the methods' family and the plan's depth checks
-    run.calibrate()                      plan → calibrate (statistics, resumable) → fit (every method's operators)
-    run.build_students()                 distil: the `<method>_ft` students from their closed forms
-    run.distill_step(batch)              … one teacher pass, every student's loss
-    run.validate(step)                   … held-out KL and perplexity, each student's best step
+    run.prepare(run_dir)                 every phase before the first step or scored batch, in this order:
+      run.setup(run_dir)                   load the model (and its tokenizer), bind the data; the methods' family and the plan's depth checks
+      place()                              the caller puts the model where it computes (Lightning: its module and device)
+      run.calibrate()                      plan → calibrate (statistics, resumable) → fit (every method's operators)
+      run.build_students()                 when distilling: the `<method>_ft` students from their closed forms
+    run.distill_step(batch)              … one step of every student (the loop's: Lightning's)
+    run.validate(step), run.curve(step)  … held-out KL and perplexity, each student's best step; the budget curve
     run.end_distillation(step)           … `keep: best`, the report's `distill` section
     run.start_evaluation() / score_batch / finish_evaluation      (or `run.evaluate()` in one process)
-    run.zeroshot(step), run.analyse(), run.write_report(), run.export(views, root)
+    run.finish(step)                     zero-shot, the analyses, the report: the phases after evaluation, in order
+    run.export(views, root)
 
-The Lightning layer (`ghostdistill.lit`) owns the loop, the devices and the checkpoints and calls these
-phases from its hooks; `frontier`, `export <run>`, the Python API (`pipeline.direct`) and
-`tests/test_phases.py` call them without a Trainer.
+`run.execute(run_dir)` is the whole training-free run in one process: prepare, evaluate, finish (the Python
+API's runs). The Lightning layer (`ghostdistill.lit`) owns the loop, the devices and the checkpoints: its
+callbacks call `prepare` before the loop and `finish` after the test loop, nothing else; `frontier`,
+`export <run>` and `tests/test_phases.py` call the phases without a Trainer.
 Why one object: the state a run builds (model, views, students, report) used to travel through
 attributes of the LightningModule and the callbacks, and the order of the phases was implicit in
 Lightning's hook order; here both are written down once.
@@ -32,7 +36,6 @@ from pathlib import Path
 
 import torch
 
-from ..core.measure import PeakMemory
 from ..core.model import decoder_stack, hidden_size, load_model, load_tokenizer, model_key, padded
 from ..core.offload import is_offloaded, model_device
 from ..core.sharded import is_sharded, load_sharded
@@ -53,10 +56,16 @@ from .phases import PhaseObserver as PhaseObserver
 from .phases import Phases
 from .phases import observe as observe
 from .state import STATE_FILE, incomplete_state, open_state, run_key
-from .train import BestSteps, build_students, curve_point, describe, describe_point, distill_step, validate
+from .train import BestSteps, DistillPhases
 
 
-class Run(Phases):
+def fit_device(accelerator: str | None = "auto") -> str:
+    """The device a single-process `fit` with this `trainer.accelerator` runs on (the GPU for auto, gpu and cuda
+    when torch sees one): where a run outside the Trainer is put (`Run.execute`'s callers, `frontier`'s pass)."""
+    return "cuda" if str(accelerator or "auto") in ("auto", "gpu", "cuda") and torch.cuda.is_available() else "cpu"
+
+
+class Run(Phases, DistillPhases):
     """One run's state and phases. `log`/`warn`: where messages go (rank 0's logger under Lightning);
     `write`: whether this process writes files (rank 0 of several). `model`/`tokenizer`: objects already
     loaded (the Python API's), used instead of loading `cfg.model` (which then only names them); the model is
@@ -87,7 +96,7 @@ class Run(Phases):
         self.pruned = self.students = self.tally = None
         self.tracker, self.last_validated = BestSteps(), None
         self._batches: list = []
-        self._peak, self._since = PeakMemory(), {}
+        self._since: dict[str, float] = {}
         # The compute device an offloaded model's blocks are brought to (the strategy's, under Lightning).
         self.device: torch.device | None = None
         self._pending: list = []  # evaluation batches held for one block-by-block pass (offloaded weights)
@@ -135,6 +144,40 @@ class Run(Phases):
             if checks:
                 self.data.check_before_calibration(getattr(llm.config, "max_position_embeddings", None), distilling)
         return self.data
+
+    def prepare(
+        self,
+        run_dir: Path | None = None,
+        *,
+        distilling: bool = False,
+        dist: Dist = Dist(),
+        checkpoint_every: int = 0,
+        place: Callable[[], None] | None = None,
+    ) -> None:
+        """Every phase before the first step or scored batch, in order: `setup`, then `place()` (the caller puts
+        the loaded model where it computes: Lightning registers it with the module and moves it to the
+        strategy's device, as calibrating an 8B model on the CPU would crawl), `calibrate` (checkpointed every
+        `checkpoint_every` batches), and when `distilling` the students, from their closed forms, before any
+        optimizer exists."""
+        self.setup(run_dir, distilling=distilling)
+        if place is not None:
+            place()
+        self.calibrate(dist=dist, checkpoint_every=checkpoint_every)
+        if distilling:
+            self.build_students()
+
+    def execute(self, run_dir: Path | None = None, *, device=None, evaluate: bool = True) -> Run:
+        """The whole run training-free, in this process: `prepare`, then (with `evaluate`) every view scored and
+        `finish`. `run_dir`: the run folder (statistics resume from it, results are written there); None keeps
+        everything in memory. `device`: where the model runs (None: where it is). Its numbers are `fit`'s with
+        `trainer.max_steps: 0`: evaluation in one process is what the test loop does batch by batch
+        (`tests/test_phases.py`). Distillation needs the loop: `lit.trainer.fit_run`."""
+        llm = self.load()
+        self.prepare(run_dir, place=None if device is None else lambda: llm.to(device))
+        if evaluate:
+            self.evaluate()
+            self.finish()
+        return self
 
     # ---------------------------------------------------- plan, calibrate, fit
     def calibrate(self, *, dist: Dist = Dist(), checkpoint_every: int = 0, saved_only: bool = False) -> None:
@@ -184,52 +227,6 @@ class Run(Phases):
         for name, fit in cal.fits.items():
             for note in fit.get("notes", []):
                 (self.warn or self.log)(f"{name} ({fit.get('method', name)}) {note}")
-
-    # ------------------------------------------------------------------ distil
-    def build_students(self, check: bool = True):
-        """The students, each from its method's closed form (before any optimizer exists)."""
-        with self.phase("distil"):
-            methods = self.cfg.methods()
-            check_batch, key = self._batches[0] if check else None, model_key(self.cfg.model)
-            self.students = build_students(self.pruned, self.cfg.distill, check_batch, methods, key)
-        self.log(describe(self.students))
-        return self.students
-
-    def distill_step(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return distill_step(self.students, batch)
-
-    def start_step(self) -> None:
-        """An optimizer step begins (the loop's: forward, backward, update); `end_step` when it is done."""
-        self.begin("step")
-
-    def end_step(self, step: int, tokens: int) -> None:
-        self.end("step", step=step, tokens=tokens)
-
-    def validate(self, step: int, *, dist: Dist = Dist(), sync_check=None) -> dict | None:
-        """Validate the students at `step` (once per step; None without validation windows)."""
-        windows = self.data.val_ids()
-        if self.last_validated == step or windows is None:
-            return None
-        with self.phase("validate"):
-            chunk, size = self.cfg.evaluation.logit_chunk, self.cfg.data.batch_size
-            entry = validate(self.students, windows, size, step, chunk=chunk, dist=dist, sync_check=sync_check)
-        self.tracker.record(entry, self.students)
-        self.last_validated = step  # after the record: a validation cut short by a signal runs again on resume
-        line = ", ".join(f"{v} KL {entry[v]['kl']:.4f} PPL {entry[v]['ppl']:.2f}" for v in self.students.views)
-        self.log(f"validation at step {step}: {line}")
-        return entry
-
-    def curve(self, step: int, batches_per_step: int = 1, dist: Dist = Dist()) -> None:
-        """The points of the budget curve (`distill.curve_tokens`) due after `step` optimizer steps of
-        `batches_per_step` batches (ranks × accumulation), each scored as the students stand."""
-        with self.phase("curve"):
-            entry = curve_point(self.students, self.data, self.cfg, self.tracker, step, batches_per_step, dist)
-        if entry is not None:
-            self.log(f"budget curve at {entry['tokens']:,} tokens: " + describe_point(entry, self.students.views))
-
-    def end_distillation(self, step: int) -> None:
-        self.tracker.restore(self.students, self.cfg.distill.keep, step)
-        self.report.distill = self.tracker.summary(self.cfg.distill, step, self.students.share_prefix, self.students)
 
     # ---------------------------------------------------------------- evaluate
     @property
@@ -315,6 +312,12 @@ class Run(Phases):
             windows = self.data.eval_ids(first)[: self.cfg.evaluation.analysis_windows]
             calibration, size = self.data.calibration_ids(), self.cfg.data.batch_size
             self.report.analysis = analysis(self.pruned, windows, calibration, size, first.label)
+
+    def finish(self, step: int = 0) -> None:
+        """The phases after evaluation, in order: zero-shot, the analyses, the report."""
+        self.zeroshot(step)
+        self.analyse()
+        self.write_report()
 
     # ---------------------------------------------------------- report, export
     def write_report(self) -> list[Path]:

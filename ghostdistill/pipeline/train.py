@@ -5,7 +5,8 @@
     entry = validate(students, windows, ...)                  KL and perplexity per student on held-out windows
     tracker.record(entry, students)                           each student's best step, by validation KL
 
-The Lightning module calls these from its hooks; a script can call them in its own loop.
+`DistillPhases` is the run's side of them (`pipeline.run.Run` holds the state); the Lightning module calls those
+from its hooks, and a script can call the functions in its own loop.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..core.head import output_head
+from ..core.model import model_key
 from ..core.offload import is_offloaded, model_device, offload_mode
 from ..core.views import PrunedModel
 from ..distill.cached_loss import fusable, fused_cached_loss
@@ -260,3 +262,55 @@ def check_checkpoint_keys(saved: set[str], trainable: set[str]) -> None:
             f"trainable here and {len(trainable - saved)} trainable tensors are missing from it (e.g. "
             f"{sorted(saved ^ trainable)[:3]}); resume with the same model.distill and plan"
         )
+
+
+class DistillPhases:
+    """The distillation phases of a `pipeline.run.Run` (its state: `cfg`, `pruned`, `data`, `students`, `tracker`,
+    `report`; its `phase` timer and `log`), in the order the loop calls them: `build_students` once (from
+    `Run.prepare`), then per step `start_step`, `distill_step`, `end_step`, with `validate` and `curve` when due,
+    and `end_distillation` after the last step."""
+
+    def build_students(self, check: bool = True):
+        """The students, each from its method's closed form (before any optimizer exists)."""
+        with self.phase("distil"):
+            methods = self.cfg.methods()
+            check_batch, key = self._batches[0] if check else None, model_key(self.cfg.model)
+            self.students = build_students(self.pruned, self.cfg.distill, check_batch, methods, key)
+        self.log(describe(self.students))
+        return self.students
+
+    def distill_step(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return distill_step(self.students, batch)
+
+    def start_step(self) -> None:
+        """An optimizer step begins (the loop's: forward, backward, update); `end_step` when it is done."""
+        self.begin("step")
+
+    def end_step(self, step: int, tokens: int) -> None:
+        self.end("step", step=step, tokens=tokens)
+
+    def validate(self, step: int, *, dist: Dist = Dist(), sync_check=None) -> dict | None:
+        """Validate the students at `step` (once per step; None without validation windows)."""
+        windows = self.data.val_ids()
+        if self.last_validated == step or windows is None:
+            return None
+        with self.phase("validate"):
+            chunk, size = self.cfg.evaluation.logit_chunk, self.cfg.data.batch_size
+            entry = validate(self.students, windows, size, step, chunk=chunk, dist=dist, sync_check=sync_check)
+        self.tracker.record(entry, self.students)
+        self.last_validated = step  # after the record: a validation cut short by a signal runs again on resume
+        line = ", ".join(f"{v} KL {entry[v]['kl']:.4f} PPL {entry[v]['ppl']:.2f}" for v in self.students.views)
+        self.log(f"validation at step {step}: {line}")
+        return entry
+
+    def curve(self, step: int, batches_per_step: int = 1, dist: Dist = Dist()) -> None:
+        """The points of the budget curve (`distill.curve_tokens`) due after `step` optimizer steps of
+        `batches_per_step` batches (ranks × accumulation), each scored as the students stand."""
+        with self.phase("curve"):
+            entry = curve_point(self.students, self.data, self.cfg, self.tracker, step, batches_per_step, dist)
+        if entry is not None:
+            self.log(f"budget curve at {entry['tokens']:,} tokens: " + describe_point(entry, self.students.views))
+
+    def end_distillation(self, step: int) -> None:
+        self.tracker.restore(self.students, self.cfg.distill.keep, step)
+        self.report.distill = self.tracker.summary(self.cfg.distill, step, self.students.share_prefix, self.students)

@@ -3,7 +3,7 @@ by `ghostdistill.cli`).
 
 A compare file names a base fit config, the plans to run and the run root:
 
-    base: configs/smollm2_methods.yaml
+    base: configs/studies/compare/smollm2_methods.yaml
     root: runs/smollm2_compare
     plans:
       - {criterion: streamline, num_layers: 7}

@@ -4,13 +4,13 @@ points of a frontier, checked when read back (`point_problem`).
 A frontier file names a base fit config (model, recovery entries, calibration, selection and evaluation
 data), the run root, the depths and the criteria:
 
-    base: configs/smollm2_frontier.yaml
+    base: configs/studies/repair-planning/smollm2_frontier.yaml
     root: runs/smollm2_frontier
     num_layers: {first: 1, last: 14}      # or a list: [7, 11]
     criteria: [streamline, repair]       # and `greedy`: extend the previous depth's plans (below)
     greedy: {views: [rotation_anchored], criterion_samples: 8}   # optional, with `greedy` in criteria
     students:                             # optional: fine-tune per depth (one `fit` each, see below)
-      config: configs/smollm2_stock_students.yaml      # the fit config they train with (data, steps, rates)
+      config: configs/studies/stock/smollm2_stock_students.yaml      # the fit config they train with (data, steps, rates)
       stock: {name: stock_ft, train: [operators, lora, norms]}   # from the depth's best stock repair
       operators: {name: operators_ft, train: [operators, lora]}  # from the depth's best operator view
       overrides: []                       # fit arguments for the student runs only

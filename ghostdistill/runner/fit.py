@@ -77,12 +77,14 @@ class GhostDistillCLI(LightningCLI):
         check_strategy_config(trainer.get("strategy"))
         root = trainer.get("default_root_dir")
         check_run_settings(trainer.get("max_steps"), root, self.config.get("ckpt_path"))
-        # `--ckpt_path` continues this folder's run on purpose (e.g. with more steps): not a copy replacing it.
-        if not self.config.get("overwrite_run") and not self.config.get("ckpt_path"):
-            check_same_run(root, settings_of(self))
 
     def instantiate_trainer(self, **kwargs):
         trainer = self.config["trainer"]
+        # After the model's and data's settings are made (a bad criterion is named first, not the folder), before
+        # anything loads. `--ckpt_path` continues this folder's run on purpose (e.g. with more steps): not a copy
+        # replacing it.
+        if not self.config.get("overwrite_run") and not self.config.get("ckpt_path"):
+            check_same_run(trainer.get("default_root_dir"), settings_of(self))
         callbacks = run_callbacks(
             kwargs.pop("callbacks", []) or [],
             Path(trainer["default_root_dir"]),

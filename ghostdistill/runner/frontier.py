@@ -16,9 +16,8 @@ from ..core.io import json_digest, read_mapping, spec_name
 from ..core.lock import hold_folder
 from ..distill.config import StudentConfig
 from ..methods import RecoveryConfig, ships_stock
-from ..pipeline.direct import fit_device
 from ..pipeline.frontier import check_greedy, run_frontier
-from ..pipeline.run import Run
+from ..pipeline.run import Run, fit_device
 from ..planning import check_selection
 from ..reporting import frontier
 from ..reporting.frontier import student_starts

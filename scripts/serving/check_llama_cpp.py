@@ -38,7 +38,6 @@ import math
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,8 +46,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-LLAMA_CPP = ROOT / ".serve" / "llama.cpp"
+from ghostdistill.export.quantize import find_tools, llama_cpp_root, llama_tokens, run_tool, threads
+
+LLAMA_CPP = llama_cpp_root()
 TYPES = ("F32", "F16", "Q8_0")
 TOLERANCE = {"F32": 0.01, "F16": 0.01, "Q8_0": 0.03}
 PROMPTS = [
@@ -61,35 +61,17 @@ TOOLS = ("llama-greedy-ids", "llama-perplexity", "llama-tokenize")
 
 
 def tools(root: Path = LLAMA_CPP) -> dict[str, Path]:
-    """The built tools, or SystemExit naming the build command."""
-    found = {name: root / "bin" / name for name in TOOLS}
-    missing = [name for name, path in found.items() if not path.is_file()]
-    if missing:
-        raise SystemExit(f"{root}: {missing} not built; run `bash scripts/serving/llama_cpp.sh`")
-    return found
-
-
-def threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
-    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, check=False, **kwargs)
-    if done.returncode:
-        raise SystemExit(f"{' '.join(map(str, cmd))} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return done
+    """The built tools (`export.quantize.find_tools`), or SystemExit naming the build command."""
+    try:
+        return find_tools(root, TOOLS, what="The serving check's tokens and perplexities")
+    except FileNotFoundError as err:
+        raise SystemExit(str(err)) from None
 
 
 def greedy(tool: Path, model: Path, prompts: list[list[int]], new: int, f32_cache: bool) -> list[list[int]]:
     stdin = "\n".join(" ".join(map(str, p)) for p in prompts) + "\n"
-    done = _run([tool, model, new] + (["f32"] if f32_cache else []), input=stdin)
+    done = run_tool([tool, model, new] + (["f32"] if f32_cache else []), tool.name, input=stdin)
     return [[int(t) for t in line.split()] for line in done.stdout.splitlines() if line.strip()]
-
-
-def tokenize(tool: Path, model: Path, text: Path) -> list[int]:
-    done = _run([tool, "-m", model, "-f", text, "--ids", "--no-escape", "--log-disable"])
-    line = next(line for line in done.stdout.splitlines() if line.startswith("["))
-    return json.loads(line)
 
 
 def perplexity(tool: Path, model: Path, text: Path, n_ctx: int, chunks: int, f32_cache: bool) -> dict:
@@ -98,7 +80,7 @@ def perplexity(tool: Path, model: Path, text: Path, n_ctx: int, chunks: int, f32
     if f32_cache:
         cmd += ["-ctk", "f32", "-ctv", "f32"]
     start = time.perf_counter()
-    done = _run(cmd)
+    done = run_tool(cmd, tool.name)
     found = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", done.stdout + done.stderr)
     if not found:
         raise SystemExit(f"{tool}: no final estimate in its output:\n{(done.stdout + done.stderr)[-3000:]}")
@@ -185,10 +167,8 @@ def converter_parity(folder: Path, ours: Path, work: Path, root: Path = LLAMA_CP
 
     theirs = work / f"{folder.name}.convert.F32.gguf"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src" / "gguf-py"), str(root / "pydeps")])}
-    _run(
-        [sys.executable, root / "src" / "convert_hf_to_gguf.py", folder, "--outfile", theirs, "--outtype", "f32"],
-        env=env,
-    )
+    convert = [sys.executable, root / "src" / "convert_hf_to_gguf.py", folder, "--outfile", theirs, "--outtype", "f32"]
+    run_tool(convert, "convert_hf_to_gguf.py", env=env)
     a, b = gguf.GGUFReader(str(ours)), gguf.GGUFReader(str(theirs))
     ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
     diffs = {}
@@ -292,8 +272,8 @@ def check_views(
                 "transformers": {"tokens": expected, **reference},
                 "ppl_run": loaded.report["views"][view]["metrics"][source.label]["ppl"],
             }
-            llama_tokens = tokenize(found["llama-tokenize"], files[types[0]], text)
-            entry["same_windows"] = llama_tokens[: n * seq] == windows.flatten().tolist()
+            tokens = llama_tokens(found, files[types[0]], text)
+            entry["same_windows"] = tokens[: n * seq] == windows.flatten().tolist()
             for gguf_type, path in files.items():
                 f32 = gguf_type == "F32"
                 got = greedy(found["llama-greedy-ids"], path, prompts, new, f32)

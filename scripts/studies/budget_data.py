@@ -30,6 +30,10 @@ def main() -> None:
     parser.add_argument("run", type=Path, help="a run folder (its config.yaml names the training data)")
     parser.add_argument("budgets", type=int, nargs="+", help="training tokens per student")
     args = parser.parse_args()
+    if not (args.run / "config.yaml").is_file():
+        parser.error(f"{args.run} holds no config.yaml: give the folder of a fit run (its trainer.default_root_dir)")
+    if any(b < 1 for b in args.budgets):
+        parser.error(f"budgets {args.budgets}: give positive token counts, e.g. 20480 81920")
     cfg = yaml.safe_load((args.run / "config.yaml").read_text())
     data, train = cfg["data"], cfg["data"]["train"]
     tok = load_tokenizer(ModelConfig(**{k: v for k, v in cfg["model"]["model"].items() if k != "offload_folder"}))

@@ -13,7 +13,7 @@ so every number comes from the same run (same statistics, sequential fits, evalu
 Run, with the held-out C4 documents 1000–1999 as a second evaluation source (the choice is made on it, not on
 WikiText-2):
 
-    .venv/bin/python scripts/studies/rotation_variants.py fit --config configs/smollm2_stock.yaml \\
+    .venv/bin/python scripts/studies/rotation_variants.py fit --config configs/studies/stock/smollm2_stock.yaml \\
         --model.plan.layers '[3,4,5,6,12,13,14,15,16,17,18]' \\
         --model.recovery '[{name: rotation_anchored, method: rotation_anchored}, {name: rotation_hybrid, method: rotation_hybrid}, {name: anch_norm, method: anch_norm}, {name: anch_k2, method: anch_k2}, {name: anch_k4, method: anch_k4}]' \\
         --data.evaluation.sources '[{name: wikitext2, source: ../shared/data/wikitext-2-raw/wiki.test.raw, join: ""}, {name: c4held, source: ../shared/data/c4_validation_sample/c4_validation_2k.jsonl.gz, first_document: 1000, max_documents: 1000}]' \\

@@ -1,4 +1,5 @@
-"""The students study: several fine-tuning recipes of one run side by side (configs/smollm2_students.yaml).
+"""The students study: several fine-tuning recipes of one run side by side
+(configs/studies/students/smollm2_students.yaml).
 
 For each finished run folder given (one per depth):
 
@@ -26,44 +27,13 @@ import argparse
 import json
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
+from ghostdistill.core.measure import SampledPeak, status_bytes
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-class PeakRSS:
-    """Samples this process's RSS every 10 ms; `peak` is the highest seen since `start`."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss_bytes())
-            time.sleep(0.01)
-
-    def __enter__(self):
-        self.peak = _rss_bytes()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_bytes())
 
 
 def cost_worker(run: str, student: str, steps: int, out: str) -> None:
@@ -93,21 +63,21 @@ def cost_worker(run: str, student: str, steps: int, out: str) -> None:
     students = build_students(loaded.pruned, alone, batches[0], cfg.methods())
     optimizer, scheduler = make_optimizer(students.params, alone, steps + 1)
     seconds = []
-    before = _rss_bytes()
-    with PeakRSS() as peak:
-        for batch in batches:
-            start = time.perf_counter()
-            loss = sum(distill_step(students, batch).values())
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            seconds.append(time.perf_counter() - start)
+    before, peak = status_bytes("VmRSS"), SampledPeak()  # RSS every 10 ms
+    for batch in batches:
+        start = time.perf_counter()
+        loss = sum(distill_step(students, batch).values())
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds.append(time.perf_counter() - start)
+    (peak_rss,) = peak.close()
     result = {
         "student": student,
         "seconds_per_step": sorted(seconds[1:])[len(seconds[1:]) // 2],  # median after the warm-up step
         "steps_timed": len(seconds) - 1,
-        "peak_rss_above_start_gib": (peak.peak - before) / 2**30,
+        "peak_rss_above_start_gib": (peak_rss - before) / 2**30,
         "tokens_per_step": int(batches[0]["input_ids"].numel()),
     }
     from ghostdistill.core.io import atomic_write_json
@@ -291,7 +261,9 @@ def plot(summary: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", type=Path, help="finished run folders of configs/smollm2_students.yaml")
+    parser.add_argument(
+        "runs", nargs="+", type=Path, help="finished run folders of configs/studies/students/smollm2_students.yaml"
+    )
     parser.add_argument("--steps", type=int, default=4, help="timed steps per student (after one warm-up)")
     parser.add_argument("--no-cost", action="store_true", help="skip the per-student cost measurement")
     parser.add_argument("--out", type=Path, default=None)

@@ -1,12 +1,11 @@
 """Collectors sized to the run's recovery entries (`make_collectors(..., recovery)`): they hold only what
 the fits read, and every shipped entry solves to exactly the operators of the all-variants collector."""
 
-from pathlib import Path
-
 import pytest
 import torch
 import yaml
 from conftest import random_batches, tiny_model
+from shipped_configs import SHIPPED as SHIPPED_CONFIGS
 
 import ghostdistill.calibration.fit as fit_module
 from ghostdistill.calibration.fit import fit_methods
@@ -17,14 +16,13 @@ from ghostdistill.methods import RecoveryConfig, fit_gap, make_collectors, stati
 from ghostdistill.methods.ghost import GhostStatistics, fit_groups
 from ghostdistill.pipeline.state import load_state, save_state
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 C = 64
 
 
 def _shipped() -> dict[str, list[RecoveryConfig]]:
     """Each shipped config's recovery entries (a config that only extends another has none of its own)."""
     out = {}
-    for path in sorted(CONFIGS.glob("*.yaml")):
+    for path in SHIPPED_CONFIGS:
         entries = ((yaml.safe_load(path.read_text()) or {}).get("model") or {}).get("recovery")
         if entries:
             cfgs = [RecoveryConfig(**e) for e in entries]

@@ -21,7 +21,6 @@ from ghostdistill.export.gguf_header import READER, layer_types
 from ghostdistill.methods import RecoveryConfig
 from ghostdistill.pipeline.config import RunConfig
 from ghostdistill.pipeline.data import CalibrationData, DataConfig, EvaluationData
-from ghostdistill.pipeline.direct import run_training_free
 from ghostdistill.pipeline.export import ExportOptions
 from ghostdistill.pipeline.run import Run
 from ghostdistill.planning import PlanConfig
@@ -80,7 +79,7 @@ def _export(case: str, tmp_path, tokenizer, text_files) -> tuple[list[str], obje
     )
     warned: list[str] = []
     run = Run(cfg, model=_model(family, head_dim), tokenizer=tokenizer, log=lambda m: None, warn=warned.append)
-    run_training_free(run, evaluate=False)
+    run.execute(evaluate=False)
     run.export(ExportOptions(views=["mag"], format=["hf", "gguf"], gguf_types=["F32"]), tmp_path)
     return warned, run
 

@@ -130,13 +130,14 @@ def test_a_w4a16_folder_this_cpu_build_cannot_run_is_named_before_loading(tmp_pa
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config))
     probe = (
-        "import json, sys, torch; sys.path.insert(0, sys.argv[1]); import vllm_check; "
+        "import importlib.util, json, sys, torch; spec = importlib.util.spec_from_file_location('c', sys.argv[1]); "
+        "vllm_check = importlib.util.module_from_spec(spec); spec.loader.exec_module(vllm_check); "
         "import vllm._custom_ops; has = hasattr(torch.ops._C, 'cpu_gemm_wna16') or torch.cuda.is_available(); "
         "print(json.dumps({'has': has, **{n: vllm_check.missing_kernel(sys.argv[2] + '/' + n) "
         "for n in ('w4a16', 'w8a8', 'plain')}}))"
     )
     done = subprocess.run(
-        [str(VLLM_PYTHON), "-c", probe, str(ROOT / "scripts" / "serving"), str(tmp_path)],
+        [str(VLLM_PYTHON), "-c", probe, str(ROOT / "scripts" / "serving" / "vllm_check.py"), str(tmp_path)],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -149,83 +150,93 @@ def test_a_w4a16_folder_this_cpu_build_cannot_run_is_named_before_loading(tmp_pa
 
 
 FAKE_VLLM = """
-import json, os, sys
+import atexit, json, os, time
 from pathlib import Path
+from types import SimpleNamespace
+
+__version__ = "fake"
 here = Path(__file__).parent
-sys.path.insert(0, str(here))  # the fake `vllm` module
-sys.path.insert(0, sys.argv[1])  # scripts/serving
-import vllm_check
 plan = json.loads((here / "plan.json").read_text())
 calls = here / "calls.txt"
 attempt = calls.read_text().count("start") + 1 if calls.is_file() else 1
 calls.open("a").write("start\\n")
-
-def load(folder, dtype, max_len, eager, impl="auto"):
-    view = Path(folder).name
-    calls.open("a").write(view + "\\n")
-    if view in plan["abort_at"] and attempt <= plan["abort_at"][view]:
-        os.abort()  # what vLLM's engine did: `terminate called without an active exception`
-    return view, 0.1
-
-vllm_check.load = load
-vllm_check.greedy = lambda llm, prompts, new: [[len(llm)]]
-vllm_check.perplexity = lambda llm, windows: {"ppl": 10.0}
 if os.fork() == 0:  # an engine process that outlives its parent and holds its output open
-    import time
     time.sleep(600)
-vllm_check.main(sys.argv[2], sys.argv[3])
+    os._exit(0)
 if attempt <= plan["abort_after"]:
-    os.abort()  # in the teardown, after every result is written
+    atexit.register(os.abort)  # in the teardown, after every result is written
+
+
+class LLM:
+    def __init__(self, model, **kwargs):
+        self.view = Path(model).name
+        calls.open("a").write(self.view + "\\n")
+        if attempt <= plan["abort_at"].get(self.view, 0):
+            os.abort()  # what vLLM's engine did: `terminate called without an active exception`
+
+    def generate(self, prompts, params, use_tqdm=False):
+        logprobs = [[None] + [{t: SimpleNamespace(logprob=-1.0)} for t in p[1:]] for p in prompts]
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[len(self.view)])], prompt_logprobs=lp)
+                for lp in logprobs]
+
+
+def SamplingParams(**kwargs):
+    return SimpleNamespace(**kwargs)
+
+
+def TokensPrompt(prompt_token_ids):
+    return prompt_token_ids
 """
 
 
-def _fake_vllm(tmp_path: Path, abort_at: dict, abort_after: int = 0) -> tuple[str, dict, Path]:
-    """A `python` for `run_vllm` that runs the real `vllm_check.main` with vLLM's calls replaced, aborting as
-    `abort_at` ({view: on attempts up to}) and `abort_after` (attempts that abort once the file is complete) say."""
+@pytest.fixture(scope="module")
+def tiny_served_run(tiny_dir, text_files, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("vllm_abort") / "run"
+    fit = tiny_run_args(tiny_dir, text_files, run, "--model.evaluation.analysis", "false", samples=4)
+    done = subprocess.run([sys.executable, "-m", "ghostdistill", *fit], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run
+
+
+def _check_with_fake_vllm(run: Path, tmp_path: Path, abort_at: dict, abort_after: int = 0):
+    """`scripts/check_serving.py` on `run`'s pruned and ghost views, its vLLM stage the real
+    `scripts/serving/vllm_check.py` under a `python` whose `vllm` is a fake that aborts as `abort_at` ({view: on
+    attempts up to}) and `abort_after` (attempts that abort once the file is complete) say; (the finished process,
+    the report or None, the views each attempt loaded)."""
     fake = tmp_path / "fake"
     fake.mkdir(parents=True)
-    (fake / "vllm.py").write_text("__version__ = 'fake'\n")
     (fake / "plan.json").write_text(json.dumps({"abort_at": abort_at, "abort_after": abort_after}))
-    (fake / "fake_vllm.py").write_text(FAKE_VLLM)
+    (fake / "vllm.py").write_text(FAKE_VLLM)
     python = fake / "python"
-    python.write_text(
-        f'#!/bin/sh\nexec "{sys.executable}" "{fake / "fake_vllm.py"}" "{ROOT / "scripts" / "serving"}" "$2" "$3"\n'
-    )
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{fake}${{PYTHONPATH:+:$PYTHONPATH}}" exec "{sys.executable}" "$@"\n')
     python.chmod(0o755)
-    views = {v: str(tmp_path / "folders" / v) for v in ("a", "bb", "ccc")}
-    for folder in views.values():
-        Path(folder).mkdir(parents=True)
-        Path(folder, "config.json").write_text("{}")
-    request = {"views": views, "prompts": [[1, 2]], "new": 1, "windows": None, "throughput": None}
-    return str(python), request, fake / "calls.txt"
+    out = tmp_path / "serving.json"
+    check = [
+        sys.executable, str(ROOT / "scripts" / "check_serving.py"), str(run), "--views", "pruned", "ghost",
+        "--dir", str(tmp_path / "served"), "--stacks", "transformers", "vllm", "--vllm-python", str(python),
+        "--new", "2", "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(check, capture_output=True, text=True, cwd=ROOT, timeout=600, check=False)
+    calls = (fake / "calls.txt").read_text().split("start")[1:]
+    return done, json.loads(out.read_text()) if out.is_file() else None, [c.split() for c in calls]
 
 
-def test_a_vllm_process_that_aborts_keeps_what_it_measured_and_serves_the_rest_once_more(tmp_path, capsys):
+@pytest.mark.slow  # three runs of the check, each loading the run and reloading its folders in fresh processes
+def test_a_vllm_process_that_aborts_keeps_what_it_measured_and_serves_the_rest_once_more(tiny_served_run, tmp_path):
     """vLLM's CPU engine once aborted a CI run between views (`terminate called without an active exception`).
-    `run_vllm` keeps the views the process finished, serves only the others in a second process, and says so;
-    a process that aborts in its teardown after writing every result counts as done; a view that aborts its
+    `check_serving.py` keeps the views the process finished, serves only the others in a second process, and says
+    so; a process that aborts in its teardown after writing every result counts as done; a view that aborts its
     process twice, or a first view that does, fails the check with the exit code. An engine process left
     behind (each fake one sleeps 10 minutes) neither keeps the check waiting nor outlives it."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from check_serving import run_vllm
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
     started = time.monotonic()
-    python, request, calls = _fake_vllm(tmp_path / "once", {"bb": 1})
-    served = run_vllm(python, request, tmp_path / "once")
-    assert {v: e["tokens"] for v, e in served["views"].items()} == {"a": [[1]], "bb": [[2]], "ccc": [[3]]}
-    assert served["done"]
-    assert calls.read_text().split() == ["start", "a", "bb", "start", "bb", "ccc"]  # `a` was not served again
-    assert "after ['a']: once more for ['bb', 'ccc']" in capsys.readouterr().err
+    done, report, calls = _check_with_fake_vllm(tiny_served_run, tmp_path / "once", {"ghost": 1}, abort_after=2)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert {v: r["vllm"]["tokens"] for v, r in report["views"].items()} == {"pruned": [[6]] * 4, "ghost": [[5]] * 4}
+    assert calls == [["pruned", "ghost"], ["ghost"]]  # `pruned` was not served again
+    assert "after ['pruned']: once more for ['ghost']" in done.stderr
+    assert "after writing every result" in done.stderr  # the second process aborted in its teardown
 
-    python, request, calls = _fake_vllm(tmp_path / "teardown", {}, abort_after=1)
-    served = run_vllm(python, request, tmp_path / "teardown")
-    assert sorted(served["views"]) == ["a", "bb", "ccc"] and calls.read_text().count("start") == 1
-    assert "after writing every result" in capsys.readouterr().err
-
-    for name, abort_at in (("twice", {"bb": 2}), ("first", {"a": 1})):
-        python, request, _ = _fake_vllm(tmp_path / name, abort_at)
-        with pytest.raises(SystemExit, match="vLLM failed \\(exit code -6\\)"):
-            run_vllm(python, request, tmp_path / name)
-    assert time.monotonic() - started < 300, "a left-behind engine process kept the check waiting"  # not a speed test
+    for name, abort_at in (("twice", {"ghost": 2}), ("first", {"pruned": 1})):
+        done, _, _ = _check_with_fake_vllm(tiny_served_run, tmp_path / name, abort_at)
+        assert done.returncode != 0 and "vLLM failed (exit code -6)" in done.stderr, (name, done.stderr[-3000:])
+    assert time.monotonic() - started < 600, "a left-behind engine process kept the check waiting"  # not a speed test

@@ -196,10 +196,11 @@ def test_every_shipped_fsdp2_config_shards_over_every_process():
     """`--print_config` does not reach the strategy check (tests/test_cli.py parses every config); here each
     shipped config's strategy passes it, and the 70B config removes the share of blocks the 8B one does."""
     import yaml
+    from shipped_configs import SHIPPED
 
     from ghostdistill.cli import check_strategy_config
 
-    configs = {p.name: yaml.safe_load(p.read_text()) for p in (ROOT / "configs").glob("*.yaml")}
+    configs = {p.name: yaml.safe_load(p.read_text()) for p in SHIPPED}
     fsdp2 = [name for name, c in configs.items() if "ModelParallel" in str((c.get("trainer") or {}).get("strategy"))]
     assert "llama3_70b.yaml" in fsdp2
     for name in fsdp2:

@@ -5,12 +5,12 @@ the defaults every fit saw before the keys were split, and every shipped config 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from conftest import random_batches, tiny_model
+from shipped_configs import SHIPPED
 
 from ghostdistill.calibration.fit import fit_methods
 from ghostdistill.calibration.stream import accumulate
@@ -35,7 +35,6 @@ from ghostdistill.methods import (
     validate_recovery,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 C = 64
 
 # What every fit read before the keys were split per method: one flat config with these defaults.
@@ -55,7 +54,6 @@ KEYS = {
 }
 # A valid value for every key, different from its default where the key has choices.
 VALUES = dict(fit="plain", bias=True, scale="norm", solver="lstsq", ridge=1e-3, variant="diag", order="independent")
-SHIPPED = sorted((ROOT / "configs").glob("*.yaml"))
 
 
 def shipped_entries() -> list[tuple[str, list[dict]]]:
@@ -72,10 +70,8 @@ FIT_CONFIGS = [p for p in SHIPPED if p.name in dict(shipped_entries())]
 
 
 def test_every_shipped_file_is_a_fit_config_with_recovery_entries_or_names_a_base():
-    others = [p.name for p in SHIPPED if p not in FIT_CONFIGS]
-    assert FIT_CONFIGS and all("base" in yaml.safe_load((ROOT / "configs" / name).read_text()) for name in others), (
-        others
-    )
+    others = [p for p in SHIPPED if p not in FIT_CONFIGS]
+    assert FIT_CONFIGS and all("base" in yaml.safe_load(p.read_text()) for p in others), [p.name for p in others]
 
 
 def test_every_method_declares_its_keys():

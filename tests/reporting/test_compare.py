@@ -62,7 +62,9 @@ def test_compare_rejects_bad_files(tmp_path):
     from ghostdistill.reporting.compare import load_spec
 
     bad = tmp_path / "c.yaml"
-    bad.write_text("base: configs/smollm2_methods.yaml\nplans: [{criterion: streamline, layers_removed: 3}]\n")
+    bad.write_text(
+        "base: configs/studies/compare/smollm2_methods.yaml\nplans: [{criterion: streamline, layers_removed: 3}]\n"
+    )
     with pytest.raises(ValueError, match="layers_removed"):
         load_spec(str(bad))
     bad.write_text("base: nowhere.yaml\nplans: [{num_layers: 3}]\n")
@@ -180,6 +182,8 @@ def test_duplicate_compare_plans_are_refused(tmp_path):
     from ghostdistill.reporting.compare import load_spec
 
     spec = tmp_path / "c.yaml"
-    spec.write_text("base: configs/smollm2_methods.yaml\nplans: [{num_layers: 3}, {num_layers: 3, keep_first: 1}]\n")
+    spec.write_text(
+        "base: configs/studies/compare/smollm2_methods.yaml\nplans: [{num_layers: 3}, {num_layers: 3, keep_first: 1}]\n"
+    )
     with pytest.raises(ValueError, match=r"plans \(by run folder\) \['streamline_3', 'streamline_3'\] names "):
         load_spec(str(spec))
