@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import re
+from dataclasses import fields
 from pathlib import Path
+
+import yaml
 
 from ..lit.interrupts import terminate_on_sigterm
 from ..methods import drop_flat_defaults
@@ -76,6 +79,7 @@ def run_export(argv: list[str]) -> list[Path]:
     )
     parser.add_argument("--schemes", nargs="+", default=None, help=helps["schemes"])
     parser.add_argument("--quantize-python", default=None, help=helps["quantize_python"] + f": `{SETUP}`")
+    parser.add_argument("--format-options", type=_mapping, default=None, help=helps["format_options"])
     parser.add_argument(
         FLAG,
         action="store_true",
@@ -83,7 +87,7 @@ def run_export(argv: list[str]) -> list[Path]:
         "source ships); only for run folders whose author you trust",
     )
     args = parser.parse_args(argv)
-    keys = ("views", "dir", "overwrite", "format", "gguf_types", "imatrix", "schemes", "quantize_python")
+    keys = [f.name for f in fields(ExportOptions)]
     given = [k for k in FORMAT_OF if getattr(args, k) not in (None, True)]  # imatrix: given as --no-imatrix
     options = ExportOptions(**{k: getattr(args, k) for k in keys if getattr(args, k) is not None})
     check_options(options)  # formats, types, schemes and the tools they need, before the run is read
@@ -97,6 +101,14 @@ def run_export(argv: list[str]) -> list[Path]:
     for path in paths:
         print(f"exported {path}")
     return paths
+
+
+def _mapping(text: str) -> dict:
+    """A YAML (or JSON) mapping given on the command line: ``'{torch_file: {dtype: float16}}'``."""
+    value = yaml.safe_load(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a mapping such as '{{format: {{key: value}}}}', got {text!r}")
+    return value
 
 
 def _option_help(cls: type) -> dict[str, str]:

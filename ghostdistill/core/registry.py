@@ -3,13 +3,16 @@ student parts and export formats (each package's `register`).
 
 A name names one object: registering another under a taken name is refused, naming both (the registered one
 and the refused one), rather than silently replacing the first (a plug-in shadowing `ghost` would change every
-run that names it). Registering the same object again changes nothing.
+run that names it). Registering the same object again changes nothing. A plug-in's `options` (a dataclass of
+its own keys, `core.options`) is checked when it registers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Generic, TypeVar
+
+from .options import check_options_class
 
 T = TypeVar("T")
 
@@ -34,6 +37,7 @@ class Registry(Generic[T]):
         name = getattr(item, "name", None)
         if not isinstance(name, str) or not name.replace("-", "_").isidentifier():  # `compressed-tensors` has dashes
             raise ValueError(f"{self.kind} name {name!r} must be a Python identifier (dashes allowed)")
+        check_options_class(getattr(item, "options", None), f"{self.kind} {name!r} ({origin(item)})")
         taken = self._items.get(name)
         if taken is not None and taken is not item:
             raise ValueError(

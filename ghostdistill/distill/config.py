@@ -56,6 +56,7 @@ class StudentConfig:
         tail_blocks: k, the surviving blocks `tail` trains (the last k).
         lora: adapter settings.
         loss: the objective (the hidden-state term included).
+        part_options: the options of the parts it trains, by part (`DistillConfig.part_options`).
     """
 
     name: str = ""
@@ -67,6 +68,7 @@ class StudentConfig:
     tail_blocks: int | None = None
     lora: LoraSettings | None = None
     loss: LossConfig | None = None
+    part_options: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ class Student:
     tail_blocks: int
     lora: LoraSettings
     loss: LossConfig
+    part_options: dict | None = None
 
     def trains(self, kind: str) -> bool:
         return kind in self.train
@@ -129,6 +132,9 @@ class DistillConfig:
         curve_tokens: training tokens per student (windows × seq_len) at which every student is scored on
             the first evaluation source during training: a budget curve from one run (results.json
             ``distill.curve``, curve.png).
+        part_options: the options of a part that declares them (`Part.options`, a dataclass a part of your
+            own declares), by part name: ``{final_norm: {scale: 0.5}}``; checked against its fields, for
+            every student that trains the part (a student's own `part_options` replaces these).
     """
 
     methods: list[str] = field(default_factory=list)
@@ -151,6 +157,7 @@ class DistillConfig:
     teacher_topk: int | None = None
     precision: Literal["fp32", "bf16", "auto"] = "fp32"
     curve_tokens: list[int] = field(default_factory=list)
+    part_options: dict | None = None
 
     def run_wide(self, name: str, method: str) -> Student:
         """A student named `name` from `method` with the run-wide recipe."""
@@ -163,7 +170,11 @@ class DistillConfig:
         out = [self.run_wide(ft_view(m), m) for m in self.methods]
         for s in self.students:
             base = self.run_wide(s.name, s.method)
-            own = {k: getattr(s, k) for k in ("lr", "block_lr", "norm_lr", "tail_blocks") if getattr(s, k) is not None}
+            own = {
+                k: getattr(s, k)
+                for k in ("lr", "block_lr", "norm_lr", "tail_blocks", "part_options")
+                if getattr(s, k) is not None
+            }
             if s.train is not None:
                 own["train"] = tuple(s.train)
             own["lora"] = copy.deepcopy(self.lora if s.lora is None else s.lora)
@@ -268,6 +279,12 @@ class DistillConfig:
             )
         check_unique(f"{where}: lora.target_modules", s.lora.target_modules)
         s.loss.validate()
+        for name in s.part_options or {}:
+            if name not in s.train:
+                raise ValueError(
+                    f"{where}: part_options names {name!r}, which it does not train (train: {list(s.train)})"
+                )
+            get_part(name).options_of(s)
 
 
 def ft_view(method: str) -> str:

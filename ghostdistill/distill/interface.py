@@ -5,7 +5,8 @@ parameters train (`params`, by a name stable across runs: checkpoints hold them)
 (`lr_key`, a field of the resolved `Student`), where a student's forward must start for it (`first_block`),
 what FSDP2 does with it (`fsdp`: ``shard`` its modules, ``replicate`` them on every rank, or ``refuse``),
 whether it changes the surviving blocks themselves (`adapts_blocks`: one such part per student) and what the
-report and the export record of it besides its learning rate (`settings`). Export writes a student's view as
+report and the export record of it besides its learning rate (`settings`), and the keys of its own (`options`, a
+dataclass given per student as `part_options`, read by `options_of`). Export writes a student's view as
 it computes: copies are the view's own modules and adapters merge into their weights.
 """
 
@@ -15,6 +16,7 @@ from typing import Any, Literal
 
 from torch import nn
 
+from ..core.options import make_options
 from ..core.plan import PruningPlan
 from ..core.registry import Registry
 
@@ -30,6 +32,13 @@ class Part:
     fsdp: Literal["shard", "replicate", "refuse"] = "shard"
     adapts_blocks: bool = False
     build_last: bool = False  # after the other parts (adapters go into the shared blocks the others copy)
+    options: type | None = None  # a dataclass of its own keys, set as `part_options: {<name>: {...}}`
+
+    def options_of(self, student: Student) -> Any:
+        """The student's options of this part (`part_options[name]`) as its `options` class, checked."""
+        held = student if isinstance(student, dict) else vars(student)
+        given = (held.get("part_options") or {}).get(self.name)
+        return make_options(self.options, given, f"student {held['name']}: part_options.{self.name}")
 
     def lr(self, student: Student) -> float:
         value = student

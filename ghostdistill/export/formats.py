@@ -7,7 +7,9 @@ make of a view's files other than the view (`notes`: GGUF read by transformers' 
 writes one view prepared once for every format (`write`, a `writer.ViewExport`). Shipped: ``hf``, the folder `<dir>/<view>`
 (`writer`; every kind); ``gguf``, `<dir>/<view>.<type>.gguf` per `gguf_types` for llama.cpp (`gguf`, the
 k-quants by `quantize` with an `imatrix`; plain views); ``compressed-tensors``, `<dir>/<view>.<scheme>` per
-`schemes` for vLLM (`compressed`, llm-compressor at `quantize_python`; every kind).
+`schemes` for vLLM (`compressed`, llm-compressor at `quantize_python`; every kind). A format of one's own may
+declare `options` (a dataclass of its keys, given as `export.format_options: {<name>: {...}}`, read by
+`options_of`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from ..core.checks import check_names
+from ..core.options import make_options
 from ..core.registry import Registry
 from ..methods import ships_stock
 from . import compressed
@@ -37,6 +41,12 @@ class ExportFormat:
     name: str = ""
     takes: tuple[str, ...] = ("plain", "operators")
     target: str = "folder"
+    options: type | None = None  # a dataclass of its own keys, set as `format_options: {<name>: {...}}`
+
+    def options_of(self, options) -> Any:
+        """The export's `format_options[name]` as this format's `options` class, checked (`core.options`)."""
+        given = (options.format_options or {}).get(self.name)
+        return make_options(self.options, given, f"export.format_options.{self.name}")
 
     def check(self, options) -> None:
         """Refuse bad options of this format, or a missing tool, before any work."""

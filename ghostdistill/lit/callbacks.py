@@ -15,12 +15,10 @@ from tqdm.auto import tqdm
 
 from ..distill.config import DistillConfig
 from ..distill.interface import get_part
-from ..pipeline.calibrate import OFFLOAD_ONE_DEVICE, offload_with_fsdp2
 from ..pipeline.config import RunConfig
 from ..pipeline.export import CONFIG_NAMES, FORMAT_OF, ExportOptions, check_export, check_ignored, check_view_names
 from ..pipeline.state import STATE_FILE
-from ..pipeline.train import students_offloaded
-from .module import NO_DISTILL_METHODS, GhostDistill
+from .module import GhostDistill
 
 
 class Calibration(Callback):
@@ -70,28 +68,18 @@ class Calibration(Callback):
 
 
 def check_before_run(trainer: Trainer, pl_module: GhostDistill) -> None:
-    """What the settings alone decide about the end of the run, before the model loads: the step count,
-    and the export's views and folders (the export runs last, after hours of work)."""
-    if trainer.max_steps < 0:
-        raise ValueError(
-            f"trainer.max_steps {trainer.max_steps}: set 0 (training-free) or the number of distillation steps"
-        )
-    cfg = pl_module.run.cfg
-    if trainer.max_steps > 0 and not cfg.distill.views():
-        raise RuntimeError(NO_DISTILL_METHODS)
-    unbuilt = [v for v in cfg.evaluation.views if v in cfg.distill.views() and trainer.max_steps == 0]
-    if unbuilt:
-        raise ValueError(f"evaluation.views {unbuilt} are fine-tuned views, which trainer.max_steps 0 does not build")
-    offload = cfg.model.offload
-    if offload != "none" and isinstance(trainer.strategy, ModelParallelStrategy):  # on one device too
-        raise ValueError(offload_with_fsdp2(offload))
-    if offload != "none" and trainer.world_size > 1:
-        raise ValueError(OFFLOAD_ONE_DEVICE)
-    if offload != "none" and trainer.max_steps > 0:
-        raise ValueError(students_offloaded(offload))
-    for callback in trainer.callbacks:
-        if isinstance(callback, Export):
-            callback.check(trainer, pl_module.run.cfg)
+    """What the settings alone decide about the end of the run, before the model loads (`RunConfig.preflight`:
+    the step count, unbuilt views, offload with this execution), and the export's formats and folders (the
+    export runs last, after hours of work)."""
+    exports = [callback for callback in trainer.callbacks if isinstance(callback, Export)]
+    pl_module.run.cfg.preflight(
+        trainer.max_steps,
+        world_size=trainer.world_size,
+        fsdp2=isinstance(trainer.strategy, ModelParallelStrategy),
+        views={"export.views": [v for callback in exports for v in callback.options.views]},
+    )
+    for callback in exports:
+        callback.check(trainer, pl_module.run.cfg)
 
 
 def check_strategy(trainer: Trainer, distill: DistillConfig | None = None) -> None:
@@ -149,12 +137,14 @@ class Export(Callback):
         imatrix: bool = True,
         schemes: list[str] | None = None,
         quantize_python: str | None = None,
+        format_options: dict | None = None,
     ) -> None:
         given = {"format": format, "gguf_types": gguf_types, "schemes": schemes}
         lists = {k: list(v) for k, v in given.items() if v is not None}
         self.options = ExportOptions(
-            list(views or []), dir, overwrite, imatrix=imatrix, quantize_python=quantize_python, **lists
-        )
+            list(views or []), dir, overwrite, imatrix=imatrix, quantize_python=quantize_python,
+            format_options=format_options, **lists,
+        )  # fmt: skip
         # What the config sets of the options only one format reads (`check_ignored`: refused without it).
         given.update(imatrix=None if imatrix else False, quantize_python=quantize_python)
         self.given = [k for k in FORMAT_OF if given[k] is not None]
@@ -169,18 +159,12 @@ class Export(Callback):
             return
         check_view_names(cfg, self.options.views, key="export.views")
         check_ignored(self.options, self.given, CONFIG_NAMES)
-        unbuilt = [v for v in self.options.views if v in cfg.distill.views() and trainer.max_steps == 0]
-        if unbuilt:
-            raise ValueError(
-                f"export.views {unbuilt} are fine-tuned views, which trainer.max_steps 0 does not build: set "
-                "trainer.max_steps, or export them later from the run folder of a run that distils"
-            )
         # Rank 0 writes, and alone tries the folders (ranks probing one new folder at once race).
         root = self.root(trainer) if trainer.is_global_zero else None
         check_export(cfg, self.options, root, flag="export.overwrite: true", key="export.views")
 
     def setup(self, trainer: Trainer, pl_module: GhostDistill, stage: str) -> None:
-        self.check(trainer, pl_module.run.cfg)  # `check_before_run` has done so already when `Calibration` runs
+        check_before_run(trainer, pl_module)  # done already when `Calibration` runs: the same checks again
 
     def on_test_end(self, trainer: Trainer, pl_module: GhostDistill) -> None:
         # A sharded model's blocks are gathered from every rank: all of them export, rank 0 writes.

@@ -27,16 +27,11 @@ from ..distill.optim import clip_per_student, make_optimizer
 from ..distill.parallel import average_replicated_grads, ranks_agree, shard_for_fsdp2, shard_mesh
 from ..methods import RecoveryConfig
 from ..pipeline.calibrate import Dist
-from ..pipeline.config import EvalConfig, RunConfig
+from ..pipeline.config import NO_DISTILL_METHODS, EvalConfig, RunConfig
 from ..pipeline.data import DataConfig
 from ..pipeline.run import Run
 from ..pipeline.train import BestSteps, check_checkpoint_keys, checkpoint_extras
 from ..planning import PlanConfig
-
-NO_DISTILL_METHODS = (
-    "trainer.max_steps > 0 trains the students of model.distill.methods and model.distill.students, which are "
-    "empty: name the methods to fine-tune (e.g. --model.distill.methods [ghost]) or set trainer.max_steps: 0"
-)
 
 # The model stays in eval mode while the students train (see `GhostDistill.train`): intended.
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
@@ -81,7 +76,7 @@ class GhostDistill(LightningModule):
     def _hold(self, run: Run) -> None:
         self.run, cfg = run, run.cfg
         self.save_hyperparameters(
-            {k: asdict(v) if k != "recovery" else [asdict(r) for r in v] for k, v in vars(cfg).items() if k != "data"}
+            {k: asdict(v) if k != "recovery" else [r.as_dict() for r in v] for k, v in vars(cfg).items() if k != "data"}
         )
         self.llm: torch.nn.Module | None = None
         # FSDP2 leaves the LoRA adapters whole on every rank; their gradients are averaged here.

@@ -36,7 +36,7 @@ build on `ghost`; the rotations fold with `magnitude`'s scale and `replaceme`'s 
 
 Adding a method: one module (in this package, or your own) that subclasses `Method` and `MethodConfig` and
 calls `register(...)`; a shipped one is also named in the import line below. Its config class's fields are
-its keys (they become keys of every recovery entry the CLI parses), its class attributes its capabilities
+its keys (keys of the recovery entries that name it), its class attributes its capabilities
 (docs/development.md, "How to add a method").
 """
 
@@ -50,6 +50,7 @@ from .config import (
     identity_fit,
     make_collectors,
     needs_mlp,
+    recovery_entry,
     statistics_layout,
     validate_recovery,
 )
@@ -102,6 +103,7 @@ __all__ = [
     "make_collectors",
     "method_keys",
     "needs_mlp",
+    "recovery_entry",
     "register",
     "registered",
     "setting_keys",

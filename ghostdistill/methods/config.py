@@ -6,11 +6,11 @@ run folders, fitting a gap (`fit_gap`) and sizing the statistics collectors (`ma
 
 from __future__ import annotations
 
-import types
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, get_type_hints
 
 import torch
 
+from ..core.options import check_value
 from ..core.plan import Gap
 from ..core.views import DENSE, PRUNED
 from .family import FamilyFacts
@@ -23,7 +23,6 @@ from .interface import (
     get_method,
     method_keys,
     registered,
-    setting_keys,
 )
 
 
@@ -115,22 +114,6 @@ RESERVED_NAMES = (DENSE, PRUNED)
 FT_SUFFIX = "_ft"  # `distill.ft_view`: the fine-tuned view of recovery `x` is `x_ft`
 
 
-def _check_type(key: str, value: Any, hint: Any) -> None:
-    """`value` has the type `hint` allows for the shapes a config key takes: a choice (``Literal``), a bool, a
-    number or a string; a value outside it is one line naming the key, the value and what is valid."""
-    if get_origin(hint) in (Union, types.UnionType):
-        hint = next((a for a in get_args(hint) if a is not type(None)), hint)
-    if get_origin(hint) is Literal:
-        if value not in get_args(hint):
-            raise ValueError(f"{key} {value!r} is not known; choose one of {get_args(hint)}")
-    elif hint is bool and not isinstance(value, bool):
-        raise ValueError(f"{key} must be true or false, got {value!r}")
-    elif hint in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise ValueError(f"{key} must be a number, got {value!r}")
-    elif hint is str and not isinstance(value, str):
-        raise ValueError(f"{key} must be a string, got {value!r}")
-
-
 def validate_recovery(configs: list[RecoveryConfig]) -> None:
     """Names unique and usable as view names; every method registered, setting only keys it reads, with
     values of their types; and the method's config's own checks (`MethodConfig.validate`)."""
@@ -139,34 +122,51 @@ def validate_recovery(configs: list[RecoveryConfig]) -> None:
     if dupes:
         raise ValueError(f"recovery names must be unique; repeated: {dupes}")
     for i, c in enumerate(configs):
-        where = f"recovery[{i}] {c.name!r}"
-        if not c.name or not c.name.replace("-", "_").isidentifier():
-            raise ValueError(f"{where}: the name must be letters, digits, '_' or '-' (it names a view)")
-        if c.name in RESERVED_NAMES:
-            raise ValueError(f"{where}: the name is reserved for the baselines {list(RESERVED_NAMES)}; pick another")
-        if c.name.endswith(FT_SUFFIX):
-            raise ValueError(
-                f"{where}: names ending in {FT_SUFFIX!r} are reserved for fine-tuned views (distill.methods: "
-                f"[{c.name.removesuffix(FT_SUFFIX)}] makes {c.name!r}); pick another"
-            )
-        try:
-            method = get_method(c.method)
-        except ValueError as err:
-            raise ValueError(f"{where}: {err}") from None
-        where = f"recovery[{i}] {c.name!r} ({c.method})"
-        keys = method_keys(method)
-        for key in setting_keys():
-            if key not in keys and getattr(c, key) is not None:
-                its = f"its keys are: {', '.join(keys)}" if keys else "it reads no key but name and method"
-                raise ValueError(f"{where}: key {key!r} is not read by method {c.method!r}; {its}")
-        typed = c.method_config()
-        hints = get_type_hints(method.config)
-        try:
-            for key in keys:
-                _check_type(key, getattr(typed, key), hints[key])
-            typed.validate()
-        except ValueError as err:
-            raise ValueError(f"{where}: {err}") from None
+        check_entry(c, f"recovery[{i}] {c.name!r}")
+
+
+def check_entry(c: RecoveryConfig, where: str) -> None:
+    """One entry: a name usable as a view name, a registered method, only keys it reads, with values of their
+    types, and its config's own checks (`MethodConfig.validate`). `where` names the entry in messages."""
+    if not isinstance(c.name, str) or not c.name.replace("-", "_").isidentifier():
+        raise ValueError(f"{where}: the name must be letters, digits, '_' or '-' (it names a view)")
+    if c.name in RESERVED_NAMES:
+        raise ValueError(f"{where}: the name is reserved for the baselines {list(RESERVED_NAMES)}; pick another")
+    if c.name.endswith(FT_SUFFIX):
+        raise ValueError(
+            f"{where}: names ending in {FT_SUFFIX!r} are reserved for fine-tuned views (distill.methods: "
+            f"[{c.name.removesuffix(FT_SUFFIX)}] makes {c.name!r}); pick another"
+        )
+    try:
+        method = get_method(c.method)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    where = f"{where} ({c.method})"
+    keys = method_keys(method)
+    for key in c.options:
+        if key not in keys:
+            its = f"its keys are: {', '.join(keys)}" if keys else "it reads no key but name and method"
+            raise ValueError(f"{where}: key {key!r} is not read by method {c.method!r}; {its}")
+    typed = c.method_config()
+    hints = get_type_hints(method.config)
+    try:
+        for key in keys:
+            check_value(key, getattr(typed, key), hints[key])
+        typed.validate()
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
+def recovery_entry(value: Any) -> RecoveryConfig:
+    """A recovery entry of a config file or the command line (a flat mapping) as a checked `RecoveryConfig`;
+    what the CLI's parser reads an entry with, so that a bad key is named before anything loads."""
+    if isinstance(value, RecoveryConfig):
+        return value
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"a recovery entry is a mapping such as {{name: g, method: ghost}}, got {value!r}")
+    entry = RecoveryConfig(**value)
+    check_entry(entry, f"entry {entry.name!r}")
+    return entry
 
 
 def applicable(family: FamilyFacts) -> list[str]:

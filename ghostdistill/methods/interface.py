@@ -4,9 +4,9 @@ A method is a `Method` subclass with its own config class, a `MethodConfig` data
 keys its fit reads (types, defaults, documented under ``Args:``), registered together by
 ``register(MyMethod())`` with ``MyMethod.config = MyConfig`` (peft's pattern: one config class and one model
 class per method). A recovery entry of a config file (`RecoveryConfig`) stays one flat mapping,
-``{name: g, method: ghost, fit: plain}``: `register` gives `RecoveryConfig` a field for every key a
-registered config class declares, so the CLI parses, checks and prints every method's keys, and an entry is
-turned into its method's config (`RecoveryConfig.method_config`) before a fit reads it.
+``{name: g, method: ghost, fit: plain}``, whose keys are read through its method's config class (nothing shared
+is rebuilt when a method registers), and an entry is turned into its method's config
+(`RecoveryConfig.method_config`) before a fit reads it.
 
 What a method is, each member with a default on `Method` (a method overrides what it does differently):
 
@@ -39,8 +39,8 @@ with a default for every key, and a key that another method declares with anothe
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import MISSING, asdict, dataclass, fields, replace
-from typing import Any, Literal, Optional, Protocol, get_type_hints, runtime_checkable
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any, Literal, Protocol, get_type_hints, runtime_checkable
 
 import torch
 from torch import nn
@@ -197,14 +197,17 @@ FLAT_DEFAULTS: dict[str, Any] = {
 }
 
 
-@dataclass
 class RecoveryConfig:
     """One recovery method, evaluated (and later fine-tuned) beside the others: an entry of `recovery`.
 
-    Besides `name` and `method` it has a field for every key a registered method's config class declares
-    (added by `register`; unset: None). An entry sets only its method's keys (`method_keys`), documented on
-    that class (`GhostConfig`, `LinearPatchConfig`, ...), and they are resolved to their defaults when it is
-    made; setting another key is an error (`validate_recovery`) naming the key and the method's keys.
+    An entry is one flat mapping, ``{name: g, method: ghost, fit: plain}``: `name`, `method` and keys of that
+    method's own config class (`Method.config`), documented there (`GhostConfig`, `LinearPatchConfig`, ...).
+    The keys are not fields of this class: they are read through the method's config class (defaults for the
+    keys not given; `method_config` makes the typed config), so a method registered at any time brings its keys
+    and nothing shared is rebuilt. `validate_recovery` checks them: a key the method does not read, or a value
+    outside its type, is one line naming the key and the method's keys. The CLI reads an entry as this type
+    (`methods.config` registers it with jsonargparse), so a config file, ``--model.recovery`` and
+    ``--print_config`` all see the same flat mapping.
 
     Args:
         name: label in results; also the view name (`dense`, `pruned` and names ending in ``_ft``, the
@@ -212,54 +215,61 @@ class RecoveryConfig:
         method: a registered method: ``none`` (reads no other key), ``ghost``, ``ghost_symmetric``,
             ``linearpatch``, ``replaceme``, ``magnitude``, ``rotation``, ``rotation_through``,
             ``rotation_anchored``.
+        **options: the method's keys (a None is unset: the flat version's config.yaml lists every key).
     """
 
-    name: str = "ghost"
-    method: str = "ghost"
+    def __init__(self, name: str = "ghost", method: str = "ghost", **options: Any) -> None:
+        self.name, self.method = name, method
+        self.options = {k: v for k, v in options.items() if v is not None}
 
-    def __post_init__(self) -> None:
-        _fill_defaults(self)
+    def __getattr__(self, key: str) -> Any:
+        """A key of the entry's method: its given value or the method's default (None: not its key)."""
+        options = self.__dict__.get("options")
+        if options is None or key.startswith("__"):
+            raise AttributeError(key)
+        if key in options:
+            return options[key]
+        return method_keys(_METHODS.get(self.method)).get(key) if self.method in _METHODS else None
+
+    def __repr__(self) -> str:
+        return f"RecoveryConfig({', '.join(f'{k}={v!r}' for k, v in self.as_dict().items())})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RecoveryConfig) and self.as_dict() == other.as_dict()
 
     def resolved(self) -> RecoveryConfig:
-        """A copy with every key the method reads set: its default where unset. Configs are resolved
-        when made; this is for one whose `method` changed since (or was registered after it was made)."""
-        out = replace(self)
-        _fill_defaults(out)
-        return out
+        """A copy with every key the method reads set (its default where not given)."""
+        return RecoveryConfig(**self.as_dict())
 
     def settings(self) -> dict[str, Any]:
         """`name`, `method` and the resolved value of every key the method reads (what its fit sees)."""
-        cfg = self.resolved()
         keys = method_keys(get_method(self.method))
-        return {"name": cfg.name, "method": cfg.method, **{k: getattr(cfg, k) for k in keys}}
+        return {"name": self.name, "method": self.method, **{k: getattr(self, k) for k in keys}}
+
+    def as_dict(self) -> dict[str, Any]:
+        """The entry as a config file writes it: its `settings` (and any key given that its method does not
+        read, which `validate_recovery` refuses), or what was given where the method is not registered."""
+        given = {"name": self.name, "method": self.method, **self.options}
+        return self.settings() | given if self.method in _METHODS else given
 
     def method_config(self) -> MethodConfig:
         """This entry as its method's config (its keys only, resolved)."""
         method = get_method(self.method)
-        cfg = self.resolved()
-        return method.config(name=self.name, **{k: getattr(cfg, k) for k in method_keys(method)})
-
-
-_OWN_FIELDS = ("name", "method")
+        return method.config(name=self.name, **{k: getattr(self, k) for k in method_keys(method)})
 
 
 def setting_keys() -> tuple[str, ...]:
-    """The method-specific keys of `RecoveryConfig`, in field order."""
-    return tuple(f.name for f in fields(RecoveryConfig) if f.name not in _OWN_FIELDS)
+    """Every key a registered method reads (the flat config's keys first, in its order; the others as their
+    methods were registered)."""
+    keys = [k for method in _METHODS for k in method_keys(method)]
+    return tuple(dict.fromkeys([k for k in FLAT_DEFAULTS if k in keys] + keys))
 
 
 def method_keys(method: Method) -> dict[str, Any]:
-    """The keys `method` reads (its config class's fields), with their defaults, in `RecoveryConfig`'s order."""
+    """The keys `method` reads (its config class's fields), with their defaults, the flat config's keys first."""
     keys = asdict(method.config())  # every key has a default (`register` checks)
-    return {k: keys[k] for k in setting_keys() if k in keys}
-
-
-def _fill_defaults(cfg: RecoveryConfig) -> None:
-    if cfg.method not in _METHODS:
-        return  # `validate_recovery` names the unknown method
-    for key, default in method_keys(_METHODS.get(cfg.method)).items():
-        if getattr(cfg, key) is None:
-            setattr(cfg, key, default)
+    keys.pop("name")
+    return {k: keys[k] for k in FLAT_DEFAULTS if k in keys} | keys
 
 
 _METHODS: Registry[Method] = Registry("recovery method", "recovery method", Method)
@@ -268,7 +278,8 @@ registered, get_method = _METHODS.names, _METHODS.get
 
 def _check_config(method: Method) -> dict[str, Any]:
     """The config class's keys and their types, refused when the class is not a `MethodConfig` dataclass,
-    a key has no default or another registered method declares it with another type."""
+    a key has no default, or is a word the entry uses itself, or another registered method declares it with
+    another type."""
     config = method.config
     where = f"method {method.name!r} ({origin(method)})"
     if not (isinstance(config, type) and issubclass(config, MethodConfig) and dataclasses.is_dataclass(config)):
@@ -280,8 +291,9 @@ def _check_config(method: Method) -> dict[str, Any]:
         raise ValueError(
             f"{where}: keys {unset} of {config.__name__} need a default (what an entry that omits them gets)"
         )
-    if "method" in keys:
-        raise ValueError(f"{where}: {config.__name__} declares a key 'method', which names the method; rename it")
+    taken = [k for k in keys if k in ("method", "options") or hasattr(RecoveryConfig, k)]
+    if taken:
+        raise ValueError(f"{where}: {config.__name__} declares the key {taken[0]!r}, a word of every entry; rename it")
     for other in _METHODS:
         theirs = get_type_hints(other.config)
         clash = [k for k in keys if k in theirs and other.name != method.name and theirs[k] != keys[k]]
@@ -297,35 +309,11 @@ def register(method: Method) -> Method:
     """Make `method` available as `recovery[].method: <method.name>`, with its config class's keys; returns it."""
     if isinstance(method, Method):
         _check_config(method)
-    _METHODS.register(method)
-    _sync_keys()
-    return method
+    return _METHODS.register(method)
 
 
 def unregister(name: str) -> None:
     _METHODS.unregister(name)
-    _sync_keys()
-
-
-def _sync_keys() -> None:
-    """`RecoveryConfig`'s fields: `name`, `method` and every registered method's keys (the flat config's keys
-    first, in its order; the others as they were registered), each typed as its config class says, unset
-    (None) by default. The dataclass is rebuilt in place, so every holder of the class sees the keys."""
-    hints: dict[str, Any] = {}
-    for method in _METHODS:
-        hints.update({k: h for k, h in _check_config(method).items() if k not in hints})
-    order = [k for k in FLAT_DEFAULTS if k in hints] + [k for k in hints if k not in FLAT_DEFAULTS]
-    cls = RecoveryConfig
-    own = {k: v for k, v in cls.__annotations__.items() if k in _OWN_FIELDS}
-    for key in set(cls.__annotations__) - set(own) - set(order):
-        delattr(cls, key)
-    for attr in ("__init__", "__repr__", "__eq__", "__match_args__"):
-        if attr in cls.__dict__:
-            delattr(cls, attr)
-    cls.__annotations__ = {**own, **{k: Optional[hints[k]] for k in order}}
-    for key in order:
-        setattr(cls, key, None)
-    dataclass(cls)
 
 
 def ships_stock(method: str | None) -> bool:

@@ -31,13 +31,10 @@ from ..core.plan import PruningPlan
 from ..core.views import PrunedModel
 from ..methods import Collector, RecoveryConfig, get_method, make_collectors
 from ..planning import PlanConfig, Progress, choose, no_progress
+from .config import OFFLOAD_ONE_DEVICE
 from .state import SavedState, Statistics, save_state, to_device
 
 Batch = dict[str, torch.Tensor]
-OFFLOAD_ONE_DEVICE = (
-    "model.model.offload keeps the weights off one device and runs it block by block; with several devices "
-    "shard the model instead: set model.model.offload none and trainer.strategy FSDP2 (docs/distillation.md)"
-)
 
 
 def offloaded_stop(state_path: Path | None) -> str:
@@ -47,14 +44,6 @@ def offloaded_stop(state_path: Path | None) -> str:
         "calibration stopped: with model.model.offload the statistics are collected block by block over every batch "
         f"and are complete only at the end of the pass, so none of them was saved; {kept}a rerun collects them "
         "again from the first block"
-    )
-
-
-def offload_with_fsdp2(offload: str) -> str:
-    """Why offloaded weights and FSDP2 do not go together, and what to do instead (one line)."""
-    return (
-        f"model.model.offload {offload!r} with FSDP2 (trainer.strategy ModelParallelStrategy): the blocks are sharded "
-        "over the ranks instead; set model.model.offload: none, or run without FSDP2"
     )
 
 

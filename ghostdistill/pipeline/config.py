@@ -85,6 +85,40 @@ class EvalConfig:
         self.zeroshot.validate()
 
 
+NO_DISTILL_METHODS = (
+    "trainer.max_steps > 0 trains the students of model.distill.methods and model.distill.students, which are "
+    "empty: name the methods to fine-tune (e.g. --model.distill.methods [ghost]) or set trainer.max_steps: 0"
+)
+
+OFFLOAD_ONE_DEVICE = (
+    "model.model.offload keeps the weights off one device and runs it block by block; with several devices "
+    "shard the model instead: set model.model.offload none and trainer.strategy FSDP2 (docs/distillation.md)"
+)
+
+
+def offload_with_fsdp2(offload: str) -> str:
+    """Why offloaded weights and FSDP2 do not go together, and what to do instead (one line)."""
+    return (
+        f"model.model.offload {offload!r} with FSDP2 (trainer.strategy ModelParallelStrategy): the blocks are sharded "
+        "over the ranks instead; set model.model.offload: none, or run without FSDP2"
+    )
+
+
+def students_offloaded(offload: str) -> str:
+    """Why distillation does not run with offloaded weights, and what to do instead (one line)."""
+    return (
+        f"model.model.offload {offload} keeps the weights off the device, and the students train on a device that "
+        "holds the model: shard it over several devices with trainer.strategy FSDP2 and model.model.offload none "
+        "(docs/distillation.md), or set trainer.max_steps 0"
+    )
+
+
+def check_steps(max_steps: int | None) -> None:
+    """`trainer.max_steps`: 0 (training-free) or the distillation steps."""
+    if max_steps is not None and max_steps < 0:
+        raise ValueError(f"trainer.max_steps {max_steps}: set 0 (training-free) or the number of distillation steps")
+
+
 @dataclass
 class RunConfig:
     """Everything one run is configured by (what `fit`'s config file holds, less the trainer's keys)."""
@@ -113,6 +147,31 @@ class RunConfig:
         self.data.validate()
         if self.plan.repair_aware():
             check_selection(self.data, f"plan.criterion {self.plan.criterion!r}")
+
+    def preflight(
+        self, steps: int, *, world_size: int = 1, fsdp2: bool = False, views: dict[str, list[str]] | None = None
+    ) -> None:
+        """What this config decides with the execution, before the model loads, for every door (the Lightning
+        callbacks; the Python API and `compare` run through them): the step count, the views a run of `steps`
+        would not build (`evaluation.views` and `views`, by the key that names them), and offloaded weights
+        with FSDP2, several devices or students to train."""
+        check_steps(steps)
+        if steps > 0 and not self.distill.views():
+            raise RuntimeError(NO_DISTILL_METHODS)
+        for key, names in {"evaluation.views": self.evaluation.views, **(views or {})}.items():
+            unbuilt = [v for v in names if v in self.distill.views() and steps == 0]
+            if unbuilt:
+                raise ValueError(
+                    f"{key} {unbuilt} are fine-tuned views, which trainer.max_steps 0 does not build: set "
+                    "trainer.max_steps (and export them from a run that distils)"
+                )
+        offload = self.model.offload
+        if offload != "none" and fsdp2:  # on one device too
+            raise ValueError(offload_with_fsdp2(offload))
+        if offload != "none" and world_size > 1:
+            raise ValueError(OFFLOAD_ONE_DEVICE)
+        if offload != "none" and steps > 0:
+            raise ValueError(students_offloaded(offload))
 
     def check_family(self, model) -> None:
         """Every recovery entry (and the plan's repair entry) right on `model`'s family, or one line refusing those

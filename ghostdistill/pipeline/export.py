@@ -104,6 +104,8 @@ class ExportOptions:
         imatrix: k-quants with an importance matrix over the run's calibration windows (false: without).
         schemes: the compressed-tensors schemes, of ``W8A8``, ``W4A16``, ``W4A16-AWQ``, ``W8A16``.
         quantize_python: the Python of the environment with llm-compressor (default .venv-quantize/bin/python).
+        format_options: the options of a format that declares them (`ExportFormat.options`, a dataclass a
+            format of your own declares), by format name: ``{torch_file: {dtype: float16}}``.
     """
 
     views: list[str] = field(default_factory=list)
@@ -114,6 +116,7 @@ class ExportOptions:
     imatrix: bool = True
     schemes: list[str] = field(default_factory=lambda: list(DEFAULT_SCHEMES))
     quantize_python: str | None = None
+    format_options: dict | None = None
 
     def root(self, run_dir: str | os.PathLike) -> Path:
         return Path(self.dir) if self.dir else Path(run_dir) / "export"
@@ -162,7 +165,14 @@ def check_ignored(options: ExportOptions, given: Iterable[str], names: dict[str,
 def check_options(options: ExportOptions) -> list:
     """The formats and their options, and the tools they need (what needs no run); returns the formats."""
     formats = get_formats(options.format)
+    other = [name for name in options.format_options or {} if name not in options.format]
+    if other:
+        raise ValueError(
+            f"export.format_options names {other}, which are not among the formats {list(options.format)}: add "
+            "them to the formats, or drop their options"
+        )
     for fmt in formats:
+        fmt.options_of(options)
         fmt.check(options)
     return formats
 

@@ -47,8 +47,8 @@ from ..planning import check_plan, greedy_steps, no_progress
 from ..reporting.flags import view_warnings
 from ..reporting.report import RunReport
 from ..reporting.results import check_scored, markdown_table, rank_warning, write_report
-from .calibrate import Dist, calibrate, calibration_summary, offload_with_fsdp2
-from .config import RunConfig
+from .calibrate import Dist, calibrate, calibration_summary
+from .config import RunConfig, offload_with_fsdp2
 from .data import RunData
 from .evaluate import analysis, evaluate, score_batches, view_digests, view_results, zeroshot
 from .export import ExportOptions, export_views

@@ -78,6 +78,8 @@ def frontier_settings(cfg: RunConfig, criteria: list[str]) -> dict:
 
 
 def _asdict(obj: Any) -> Any:
+    if isinstance(obj, RecoveryConfig):
+        return obj.settings()
     return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else str(obj)
 
 
@@ -86,10 +88,12 @@ def _frontier_cost() -> list[str]:
 
 
 def _canonical(settings: dict) -> dict:
-    """`model.recovery`'s entries resolved (`RecoveryConfig.settings`), however they were written."""
-    model = settings.get("model")
-    if isinstance(model, dict) and isinstance(model.get("recovery"), list):
-        settings = {**settings, "model": {**model, "recovery": [_resolved(e) for e in model["recovery"]]}}
+    """The recovery entries (`model.recovery` of a run's settings, `config.recovery` of a frontier point's)
+    resolved (`RecoveryConfig.settings`), however they were written."""
+    for section in ("model", "config"):
+        held = settings.get(section)
+        if isinstance(held, dict) and isinstance(held.get("recovery"), list):
+            settings = {**settings, section: {**held, "recovery": [_resolved(e) for e in held["recovery"]]}}
     return settings
 
 

@@ -29,16 +29,8 @@ from ..distill.students import Students, native_bf16
 from ..distill.teacher_cache import TeacherCache
 from ..evaluation.metrics import next_token_targets
 from .calibrate import Batch, Dist
+from .config import students_offloaded
 from .evaluate import score_views
-
-
-def students_offloaded(offload: str) -> str:
-    """Why distillation does not run with offloaded weights, and what to do instead (one line)."""
-    return (
-        f"model.model.offload {offload} keeps the weights off the device, and the students train on a device that "
-        "holds the model: shard it over several devices with trainer.strategy FSDP2 and model.model.offload none "
-        "(docs/distillation.md), or set trainer.max_steps 0"
-    )
 
 
 def build_students(

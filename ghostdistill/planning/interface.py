@@ -11,6 +11,7 @@ A criterion chooses which `num_layers` blocks go. It is a `Criterion` with (defa
   caps the windows it reads (the chosen plan's fits always read them all);
 - `repair_aware`: it fits a repair for every candidate and scores the repaired model on the held-out
   `data.selection` windows, so it needs the recovery entries and those windows;
+- `options`: a dataclass of its own keys, given as `plan.criterion_options` and read by `options_of(cfg)`;
 - `choose(cfg, inputs) -> PruningPlan`: the plan, with its scores (and for the repair-aware ones, the
   candidates' rows and the costs).
 
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from ..core.model import DecoderStack
+from ..core.options import make_options
 from ..core.plan import PruningPlan
 from ..core.registry import Registry
 from ..core.settings import digest_dict, setting
@@ -89,6 +91,8 @@ class PlanConfig:
         greedy_start: (``repair_greedy``) blocks removed before the search starts (fewer than
             `num_layers`); the search adds the others one at a time. E.g. the best contiguous plan of a
             smaller depth, so that the search looks only for what to remove besides it.
+        criterion_options: the criterion's own keys (`Criterion.options`, a dataclass a criterion of your own
+            declares), e.g. ``{threshold: 0.5}``; checked against its fields.
     """
 
     # What saved results make of each key is marked here (`core.settings`): the keys added after run folders
@@ -105,6 +109,7 @@ class PlanConfig:
     repair_chunk: int | None = setting(None, cost=True, later=True)
     greedy_from: str | None = setting(None, cost=True, later=True)
     greedy_start: list[int] | None = setting(None, later=True, tag="from")
+    criterion_options: dict | None = setting(None, later=True)
 
     def validate(self) -> None:
         """The checks the values alone decide, run before the model is loaded (depth-dependent checks:
@@ -116,7 +121,11 @@ class PlanConfig:
                 "plan.layers to let plan.criterion choose num_layers layers"
             )
         if self.layers is None:
-            get_criterion(self.criterion)  # an unknown one is named with the registered ones
+            get_criterion(self.criterion).options_of(self)  # an unknown one is named with the registered ones
+        elif self.criterion_options:
+            raise ValueError(
+                "plan.criterion_options are the criterion's, and plan.layers names the blocks itself: remove one"
+            )
         if self.layers is None and self.num_layers is None:
             raise ValueError("plan needs either layers (explicit list) or num_layers (for the criterion)")
         if self.layers is not None:
@@ -214,6 +223,11 @@ class Criterion:
     contiguous: bool = False
     costly: bool = False
     repair_aware: bool = False
+    options: type | None = None  # a dataclass of its own keys, set as `plan.criterion_options` (`core.options`)
+
+    def options_of(self, cfg: PlanConfig):
+        """`cfg.criterion_options` as this criterion's `options` class, checked (None: it declares none)."""
+        return make_options(self.options, cfg.criterion_options, f"plan.criterion_options ({self.name})")
 
     def choose(self, cfg: PlanConfig, inputs: PlanInputs) -> PruningPlan:
         raise NotImplementedError(f"criterion {self.name!r} defines no choose")

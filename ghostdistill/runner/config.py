@@ -20,11 +20,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..methods import RecoveryConfig
 from ..pipeline.config import RunConfig
 from ..pipeline.data import DataConfig
 from ..pipeline.run import Run
 from ..pipeline.settings import result_settings
-from .fit import _ParseOnly, argument_line, build_fit, forget_recovery_parser, run_fit
+from .fit import _ParseOnly, argument_line, build_fit, run_fit
 
 
 def _drop_none(value: Any) -> Any:
@@ -53,7 +54,6 @@ def run_config_of(config: dict, who: str = "config") -> RunConfig:
     parses them. Nothing is loaded."""
     from jsonargparse import ArgumentParser
 
-    forget_recovery_parser()
     parser = ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(RunConfig, "model", skip={"data"})
     parser.add_class_arguments(DataConfig, "data")
@@ -79,7 +79,7 @@ class ParsedFit:
 
     def config(self) -> dict:
         """The whole config as `fit` takes it: the rest, and the run config's sections as plain data."""
-        sections = json.loads(json.dumps(asdict(self.cfg), default=str))
+        sections = json.loads(json.dumps(asdict(self.cfg), default=_plain))
         return {**copy.deepcopy(self.rest), "data": sections.pop("data"), "model": sections}
 
     def settings(self) -> dict:
@@ -92,6 +92,10 @@ class ParsedFit:
         if root is not None:
             rest.setdefault("trainer", {})["default_root_dir"] = str(root)
         return ParsedFit(replace(self.cfg, **sections), rest)
+
+
+def _plain(obj):
+    return obj.as_dict() if isinstance(obj, RecoveryConfig) else str(obj)
 
 
 def parse_fit(args: list[str], who: str) -> ParsedFit:

@@ -5,14 +5,13 @@ instantiated, for `compare`, `frontier` and `export`. The command line's `fit` i
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Optional
 
+from jsonargparse.typing import register_type
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
@@ -24,8 +23,13 @@ from ..lit.datamodule import GhostDataModule
 from ..lit.interrupts import terminate_on_sigterm
 from ..lit.module import GhostDistill
 from ..lit.trainer import TRAINER_DEFAULTS, fit_and_test, run_callbacks
-from ..methods import RecoveryConfig
+from ..methods import RecoveryConfig, recovery_entry
+from ..pipeline.config import check_steps
 from ..pipeline.settings import result_settings, stale_reason
+
+# A recovery entry is one flat mapping whose keys are its method's (`methods.RecoveryConfig`): the parser reads
+# it as that type, checking the keys of the method it names (registered at any time before the parse).
+register_type(RecoveryConfig, serializer=RecoveryConfig.as_dict, deserializer=recovery_entry)
 
 
 class GhostDistillCLI(LightningCLI):
@@ -52,22 +56,6 @@ class GhostDistillCLI(LightningCLI):
                 "model.recovery": [{"name": "ghost", "method": "ghost"}],
             }
         )
-
-    def parse_arguments(self, parser, args) -> None:
-        """As LightningCLI parses, except that a `--model.recovery` list given on the command line replaces the
-        config file's list: jsonargparse merges two lists of the same length entry by entry, which would give
-        each entry keys of the file's entry at its position (keys its own method may not read)."""
-        super().parse_arguments(parser, args)
-        argv = list(args) if isinstance(args, list) else sys.argv[1:] if args is None else []
-        alone = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-        alone.add_argument("--model.recovery", dest="given")
-        given = alone.parse_known_args(argv)[0].given
-        if given is not None:
-            from jsonargparse import ArgumentParser
-
-            alone = ArgumentParser(exit_on_error=False)
-            alone.add_argument("--recovery", type=list[RecoveryConfig])
-            self.config.model.recovery = alone.parse_args(["--recovery", given]).recovery
 
     def before_instantiate_classes(self) -> None:
         # Keep tokenizers' own thread pool from fighting the DataLoader and torch for the cores.
@@ -133,8 +121,7 @@ def check_strategy_config(strategy) -> None:
 def check_run_settings(max_steps, root_dir, ckpt_path) -> None:
     """The trainer settings that would otherwise fail only after calibration (or as a traceback from the
     Trainer): the step count, the run folder, the checkpoint to resume from."""
-    if max_steps is not None and max_steps < 0:
-        raise ValueError(f"trainer.max_steps {max_steps}: set 0 (training-free) or the number of distillation steps")
+    check_steps(max_steps)
     # Empty, a dangling link, a file, not writable (tried by rank 0 alone), a folder of the user's.
     check_run_folder(root_dir, write=rank_zero_only.rank == 0)
     if ckpt_path not in (None, "last") and not Path(ckpt_path).is_file():
@@ -190,6 +177,10 @@ def argument_line(err: BaseException) -> str:
     (``model.plan.num_layers 2.5: expected an integer or null``), anything else flattened as it is."""
     text = str(err).strip()
     flat = " ".join(text.split())
+    # A type of ours refused the value (its deserializer's message, e.g. a recovery entry's key): that message.
+    own = re.match(r'Parser key "([^"]+)":.*?- Not of type \w+: ([^\n]*)', text, re.S)
+    if own:
+        return f"{own.group(1)}: {own.group(2).strip()}"
     union = re.fullmatch(
         r'Parser key "([^"]+)":\s+Does not validate against any of the Union subtypes\s+Subtypes: \[(.*?)\]\s+'
         r"Errors:(?:\s+- [^\n]*)+\s+Given value type: [^\n]*\s+Given value: (.*)",
@@ -208,23 +199,11 @@ def argument_line(err: BaseException) -> str:
     return flat
 
 
-def forget_recovery_parser() -> None:
-    """jsonargparse keeps the parser it made for a dataclass (`_typehints._cached_class_parsers`, a private
-    cache). `methods.register` gives `RecoveryConfig` the keys of a method registered since, which that parser
-    would refuse: it is dropped, so that every parse sees the registered keys."""
-    from jsonargparse import _typehints
-
-    cache = getattr(_typehints, "_cached_class_parsers", {})
-    for key in [k for k in cache if isinstance(k, tuple) and k and k[0] is RecoveryConfig]:
-        del cache[key]
-
-
 def build_fit(
     args: list[str] | dict, cli_class: type = GhostDistillCLI, exit_on_error: bool = True, **kwargs
 ) -> GhostDistillCLI:
     """The `fit` parser and what it instantiates (module, data module, trainer); nothing runs yet.
     `exit_on_error=False`: a bad argument raises `jsonargparse.ArgumentError` instead of printing the usage."""
-    forget_recovery_parser()
     return cli_class(
         GhostDistill,
         GhostDataModule,

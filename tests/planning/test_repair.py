@@ -269,7 +269,7 @@ def test_plan_fingerprints_of_other_criteria_are_unchanged_by_the_repair_keys():
     from dataclasses import asdict
 
     cfg = PlanConfig(num_layers=7)
-    later = ("repair_method", "repair_chunk", "greedy_from", "greedy_start")
+    later = ("repair_method", "repair_chunk", "greedy_from", "greedy_start", "criterion_options")
     old = {k: v for k, v in asdict(cfg).items() if k not in later}
     assert cfg.digest_dict() == old
     repair = PlanConfig(criterion="repair", num_layers=7, repair_method="ghost", repair_chunk=4)
