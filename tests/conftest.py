@@ -15,6 +15,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # processes the tests start, or the workers' thread pools fight over the same cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+# Lightning gives its loggers a console handler bound to the sys.stderr of its first import. Imported first
+# inside a test that captures output (capsys), that stream is closed after the test, and every later Lightning
+# message prints a "--- Logging error ---" traceback: a file run alone (test_user_mistakes.py, test_probes.py)
+# failed its no-traceback checks. Imported here, the handler writes to the session's stream.
+import lightning.pytorch  # noqa: E402, F401
 
 ROOT = Path(__file__).resolve().parents[1]
 # Excerpts shipped in the repository (data/README.md): the demo and the core tests need nothing else.

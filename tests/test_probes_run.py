@@ -1,8 +1,9 @@
 """The probes of issue 53 on run folders and plans, through the script's entry point: a run never replaces a file
 it did not write (an empty path, a folder of the user's, another run's folder named by a copied config), a run
 folder that cannot be written or a dangling link is one line, a refused plan leaves nothing behind, a bad
-number is one line, and compare checks every plan before the first runs. Each test's name names its class:
-overwrite, another_run, unwritable, dangling_link, left_behind, one_line, late_check."""
+number is one line, compare checks every plan before the first runs, and paths outside ASCII stay answered.
+Each test's name names its class: overwrite, another_run, unwritable, dangling_link, left_behind, one_line,
+late_check, kept_so."""
 
 from __future__ import annotations
 
@@ -293,3 +294,25 @@ def test_late_check_compare_refuses_a_plan_folder_of_the_users_before_the_first_
     ), line
     assert not (tmp_path / "cmp" / "layers_2_3").exists()
     assert {p.name: p.read_text() for p in (tmp_path / "cmp" / "layers_3_4").iterdir()} == files
+
+
+# --------------------------------------------------------------------------------------------- kept so
+def test_kept_so_unicode_paths_of_the_model_the_data_the_run_and_the_export(tmp_path, tiny_dir, text_files):
+    """Issue 53 found paths outside ASCII answered well: keep them so. A model folder, data files, a run folder
+    and an export folder so named: the run finishes, its files name them, and the exported view loads."""
+    from transformers import AutoModelForCausalLM
+
+    from ghostdistill.cli import main
+
+    model = tmp_path / "modèle 模型"
+    shutil.copytree(tiny_dir, model)
+    data = {key: tmp_path / f"données {path.name}" for key, path in text_files.items()}
+    for key, path in data.items():
+        shutil.copy(text_files[key], path)
+    run, export = tmp_path / "exécution ラン", tmp_path / "exporté"
+    main(tiny_run_args(model, data, run, "--export.views", "[pruned]", "--export.dir", str(export),
+                       "--model.evaluation.analysis", "false"))  # fmt: skip
+    results = json.loads((run / "results.json").read_text(encoding="utf-8"))
+    saved = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
+    assert results["plan"]["removed"] == [2, 3] and saved["model"]["model"]["source"] == str(model)
+    assert AutoModelForCausalLM.from_pretrained(export / "pruned").config.num_hidden_layers == 4
