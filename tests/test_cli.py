@@ -60,17 +60,17 @@ def test_every_shipped_config_parses(config, monkeypatch, capsys):
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_a_typed_run_of_a_config_has_the_settings_a_fit_of_it_records(config, monkeypatch):
-    """`compare` and `frontier` run typed configs (`cli.config.ParsedFit`, sections replaced): their settings
+    """`compare` and `frontier` run typed configs (`runner.config.ParsedFit`, sections replaced): their settings
     are the ones a `fit` of the same arguments records, so the results saved before are reused; a frontier
     student's settings, which name its run folder, have the digest the arguments that ran it before had."""
     from dataclasses import replace
 
-    from ghostdistill.cli.config import parse_fit
-    from ghostdistill.cli.fit import _ParseOnly, build_fit, settings_of
     from ghostdistill.core.io import json_digest
     from ghostdistill.distill.config import StudentConfig
     from ghostdistill.methods import RecoveryConfig
     from ghostdistill.pipeline.settings import stale
+    from ghostdistill.runner.config import parse_fit
+    from ghostdistill.runner.fit import _ParseOnly, build_fit, settings_of
 
     monkeypatch.chdir(ROOT)
 

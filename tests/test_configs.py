@@ -9,9 +9,9 @@ import pytest
 import yaml
 from shipped_configs import CONFIGS, PRODUCT, PROTOCOL, ROOT, SECTIONS, SHIPPED, STUDIES, STUDY, included
 
-from ghostdistill.cli.config import parse_fit, typed
 from ghostdistill.core.model import ModelConfig
 from ghostdistill.pipeline.data_config import DataConfig
+from ghostdistill.runner.config import parse_fit, typed
 
 FIT_STUDIES = [p for p in STUDY if "base" not in yaml.safe_load(p.read_text())]
 TYPES = {("model", "model"): ModelConfig} | {

@@ -263,7 +263,7 @@ def test_the_plug_ins_options_from_a_config_file_arrive_typed_and_bad_ones_are_n
     """The same keys from YAML (a config file as users write them) as from the command line above: each plug-in
     reads its options as its own class; a key it does not declare, a value outside its type or an option of a
     plug-in the run does not use is one line naming it, before anything loads."""
-    from ghostdistill.cli.config import parse_fit
+    from ghostdistill.runner.config import parse_fit
 
     config = tmp_path / "plugins.yaml"
     config.write_text(
@@ -310,8 +310,8 @@ def test_the_plug_ins_options_from_a_config_file_arrive_typed_and_bad_ones_are_n
 
 
 def test_the_methods_own_key_is_checked_printed_and_part_of_the_settings(toys, tiny_dir, text_files, tmp_path, capsys):
-    from ghostdistill.cli.config import parse_fit
     from ghostdistill.pipeline.settings import stale
+    from ghostdistill.runner.config import parse_fit
 
     args = _args(tiny_dir, text_files, tmp_path / "run", 0.5)[1:]
     with pytest.raises(SystemExit):

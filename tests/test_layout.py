@@ -27,6 +27,7 @@ LAYERS = [
     "export",
     "pipeline",
     "lit",
+    "runner",
     "cli",
     "api",
 ]
@@ -80,7 +81,7 @@ def layer(module: str) -> str | None:
 def test_the_graph_sees_imports():
     assert "ghostdistill.core.model" in GRAPH["ghostdistill.core.views"]
     assert "ghostdistill.methods.interface" in GRAPH["ghostdistill.methods.ghost"]
-    assert "ghostdistill.lit.callbacks" in GRAPH["ghostdistill.cli.fit"]
+    assert "ghostdistill.lit.callbacks" in GRAPH["ghostdistill.runner.fit"]
 
 
 def test_the_graph_sees_imports_made_for_annotations_only():

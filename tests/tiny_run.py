@@ -5,7 +5,8 @@ tokens from the corpus' jsonl file, 2 evaluation windows of 32 tokens of its tex
 progress output. A keyword set to None leaves the config's value; `extra` arguments come last and override
 any of them (later arguments win). Imported as `from tiny_run import tiny_run_args`: tests/ is on sys.path
 (pytest inserts the folder of tests/conftest.py), from any test folder. `exported_perplexity` scores an exported
-folder on a run's evaluation windows (a folder with operators is not a `fit` source: issue 39).
+folder on a run's evaluation windows (a folder with operators is not a `fit` source: issue 39). `repair_args`
+and `frontier_file`: a repair-aware run and a frontier of it (the planning tests, the Python API's tests).
 """
 
 from __future__ import annotations
@@ -78,6 +79,42 @@ def tiny_run_args(
         *extra,
     ]
     return args
+
+
+def repair_args(tiny_dir, text_files, run, *extra, criterion="repair", selection=True):
+    """A repair-aware run of the tiny LLaMA (`criterion`, one block, ghost and linearpatch), calibrated on the
+    jsonl file's first 150 documents; `selection`: 4 held-out windows of the documents after them."""
+    args = tiny_run_args(
+        tiny_dir,
+        text_files,
+        run,
+        "--model.plan.criterion",
+        criterion,
+        "--data.calibration.source.max_documents",
+        "150",
+        *extra,
+        layers=None,
+        num_layers=1,
+        recovery=[{"name": "ghost"}, {"name": "linearpatch", "method": "linearpatch"}],
+    )
+    if selection:
+        source = {"source": str(text_files["jsonl_gz"]), "first_document": 150}
+        args += ["--data.selection.source", json.dumps(source), "--data.selection.num_windows", "4"]
+        args += ["--data.selection.seq_len", "32"]
+    return args
+
+
+def frontier_file(tmp_path, tiny_dir, text_files, depths):
+    """A frontier file of `repair_args`' base at `depths` (root `<tmp_path>/frontier`) and the fit overrides
+    that go with it: (its path, the overrides)."""
+    import yaml
+
+    args = repair_args(tiny_dir, text_files, tmp_path / "unused")
+    assert args[:3] == ["fit", "--config", args[2]]
+    spec = {"base": args[2], "root": str(tmp_path / "frontier"), "num_layers": depths}
+    path = tmp_path / "frontier.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path, args[3:]  # the plan's criterion and depth are set per depth
 
 
 def exported_perplexity(folder, run) -> tuple[float, int]:

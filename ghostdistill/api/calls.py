@@ -23,7 +23,7 @@ from ..methods import RecoveryConfig
 from ..pipeline.config import EvalConfig, RunConfig
 from ..pipeline.data import CalibrationData, DataConfig, EvaluationData, SelectionData, TrainData, ValidationData
 from ..pipeline.export import run_view_model
-from ..pipeline.run import Run
+from ..pipeline.run import Run, fit_device
 from ..planning import PlanConfig
 from ..reporting.results import markdown_table
 from .options import (
@@ -281,8 +281,8 @@ def _direct(model, tokenizer, opts: Options, folder: Path, num_layers: int, reco
     model_cfg, obj = model_source(model, opts)
     cfg = _config(model_cfg, opts, folder, num_layers, recovery, **config)
     device = opts.device
-    if device is None and obj is None and torch.cuda.is_available():
-        device = "cuda"  # `fit`'s accelerator: auto
+    if device is None and obj is None:
+        device = fit_device()  # `fit`'s accelerator: auto
     run = Run(cfg, model=obj, tokenizer=tokenizer, progress=bar(opts), log=log(opts))
     try:
         run_dir = Path(opts.workdir) if opts.workdir is not None else None

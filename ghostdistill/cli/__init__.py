@@ -20,11 +20,11 @@ import os
 import sys
 
 from ..core.errors import USER_ERRORS, one_line
+from ..runner.fit import build_fit as build_fit
+from ..runner.fit import check_strategy_config as check_strategy_config
+from ..runner.fit import run_fit
 from .export import load_run_config as load_run_config
 from .export import run_export
-from .fit import build_fit as build_fit
-from .fit import check_strategy_config as check_strategy_config
-from .fit import run_fit
 from .runs import run_compare, run_frontier_command
 
 COMMANDS = {

@@ -12,7 +12,7 @@ import yaml
 
 from ..lit.interrupts import terminate_on_sigterm
 from ..methods import drop_flat_defaults
-from .config import run_config_of
+from ..runner.config import run_config_of
 
 
 def load_run_config(run: Path, trust_remote_code: bool = False):

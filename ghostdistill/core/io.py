@@ -8,13 +8,14 @@ place, so another user who reads a shared run folder can read its results, stati
 
 from __future__ import annotations
 
+import copy
 import errno
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -232,10 +233,17 @@ def read_mapping(path: str | os.PathLike, what: str) -> dict:
     return data
 
 
-def read_spec(path: str, what: str, valid: Sequence[str], required: Sequence[str]) -> dict:
-    """A study's file (`read_mapping`; ``compare file``, ``frontier file``): no key but the `valid` ones, every
-    `required` one, and a `base` fit config that exists."""
-    spec = read_mapping(path, what)
+def spec_name(spec: str | os.PathLike | Mapping) -> str:
+    """How a study's messages name its spec: the file's path, or ``(given as a mapping)`` for a mapping given
+    from Python (`ghostdistill.compare`, `ghostdistill.frontier`)."""
+    return "(given as a mapping)" if isinstance(spec, Mapping) else str(spec)
+
+
+def read_spec(spec: str | os.PathLike | Mapping, what: str, valid: Sequence[str], required: Sequence[str]) -> dict:
+    """A study's file (`read_mapping`; ``compare file``, ``frontier file``) or a mapping of its keys (copied):
+    no key but the `valid` ones, every `required` one, and a `base` fit config that exists."""
+    path = spec_name(spec)
+    spec = copy.deepcopy(dict(spec)) if isinstance(spec, Mapping) else read_mapping(spec, what)
     unknown = set(spec) - set(valid)
     if unknown:
         raise ValueError(f"{what} {path}: unknown keys {sorted(unknown)}; valid: {', '.join(valid)}")

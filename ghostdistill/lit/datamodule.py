@@ -92,7 +92,7 @@ class GhostDataModule(LightningDataModule):
 
     The windows themselves come from the run's `pipeline.data.RunData` (`GhostDistill.run.data`), which
     `Run.setup` binds to the model's tokenizer and dense model before anything is read. These settings
-    are linked into the module's `data` when `fit` builds it (`cli.fit`), so the run's config is complete.
+    are linked into the module's `data` when `fit` builds it (`runner.fit`), so the run's config is complete.
 
     Args:
         calibration: calibration text and size.

@@ -59,7 +59,7 @@ class GhostDistill(LightningModule):
     ) -> None:
         super().__init__()
         recovery = [RecoveryConfig()] if recovery is None else list(recovery)
-        # `data` is the data module's settings, linked in by `cli.fit` when it is built: the run's config
+        # `data` is the data module's settings, linked in by `runner.fit` when it is built: the run's config
         # is complete (and validated, by `Run`) before anything loads.
         cfg = RunConfig(model, plan, recovery, evaluation, distill, data if data is not None else DataConfig())
         self._hold(Run(cfg, log=rank_zero_info, warn=rank_zero_warn))

@@ -1,6 +1,6 @@
 """The Trainer a run gets: `fit`'s defaults, its callbacks in their order, and fit-then-test.
 
-`fit` (LightningCLI, `cli.fit`) builds its Trainer from the config file with these defaults and callbacks;
+`fit` (LightningCLI, `runner.fit`) builds its Trainer from the config file with these defaults and callbacks;
 `fit_run` builds the same Trainer from keywords around a `pipeline.run.Run` made from a typed `RunConfig`
 (the Python API's `distill_student`, and any code that runs a config without `fit`'s arguments), so both
 distil through one loop: `GhostDistill`'s hooks, the data module's windows, the checkpoints.

@@ -59,6 +59,12 @@ from .state import STATE_FILE, incomplete_state, open_state, run_key
 from .train import BestSteps, DistillPhases
 
 
+def fit_device(accelerator: str | None = "auto") -> str:
+    """The device a single-process `fit` with this `trainer.accelerator` runs on (the GPU for auto, gpu and cuda
+    when torch sees one): where a run outside the Trainer is put (`Run.execute`'s callers, `frontier`'s pass)."""
+    return "cuda" if str(accelerator or "auto") in ("auto", "gpu", "cuda") and torch.cuda.is_available() else "cpu"
+
+
 class Run(Phases, DistillPhases):
     """One run's state and phases. `log`/`warn`: where messages go (rank 0's logger under Lightning);
     `write`: whether this process writes files (rank 0 of several). `model`/`tokenizer`: objects already

@@ -18,12 +18,13 @@ seed, ...); otherwise it runs again, and the console says which settings differ 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import get_args, get_origin, get_type_hints
 
 from ..core.checks import check_unique
-from ..core.io import atomic_write_json, atomic_write_text, read_spec
+from ..core.io import atomic_write_json, atomic_write_text, read_spec, spec_name
 from ..core.settings import is_cost
 from ..planning import PlanConfig
 from . import csv_text
@@ -38,8 +39,11 @@ _NAMED = {name: f for name, f in PLAN_FIELDS.items() if "tag" in f.metadata}
 SCORE_COLUMNS = ("ppl", "kl", "top1", "prefix", "acc", "acc_norm", "items")
 
 
-def load_spec(path: str) -> dict:
+def load_spec(path: str | Mapping) -> dict:
+    """The compare file at `path`, or a mapping of its keys, checked: every plan's keys and values, no two plans
+    of one folder, `root` defaulted."""
     spec = read_spec(path, "compare file", ("base", "root", "plans"), ("base", "plans"))
+    path = spec_name(path)
     if not isinstance(spec["plans"], list) or not spec["plans"]:
         raise ValueError(f"compare file {path}: plans must be a non-empty list")
     for plan in spec["plans"]:

@@ -16,7 +16,7 @@ With `students`, each depth also gets the fine-tuned answer: the stock student s
 repair (lowest selection KL among the stock recovery views, the held-out windows the plans were chosen on: the
 evaluation windows play no part in the choice; the pruned model has no
 closed form to start from) on that view's plan, the operator student from the best operator view on its plan.
-Each is one `fit` of `students.config` (`cli.runs.frontier_students`), so the fine-tuned columns use that
+Each is one `fit` of `students.config` (`runner.frontier.frontier_students`), so the fine-tuned columns use that
 config's data and evaluation, which may differ from the base config's: frontier.md says which.
 """
 
@@ -39,7 +39,7 @@ FINE_TUNED = "fine-tuned"
 
 def flat_rows(points: list[dict], students: list[dict] = ()) -> list[dict]:
     """One row per depth, criterion, view and evaluation source (the dense model once, at depth 0), then one
-    per student (`cli.runs.frontier_students`) and source, criterion ``fine-tuned``."""
+    per student (`runner.frontier.frontier_students`) and source, criterion ``fine-tuned``."""
     rows, dense_seen = [], False
     for point in points:
         for row in point["rows"]:
@@ -281,12 +281,13 @@ def plot(points: list[dict], path: Path, source: str | None = None, students: li
         ax.legend(fontsize=7, ncol=2)
 
 
-def write(root: Path, points: list[dict], spec: dict, students: list[dict] = ()) -> list[Path]:
+def write(root: Path, points: list[dict], spec: dict, students: list[dict] = ()) -> dict:
+    """frontier.json, .csv, .md and .png in `root`; returns what frontier.json holds."""
     root.mkdir(parents=True, exist_ok=True)
     rows = flat_rows(points, students)
-    paths = [root / "frontier.json", root / "frontier.csv", root / "frontier.md", root / "frontier.png"]
-    atomic_write_json(paths[0], {"spec": spec, "points": points, "students": list(students), "rows": rows})
-    atomic_write_text(paths[1], csv_text(rows))
-    atomic_write_text(paths[2], markdown(points, spec, students))
-    plot(points, paths[3], students=students)
-    return paths
+    report = {"spec": spec, "points": points, "students": list(students), "rows": rows}
+    atomic_write_json(root / "frontier.json", report)
+    atomic_write_text(root / "frontier.csv", csv_text(rows))
+    atomic_write_text(root / "frontier.md", markdown(points, spec, students))
+    plot(points, root / "frontier.png", students=students)
+    return report

@@ -18,10 +18,11 @@ data), the run root, the depths and the criteria:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from ..core.checks import check_unique
-from ..core.io import read_mapping, read_spec
+from ..core.io import read_mapping, read_spec, spec_name
 
 SPEC_KEYS = {"base", "root", "num_layers", "criteria", "greedy", "students"}
 CRITERIA = ("streamline", "repair", "greedy")
@@ -31,8 +32,11 @@ GREEDY_KEYS = {"views", "criterion_samples"}
 STUDENT_KEYS = {"config", "stock", "operators", "overrides"}
 
 
-def load_frontier_spec(path: str) -> dict:
+def load_frontier_spec(path: str | Mapping) -> dict:
+    """The frontier file at `path`, or a mapping of its keys, checked and completed (depths listed, criteria,
+    root, greedy and students defaulted)."""
     spec = read_spec(path, "frontier file", sorted(SPEC_KEYS), ("base", "num_layers"))
+    path = spec_name(path)
     depths = spec["num_layers"]
     if isinstance(depths, dict):
         ends = [depths.get("first"), depths.get("last")]

@@ -9,21 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import random_batches, tiny_model
-from test_repair_run import repair_args
+from tiny_run import frontier_file
 
 from ghostdistill.cli import main
 from ghostdistill.methods import RecoveryConfig
 from ghostdistill.planning import PlanConfig, score_runs
 from ghostdistill.reporting.frontier import best_by_depth, flat_rows, shipping
-
-
-def frontier_file(tmp_path, tiny_dir, text_files, depths):
-    args = repair_args(tiny_dir, text_files, tmp_path / "unused")
-    assert args[:3] == ["fit", "--config", args[2]]
-    spec = {"base": args[2], "root": str(tmp_path / "frontier"), "num_layers": depths}
-    path = tmp_path / "frontier.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path, args[3:]  # the plan's criterion and depth are set per depth
 
 
 def test_the_frontier_reports_every_view_and_criterion_per_depth_and_resumes(
@@ -254,7 +245,7 @@ def test_the_frontier_fine_tunes_the_best_stock_and_operator_views_per_depth_and
     csv_rows = (root / "frontier.csv").read_text().splitlines()
     assert sum(",fine-tuned," in x for x in csv_rows) == 2
 
-    import ghostdistill.cli.runs as runs
+    import ghostdistill.runner.frontier as runs
 
     def fail(*args, **kwargs):
         raise AssertionError("a finished student was trained again")

@@ -6,30 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from tiny_run import tiny_run_args
+from tiny_run import repair_args
 
 from ghostdistill.cli import main
-
-
-def repair_args(tiny_dir, text_files, run, *extra, criterion="repair", selection=True):
-    args = tiny_run_args(
-        tiny_dir,
-        text_files,
-        run,
-        "--model.plan.criterion",
-        criterion,
-        "--data.calibration.source.max_documents",
-        "150",
-        *extra,
-        layers=None,
-        num_layers=1,
-        recovery=[{"name": "ghost"}, {"name": "linearpatch", "method": "linearpatch"}],
-    )
-    if selection:
-        source = {"source": str(text_files["jsonl_gz"]), "first_document": 150}
-        args += ["--data.selection.source", json.dumps(source), "--data.selection.num_windows", "4"]
-        args += ["--data.selection.seq_len", "32"]
-    return args
 
 
 def test_a_repair_plan_reports_every_candidate(tiny_dir, text_files, tmp_path):

@@ -1,7 +1,7 @@
 """`fit`: a LightningCLI (YAML configs, `--print_config`, dotted overrides) built without its own
 subcommands: the run is `run_fit`, which calls `Trainer.fit` only when there are steps to take, then
-`Trainer.test`. `build_fit` is the parser and what it instantiates; `cli.config` parses with it, nothing
-instantiated, for `compare`, `frontier` and `export`."""
+`Trainer.test`. `build_fit` is the parser and what it instantiates; `runner.config` parses with it, nothing
+instantiated, for `compare`, `frontier` and `export`. The command line's `fit` is `run_fit` of its arguments."""
 
 from __future__ import annotations
 
@@ -243,7 +243,7 @@ def settings_of(cli: GhostDistillCLI) -> dict:
 
 
 def run_fit(args: list[str] | dict) -> GhostDistillCLI:
-    """`fit` of command-line arguments or a config mapping (`cli.config.ParsedFit.config`): distil when there
+    """`fit` of command-line arguments or a config mapping (`runner.config.ParsedFit.config`): distil when there
     are steps to take (resuming from `ckpt_path`), then evaluate every view. SIGTERM stops it in every phase
     (`lit.interrupts`)."""
     from jsonargparse import ArgumentError
