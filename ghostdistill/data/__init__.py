@@ -9,7 +9,7 @@ bound to its tokenizer and cached in its folder; `lit/datamodule.py` is only Lig
 
 from .answers import ChatWindows
 from .sources import GENERATE, ChatSettings, TextSource, load_documents, validate_source
-from .windows import calibration_windows, evaluation_windows, generate_windows, shared_ngrams
+from .windows import calibration_windows, disjoint_windows, evaluation_windows, generate_windows, shared_ngrams
 
 __all__ = [
     "ChatSettings",
@@ -17,6 +17,7 @@ __all__ = [
     "GENERATE",
     "TextSource",
     "calibration_windows",
+    "disjoint_windows",
     "evaluation_windows",
     "generate_windows",
     "load_documents",

@@ -1,4 +1,5 @@
-"""Token windows: random calibration windows, non-overlapping evaluation windows, and self-generated text."""
+"""Token windows: random calibration windows, non-overlapping evaluation (and training) windows, and
+self-generated text."""
 
 from __future__ import annotations
 
@@ -64,6 +65,23 @@ def calibration_windows(tokenizer, src: TextSource, seq_len: int, num_samples: i
             "use more documents or a shorter seq_len"
         )
     return torch.tensor(windows, dtype=torch.long)
+
+
+def disjoint_windows(tokenizer, src: TextSource, seq_len: int, num_samples: int) -> torch.Tensor:
+    """The first `num_samples` non-overlapping windows of `seq_len` tokens of the documents joined in order,
+    EOS between them (as `calibration_windows` joins short ones): every token of the text at most once."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids: list[int] = []
+    for doc in load_documents(src, for_eval=False):
+        ids.extend(tokenizer(doc).input_ids + eos)
+        if len(ids) >= num_samples * seq_len:
+            break
+    if len(ids) < num_samples * seq_len:
+        raise ValueError(
+            f"{src.label}: {len(ids)} tokens hold {len(ids) // seq_len} disjoint windows of {seq_len} tokens, "
+            f"{num_samples} requested; use more documents, a shorter seq_len, or cut: random"
+        )
+    return torch.tensor(ids[: num_samples * seq_len], dtype=torch.long).view(num_samples, seq_len)
 
 
 @torch.no_grad()

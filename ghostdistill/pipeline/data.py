@@ -23,12 +23,14 @@ from ..data import (
     ChatWindows,
     TextSource,
     calibration_windows,
+    disjoint_windows,
     evaluation_windows,
     generate_windows,
     shared_ngrams,
 )
 from .chat import chat_windows, check_chat_sources, evaluation_sources, score_source, statistics_masks
 from .data_config import (
+    DISJOINT,
     CalibrationData,
     DataConfig,
     EvaluationData,
@@ -78,24 +80,45 @@ class RunData:
     def batch_size(self) -> int:
         return self.cfg.batch_size
 
-    def _generate(self, seq_len: int, n: int, seed: int, keep: Resumable | None = None) -> torch.Tensor:
+    def _generate(
+        self, seq_len: int, n: int, seed: int, keep: Resumable | None = None, batch_size: int | None = None
+    ) -> torch.Tensor:
         if self.dense is None:
             raise ValueError("source: generate needs the dense model, which this run did not provide")
         with self.dense() as model:
             return generate_windows(
-                model, self.tokenizer, seq_len, n, seed, self.batch_size, progress=self.progress, keep=keep
+                model,
+                self.tokenizer,
+                seq_len,
+                n,
+                seed,
+                batch_size or self.batch_size,
+                progress=self.progress,
+                keep=keep,
             )
 
-    def generated_cache(self, what: str = "calibration") -> Path | None:
+    def _cached_generation(self, cache: Path | None, *args, **kwargs) -> torch.Tensor:
+        """`_generate(*args, **kwargs)`, read from `cache` when it is there, else made batch by batch (an
+        interrupted run resumes) and kept there."""
+        if cache is not None and cache.is_file():
+            return torch.load(cache, weights_only=True)
+        keep = Resumable(partial_path(cache), self.write)
+        ids = self._generate(*args, keep=keep, **kwargs)  # seeded: every rank samples the same text; rank 0 keeps it
+        if cache is not None and self.write:
+            atomic_torch_save(ids, cache)
+        keep.finish()
+        return ids
+
+    def generated_cache(self, what: str = "calibration", part: str = "") -> Path | None:
         """Where self-generated `what` (calibration, train) tokens are kept: keyed by the model that wrote them
-        and the section's settings."""
+        and the section's settings (`part` "more": the training windows `data.train.generated` adds)."""
         if self.run_dir is None:
             return None
         settings = section_settings(getattr(self.cfg, what))
         if (settings.get("source") or {}).get("chat"):
             settings["source"]["chat"].pop("tokens")  # what the statistics count, not what is written
         key = json_digest({"model": self.model_key, what: settings, "batch_size": self.batch_size})
-        return Path(self.run_dir) / f"generated_{what}_{key}.pt"
+        return Path(self.run_dir) / f"generated_{what}{part and '_' + part}_{key}.pt"
 
     def answers_cache(self, src: TextSource) -> Path | None:
         """Where the chat score's sequences of `src` (the dense model's answers) are kept: keyed by the model
@@ -110,14 +133,7 @@ class RunData:
             return chat_windows(self, src, seq_len, n, seed, cache)
         if src.source != GENERATE:
             return calibration_windows(self.tokenizer, src, seq_len, n, seed), None
-        if cache is not None and cache.is_file():
-            return torch.load(cache, weights_only=True), None
-        keep = Resumable(partial_path(cache), self.write)  # batch by batch: an interrupted run resumes
-        ids = self._generate(seq_len, n, seed, keep)  # seeded: every rank samples the same text; rank 0 keeps it
-        if cache is not None and self.write:
-            atomic_torch_save(ids, cache)
-        keep.finish()
-        return ids, None
+        return self._cached_generation(cache, seq_len, n, seed), None
 
     def calibration_ids(self) -> torch.Tensor:
         if self._calibration is None:
@@ -166,9 +182,20 @@ class RunData:
             tr = self.cfg.train
             if tr.source is None:
                 ids = self.calibration_ids()
+            elif tr.cut == DISJOINT:
+                ids = disjoint_windows(self.tokenizer, tr.source, tr.seq_len, tr.num_samples)
             else:
                 ids = self._windows(tr.source, tr.seq_len, tr.num_samples, tr.seed, self.generated_cache("train"))[0]
             self._check_disjoint("training", tr.source or self.cfg.calibration.source, ids)
+            if tr.generated:
+                more = self._cached_generation(
+                    self.generated_cache("train", "more"),
+                    ids.shape[1],
+                    tr.generated,
+                    30000 + tr.seed,
+                    batch_size=tr.generate_batch,
+                )
+                ids = torch.cat([ids, more])
             self._train = ids
         return self._train
 

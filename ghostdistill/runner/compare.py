@@ -1,5 +1,5 @@
 """`compare`: several runs of one base config, one per plan, gathered into one report. Each run is a typed
-`RunConfig` of the base (`dataclasses.replace` of its plan) run directly (`runner.config.fit_parsed`); a
+`RunConfig` of the base (`dataclasses.replace` of its plan) run directly (`runner.config.ParsedFit.fit`); a
 finished run whose results.json records the same settings is read back instead. The command line's `compare`
 and the Python API's `ghostdistill.compare` both call `compare_plans`."""
 
@@ -16,7 +16,7 @@ from ..core.run_folder import check_run_folder
 from ..pipeline.settings import stale_reason
 from ..planning import check_plan_depth
 from ..reporting import compare
-from .config import ParsedFit, fit_parsed, parse_fit
+from .config import ParsedFit, parse_fit
 
 
 def compare_plans(spec: str | os.PathLike | Mapping, overrides: Sequence[str] = ()) -> tuple[Path, dict]:
@@ -58,7 +58,7 @@ def compare_plans(spec: str | os.PathLike | Mapping, overrides: Sequence[str] = 
                 if why:
                     print(f"compare: plan {plan_dir}: {why}; running it again")
             # A plan of other settings is run again on purpose: its results are replaced (`overwrite`).
-            done = fit_parsed(run, overwrite=True).report.to_dict() if why else read_mapping(results, "results file")
+            done = run.fit(overwrite=True).report.to_dict() if why else read_mapping(results, "results file")
             runs.append((plan, done))
         report = compare.gather(runs, spec)
         compare.write(root, report)

@@ -4,7 +4,7 @@
     parsed = parse_fit(args, who)           the arguments parsed as `fit` parses them, nothing instantiated
     run = parsed.replace(root, plan=...)    another run of the same config (`dataclasses.replace` of its sections)
     run.settings()                          what its results.json records (`pipeline.settings.result_settings`)
-    fit_parsed(run)                         the run itself (`fit.run_fit` of its config): its `pipeline.run.Run`
+    run.fit()                               the run itself (`fit.run_fit` of its config): its `pipeline.run.Run`
     run_config_of(config)                   a config mapping's `RunConfig` (a run folder's config.yaml)
 
 A `ParsedFit` is the typed `RunConfig` and the rest of the config (seed, trainer, callbacks) as jsonargparse
@@ -93,6 +93,17 @@ class ParsedFit:
             rest.setdefault("trainer", {})["default_root_dir"] = str(root)
         return ParsedFit(replace(self.cfg, **sections), rest)
 
+    def fit(self, ckpt_path: str | None = None, overwrite: bool = False) -> Run:
+        """Run this `fit` (distil when it has steps, evaluate, report, export) in its run folder: `fit.run_fit`
+        of its config. `ckpt_path`: ``last`` resumes an interrupted one; `overwrite`: replace the results of
+        other settings there (`fit --overwrite_run`). Returns its `Run` (the report in memory)."""
+        config = self.config()
+        if ckpt_path is not None:
+            config["ckpt_path"] = ckpt_path
+        if overwrite:
+            config["overwrite_run"] = True
+        return run_fit(config).model.run
+
 
 def _plain(obj):
     return obj.as_dict() if isinstance(obj, RecoveryConfig) else str(obj)
@@ -110,15 +121,3 @@ def parse_fit(args: list[str], who: str) -> ParsedFit:
     keep = "skip_unset" if "skip_unset" in inspect.signature(cli.parser.dump).parameters else "skip_none"
     config = json.loads(cli.parser.dump(cli.config, format="json", **{keep: False}))
     return ParsedFit(run_config_of(config, who), {k: v for k, v in config.items() if k not in ("model", "data")})
-
-
-def fit_parsed(parsed: ParsedFit, ckpt_path: str | None = None, overwrite: bool = False) -> Run:
-    """Run the `fit` of `parsed` (distil when it has steps, evaluate, report, export) in its run folder;
-    `ckpt_path`: ``last`` resumes an interrupted one; `overwrite`: replace the results of other settings there
-    (`fit --overwrite_run`). Returns its `Run` (the report in memory)."""
-    config = parsed.config()
-    if ckpt_path is not None:
-        config["ckpt_path"] = ckpt_path
-    if overwrite:
-        config["overwrite_run"] = True
-    return run_fit(config).model.run

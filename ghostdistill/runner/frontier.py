@@ -21,7 +21,7 @@ from ..pipeline.run import Run, fit_device
 from ..planning import check_selection
 from ..reporting import frontier
 from ..reporting.frontier import student_starts
-from .config import ParsedFit, fit_parsed, parse_fit, typed
+from .config import ParsedFit, parse_fit, typed
 
 
 def frontier_depths(spec: str | os.PathLike | Mapping, overrides: Sequence[str] = ()) -> tuple[Path, dict]:
@@ -125,7 +125,7 @@ def frontier_students(spec: dict, points: list[dict], cfg, students: ParsedFit, 
                 res = read_mapping(results, "results file")
             else:
                 print(f"{who}: {spec['students'][kind]['name']} from {start['view']} on {start['removed']}")
-                res = fit_parsed(run.replace(run_dir), ckpt_path="last").report.to_dict()
+                res = run.replace(run_dir).fit(ckpt_path="last").report.to_dict()
             name = spec["students"][kind]["name"]
             records.append(
                 {

@@ -1,6 +1,7 @@
 """How much distinct text each budget of a distillation run saw (docs/results/budgets.md, issue 51).
 
-A run trains on `data.train.num_samples` random windows, visited in the order `lit.datamodule.StepWindows`
+A run trains on its `data.train` windows (random or disjoint windows of its text, and the windows the dense model
+generated, read from the run folder where the run kept them), visited in the order `lit.datamodule.StepWindows`
 gives them (one seeded permutation per epoch). For each token budget this prints how many of the tokens seen
 so far were distinct and how many repeated. A token counts as repeated when the same 31 tokens around it
 (15 either side, clipped at its window's edges) were seen before: windows drawn from overlapping offsets of
@@ -15,12 +16,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import yaml
-
-from ghostdistill.core.model import ModelConfig, load_tokenizer
-from ghostdistill.data.sources import TextSource
-from ghostdistill.data.windows import calibration_windows
+from ghostdistill.cli.export import load_run_config
+from ghostdistill.core.model import load_tokenizer, model_key
 from ghostdistill.lit.datamodule import StepWindows
+from ghostdistill.pipeline.data import RunData
 
 HALF = 15
 
@@ -34,11 +33,11 @@ def main() -> None:
         parser.error(f"{args.run} holds no config.yaml: give the folder of a fit run (its trainer.default_root_dir)")
     if any(b < 1 for b in args.budgets):
         parser.error(f"budgets {args.budgets}: give positive token counts, e.g. 20480 81920")
-    cfg = yaml.safe_load((args.run / "config.yaml").read_text())
-    data, train = cfg["data"], cfg["data"]["train"]
-    tok = load_tokenizer(ModelConfig(**{k: v for k, v in cfg["model"]["model"].items() if k != "offload_folder"}))
-    ids = calibration_windows(tok, TextSource(**train["source"]), train["seq_len"], train["num_samples"], train["seed"])
-    stream = StepWindows(ids, data["batch_size"], train["seed"], 0, 1, 0)
+    cfg, _ = load_run_config(args.run)
+    # The run's own training windows: random or disjoint windows of its text, and the generated windows it kept.
+    data = RunData(cfg.data, load_tokenizer(cfg.model), args.run, model_key=model_key(cfg.model), write=False)
+    ids = data.train_ids()
+    stream = StepWindows(ids, cfg.data.batch_size, cfg.data.train.seed, 0, 1, 0)
     seen: set[int] = set()
     tokens = repeated = 0
     budgets = sorted(args.budgets)

@@ -261,3 +261,65 @@ def test_generate_without_pad_bos_or_eos(tiny_tokenizer):
     tok.eos_token = None
     with pytest.raises(ValueError, match="has neither: use a text calibration source"):
         generate_windows(model, tok, seq_len=8, num_samples=2, seed=0, progress=False)
+
+
+def test_disjoint_training_windows_hold_every_token_once(tiny_tokenizer, text_files):
+    """Issue 51: `data.train.cut: disjoint` cuts consecutive windows of the documents joined in order (EOS
+    between them), so n windows hold n x seq_len distinct positions of the text; random windows of the same
+    documents overlap."""
+    from ghostdistill.data import disjoint_windows
+
+    src = TextSource(str(text_files["jsonl_gz"]))
+    docs = load_documents(src, for_eval=False)
+    stream = []
+    for d in docs:
+        stream += tiny_tokenizer(d).input_ids + [tiny_tokenizer.eos_token_id]
+    n = len(stream) // 32
+    ids = disjoint_windows(tiny_tokenizer, src, 32, n)
+    assert ids.shape == (n, 32) and ids.flatten().tolist() == stream[: n * 32]
+    with pytest.raises(ValueError, match=rf"hold {n} disjoint windows of 32 tokens, {n + 1} requested"):
+        disjoint_windows(tiny_tokenizer, src, 32, n + 1)
+
+
+def test_generated_training_windows_top_up_the_text_and_are_kept(tiny_tokenizer, text_files, tmp_path):
+    """Issue 51: `data.train.generated` adds windows the dense model writes (seeded, `generate_batch` at a
+    time) after the text's windows, kept in the run folder apart from a generated source's cache: a second
+    RunData reads them back without the model."""
+    from contextlib import nullcontext
+
+    from ghostdistill.data import disjoint_windows
+    from ghostdistill.pipeline.data import DataConfig, EvaluationData, RunData, TrainData
+
+    model = tiny_model("llama", num_layers=2)
+    src = TextSource(str(text_files["jsonl_gz"]))
+    train = TrainData(src, num_samples=3, seq_len=16, seed=0, cut="disjoint", generated=4, generate_batch=3)
+    cfg = DataConfig(evaluation=EvaluationData(sources=[]), train=train, batch_size=2)
+    cfg.validate()
+    data = RunData(cfg, tiny_tokenizer, tmp_path, dense=lambda: nullcontext(model), model_key={"m": 1}, progress=False)
+    ids = data.train_ids()
+    assert ids.shape == (7, 16)
+    assert torch.equal(ids[:3], disjoint_windows(tiny_tokenizer, src, 16, 3))
+    assert (ids[3:, 0] == tiny_tokenizer.bos_token_id).all()
+    expected = generate_windows(model, tiny_tokenizer, 16, 4, seed=30000, batch_size=3, progress=False)
+    assert torch.equal(ids[3:], expected)
+    assert [p.name.startswith("generated_train_more_") for p in tmp_path.iterdir()] == [True]
+    again = RunData(cfg, tiny_tokenizer, tmp_path, dense=None, model_key={"m": 1}, progress=False)
+    assert torch.equal(again.train_ids(), ids)  # read back: no model needed
+
+
+@pytest.mark.parametrize(
+    "train, message",
+    [
+        ({"cut": "shuffled"}, "data.train.cut 'shuffled': choose random (or null) or disjoint"),
+        ({"cut": "disjoint", "source": None}, "disjoint cuts windows of a text source"),
+        ({"generated": 0}, "data.train.generated must be a positive integer or null, got 0"),
+        ({"generate_batch": 8}, "generate_batch sizes the generated windows: set data.train.generated too"),
+    ],
+)
+def test_bad_training_cuts_are_named(text_files, train, message):
+    from ghostdistill.pipeline.data import DataConfig, EvaluationData, TrainData
+
+    fields = {"source": TextSource(str(text_files["jsonl_gz"])), **train}
+    cfg = DataConfig(evaluation=EvaluationData(sources=[]), train=TrainData(**fields))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        cfg.validate()

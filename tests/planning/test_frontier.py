@@ -245,12 +245,12 @@ def test_the_frontier_fine_tunes_the_best_stock_and_operator_views_per_depth_and
     csv_rows = (root / "frontier.csv").read_text().splitlines()
     assert sum(",fine-tuned," in x for x in csv_rows) == 2
 
-    import ghostdistill.runner.frontier as runs
+    from ghostdistill.runner.config import ParsedFit
 
     def fail(*args, **kwargs):
         raise AssertionError("a finished student was trained again")
 
-    monkeypatch.setattr(runs, "fit_parsed", fail)
+    monkeypatch.setattr(ParsedFit, "fit", fail)
     main(["frontier", str(path), *overrides])
     assert json.loads((root / "frontier.json").read_text())["students"] == report["students"]
 
