@@ -67,21 +67,28 @@ def calibration_windows(tokenizer, src: TextSource, seq_len: int, num_samples: i
     return torch.tensor(windows, dtype=torch.long)
 
 
-def disjoint_windows(tokenizer, src: TextSource, seq_len: int, num_samples: int) -> torch.Tensor:
-    """The first `num_samples` non-overlapping windows of `seq_len` tokens of the documents joined in order,
-    EOS between them (as `calibration_windows` joins short ones): every token of the text at most once."""
+def disjoint_windows(tokenizer, sources: TextSource | list[TextSource], seq_len: int, num_samples: int) -> torch.Tensor:
+    """The first `num_samples` non-overlapping windows of `seq_len` tokens of each source's documents joined in
+    order, EOS between them (as `calibration_windows` joins short ones), the sources one after another (no
+    window spans two): every token of the text at most once."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    ids: list[int] = []
-    for doc in load_documents(src, for_eval=False):
-        ids.extend(tokenizer(doc).input_ids + eos)
-        if len(ids) >= num_samples * seq_len:
-            break
-    if len(ids) < num_samples * seq_len:
-        raise ValueError(
-            f"{src.label}: {len(ids)} tokens hold {len(ids) // seq_len} disjoint windows of {seq_len} tokens, "
-            f"{num_samples} requested; use more documents, a shorter seq_len, or cut: random"
-        )
-    return torch.tensor(ids[: num_samples * seq_len], dtype=torch.long).view(num_samples, seq_len)
+    sources = [sources] if isinstance(sources, TextSource) else sources
+    windows: list[list[int]] = []
+    for src in sources:
+        ids: list[int] = []
+        want = (num_samples - len(windows)) * seq_len
+        for doc in load_documents(src, for_eval=False):
+            if len(ids) >= want:
+                break
+            ids.extend(tokenizer(doc).input_ids + eos)
+        windows += [ids[i : i + seq_len] for i in range(0, min(len(ids), want) - seq_len + 1, seq_len)]
+        if len(windows) == num_samples:
+            return torch.tensor(windows, dtype=torch.long)
+    names = " + ".join(s.label for s in sources)
+    raise ValueError(
+        f"{names}: the text holds {len(windows)} disjoint windows of {seq_len} tokens, {num_samples} requested; "
+        "use more documents or sources, a shorter seq_len, or cut: random"
+    )
 
 
 @torch.no_grad()
@@ -94,8 +101,9 @@ def generate_windows(
     batch_size: int = 8,
     progress: bool | Callable[[Iterable, str], Iterable] = True,
     keep: Resumable | None = None,
+    what: str = "calibration",
 ) -> torch.Tensor:
-    """Data-free calibration: the dense model samples its own text from the start token.
+    """Data-free calibration (or training, `what`) text: the dense model samples its own text from the start token.
 
     Plain ancestral sampling (temperature 1, no top-k/top-p) so the windows follow the model's own
     distribution; EOS is suppressed so every window is full length. `progress`: a bar (tqdm's, or a run's
@@ -125,7 +133,7 @@ def generate_windows(
         torch.manual_seed(seed)
         if keep.state is not None:
             set_rng_state(keep.state, device)
-        for lo in bar(range(len(out) * batch_size, num_samples, batch_size), "generating calibration text"):
+        for lo in bar(range(len(out) * batch_size, num_samples, batch_size), f"generating {what} text"):
             n = min(batch_size, num_samples - lo)
             prompt = torch.full((n, 1), start, dtype=torch.long, device=device)
             seqs = model.generate(

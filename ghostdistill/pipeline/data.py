@@ -81,20 +81,22 @@ class RunData:
         return self.cfg.batch_size
 
     def _generate(
-        self, seq_len: int, n: int, seed: int, keep: Resumable | None = None, batch_size: int | None = None
+        self, seq_len: int, n: int, seed: int, keep: Resumable | None = None, batch_size: int | None = None, what=""
     ) -> torch.Tensor:
         if self.dense is None:
             raise ValueError("source: generate needs the dense model, which this run did not provide")
         with self.dense() as model:
+            size = batch_size or self.batch_size
             return generate_windows(
                 model,
                 self.tokenizer,
                 seq_len,
                 n,
                 seed,
-                batch_size or self.batch_size,
+                size,
                 progress=self.progress,
                 keep=keep,
+                what=what or "calibration",
             )
 
     def _cached_generation(self, cache: Path | None, *args, **kwargs) -> torch.Tensor:
@@ -183,10 +185,13 @@ class RunData:
             if tr.source is None:
                 ids = self.calibration_ids()
             elif tr.cut == DISJOINT:
-                ids = disjoint_windows(self.tokenizer, tr.source, tr.seq_len, tr.num_samples)
+                ids = disjoint_windows(
+                    self.tokenizer, [tr.source, *(tr.more_sources or [])], tr.seq_len, tr.num_samples
+                )
             else:
                 ids = self._windows(tr.source, tr.seq_len, tr.num_samples, tr.seed, self.generated_cache("train"))[0]
-            self._check_disjoint("training", tr.source or self.cfg.calibration.source, ids)
+            for src in [tr.source or self.cfg.calibration.source, *(tr.more_sources or [])]:
+                self._check_disjoint("training", src, ids)
             if tr.generated:
                 more = self._cached_generation(
                     self.generated_cache("train", "more"),
@@ -194,6 +199,7 @@ class RunData:
                     tr.generated,
                     30000 + tr.seed,
                     batch_size=tr.generate_batch,
+                    what="training",
                 )
                 ids = torch.cat([ids, more])
             self._train = ids

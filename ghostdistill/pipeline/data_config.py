@@ -56,6 +56,8 @@ class TrainData:
 
     - `cut: disjoint`: the first `num_samples` non-overlapping windows of the documents joined in
       order (EOS between them), every token of the text at most once (null: random windows);
+      `more_sources`: further text sources cut the same way, in order after `source` (each one's windows its
+      own: e.g. the same file's documents after those validation reads);
     - `generated`: this many more windows the dense model writes itself (`source: generate`'s sampling, seed
       30000 + `seed`, `generate_batch` at a time; null: data.batch_size), cached in the run folder.
     """
@@ -65,6 +67,7 @@ class TrainData:
     seq_len: int = 2048
     seed: int = 0
     cut: str | None = setting(None, later=True)
+    more_sources: list[TextSource] | None = setting(None, later=True)
     generated: int | None = setting(None, later=True)
     generate_batch: int | None = setting(None, later=True)
 
@@ -138,6 +141,14 @@ class DataConfig:
                 "data.train.cut: disjoint cuts windows of a text source; set data.train.source to a file or a "
                 "hub name (the calibration windows and generated text are windows already)"
             )
+        if self.train.more_sources and self.train.cut != DISJOINT:
+            raise ValueError(
+                "data.train.more_sources are cut after data.train.source's windows: set data.train.cut: disjoint"
+            )
+        for i, src in enumerate(self.train.more_sources or []):
+            validate_source(src, f"data.train.more_sources[{i}]")
+            if src.chat is not None or src.source == GENERATE:
+                raise ValueError(f"data.train.more_sources[{i}]: give a text file or a hub name (plain text)")
         if self.train.generate_batch is not None and not self.train.generated:
             raise ValueError("data.train.generate_batch sizes the generated windows: set data.train.generated too")
         if self.evaluation.max_windows is not None and self.evaluation.max_windows < 1:

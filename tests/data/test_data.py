@@ -277,8 +277,28 @@ def test_disjoint_training_windows_hold_every_token_once(tiny_tokenizer, text_fi
     n = len(stream) // 32
     ids = disjoint_windows(tiny_tokenizer, src, 32, n)
     assert ids.shape == (n, 32) and ids.flatten().tolist() == stream[: n * 32]
-    with pytest.raises(ValueError, match=rf"hold {n} disjoint windows of 32 tokens, {n + 1} requested"):
+    with pytest.raises(ValueError, match=rf"holds {n} disjoint windows of 32 tokens, {n + 1} requested"):
         disjoint_windows(tiny_tokenizer, src, 32, n + 1)
+    # Two sources: the first one's windows, then the second's, none spanning both.
+    first, second = (
+        TextSource(str(text_files["jsonl_gz"]), max_documents=50),
+        TextSource(str(text_files["jsonl_gz"]), first_document=50),
+    )
+    a = disjoint_windows(tiny_tokenizer, first, 32, len(disjoint_windows_all(tiny_tokenizer, first)))
+    both = disjoint_windows(tiny_tokenizer, [first, second], 32, len(a) + 3)
+    assert torch.equal(both[: len(a)], a) and torch.equal(
+        both[len(a) :], disjoint_windows(tiny_tokenizer, second, 32, 3)
+    )
+
+
+def disjoint_windows_all(tokenizer, src):
+    """Every disjoint window of `src` (32 tokens)."""
+    from ghostdistill.data import disjoint_windows
+
+    with pytest.raises(ValueError, match="disjoint windows") as err:
+        disjoint_windows(tokenizer, src, 32, 10**6)
+    n = int(str(err.value).split("holds ")[1].split(" ")[0])
+    return disjoint_windows(tokenizer, src, 32, n)
 
 
 def test_generated_training_windows_top_up_the_text_and_are_kept(tiny_tokenizer, text_files, tmp_path):
@@ -314,6 +334,8 @@ def test_generated_training_windows_top_up_the_text_and_are_kept(tiny_tokenizer,
         ({"cut": "disjoint", "source": None}, "disjoint cuts windows of a text source"),
         ({"generated": 0}, "data.train.generated must be a positive integer or null, got 0"),
         ({"generate_batch": 8}, "generate_batch sizes the generated windows: set data.train.generated too"),
+        ({"more_sources": [TextSource("c4")]}, "more_sources are cut after data.train.source's windows"),
+        ({"cut": "disjoint", "more_sources": [TextSource("generate")]}, "more_sources\\[0\\]: give a text file"),
     ],
 )
 def test_bad_training_cuts_are_named(text_files, train, message):
