@@ -52,7 +52,8 @@ def run_export(argv: list[str]) -> list[Path]:
     --trust-remote-code. SIGTERM and SIGINT stop it with one line and leave no folder behind (each view is
     written in a temporary folder and renamed)."""
     from ..export.compressed import SETUP
-    from ..pipeline.export import FORMAT_OF, ExportOptions, check_ignored, check_options
+    from ..export.formats import format_keys
+    from ..pipeline.export import ExportOptions, check_ignored, check_options
     from ..pipeline.reload import export_run
     from ..pipeline.trust import FLAG
 
@@ -88,7 +89,7 @@ def run_export(argv: list[str]) -> list[Path]:
     )
     args = parser.parse_args(argv)
     keys = [f.name for f in fields(ExportOptions)]
-    given = [k for k in FORMAT_OF if getattr(args, k) not in (None, True)]  # imatrix: given as --no-imatrix
+    given = [k for k in format_keys() if getattr(args, k) not in (None, True)]  # imatrix: given as --no-imatrix
     options = ExportOptions(**{k: getattr(args, k) for k in keys if getattr(args, k) is not None})
     check_options(options)  # formats, types, schemes and the tools they need, before the run is read
     check_ignored(options, given)  # an option of a format not asked for is refused, never ignored

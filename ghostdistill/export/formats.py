@@ -42,6 +42,9 @@ class ExportFormat:
     takes: tuple[str, ...] = ("plain", "operators")
     target: str = "folder"
     options: type | None = None  # a dataclass of its own keys, set as `format_options: {<name>: {...}}`
+    # The shipped formats' keys of `ExportOptions` (flat, as users have written them since before
+    # `format_options`): given without the format, they are refused (`pipeline.export.check_ignored`).
+    keys: tuple[str, ...] = ()
 
     def options_of(self, options) -> Any:
         """The export's `format_options[name]` as this format's `options` class, checked (`core.options`)."""
@@ -87,6 +90,7 @@ class GGUF(ExportFormat):
     name = "gguf"
     takes = ("plain",)
     target = "file"
+    keys = ("gguf_types", "imatrix")
 
     def check(self, options) -> None:
         check_gguf_types(options.gguf_types)
@@ -113,6 +117,7 @@ class GGUF(ExportFormat):
 
 class CompressedTensors(ExportFormat):
     name = compressed.FORMAT
+    keys = ("schemes", "quantize_python")
 
     def check(self, options) -> None:
         compressed.check_schemes(options.schemes)
@@ -132,6 +137,11 @@ class CompressedTensors(ExportFormat):
 # `register(fmt)` makes it `export.format: [<fmt.name>]`.
 _FORMATS: Registry[ExportFormat] = Registry("export format", "export format", ExportFormat)
 register, unregister, formats = _FORMATS.register, _FORMATS.unregister, _FORMATS.names
+
+
+def format_keys() -> dict[str, str]:
+    """Each format's own `ExportOptions` key, and the format that reads it (`ExportFormat.keys`)."""
+    return {key: name for name in formats() for key in _FORMATS.get(name).keys}
 
 
 def check_formats(names: Iterable[str]) -> list[str]:

@@ -15,8 +15,9 @@ from tqdm.auto import tqdm
 
 from ..distill.config import DistillConfig
 from ..distill.interface import get_part
+from ..export.formats import format_keys
 from ..pipeline.config import RunConfig
-from ..pipeline.export import CONFIG_NAMES, FORMAT_OF, ExportOptions, check_export, check_ignored, check_view_names
+from ..pipeline.export import CONFIG_NAMES, ExportOptions, check_export, check_ignored, check_view_names
 from ..pipeline.state import STATE_FILE
 from .module import GhostDistill
 
@@ -147,7 +148,7 @@ class Export(Callback):
         )  # fmt: skip
         # What the config sets of the options only one format reads (`check_ignored`: refused without it).
         given.update(imatrix=None if imatrix else False, quantize_python=quantize_python)
-        self.given = [k for k in FORMAT_OF if given[k] is not None]
+        self.given = [k for k in format_keys() if given.get(k) is not None]
 
     def root(self, trainer: Trainer) -> Path:
         return self.options.root(trainer.default_root_dir)

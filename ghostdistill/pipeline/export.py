@@ -39,7 +39,7 @@ from ..distill.config import Student
 from ..distill.interface import get_part
 from ..export import view_model
 from ..export.compressed import DEFAULT_SCHEMES
-from ..export.formats import export_targets, get_formats
+from ..export.formats import export_targets, format_keys, get_formats
 from ..export.gguf import DEFAULT_GGUF_TYPES
 from ..export.parts import exporting
 from ..export.quantize import QUANTIZE_TYPES, quantized
@@ -129,13 +129,7 @@ def check_view_names(cfg: RunConfig, views: Sequence[str], where: str = "this ru
         raise ValueError(f"{key} {bad} are not views of {where}; its views are {cfg.views()}")
 
 
-# The options only one format reads (the rest apply to every format), and how each is named where it is given.
-FORMAT_OF = {
-    "gguf_types": "gguf",
-    "imatrix": "gguf",
-    "schemes": "compressed-tensors",
-    "quantize_python": "compressed-tensors",
-}
+# How each format's own key (`export.formats.format_keys`) is named where it is given.
 CLI_NAMES = {"format": "--format", "gguf_types": "--gguf-types", "imatrix": "--no-imatrix", "schemes": "--schemes",
              "quantize_python": "--quantize-python"}  # fmt: skip
 CONFIG_NAMES = {"format": "export.format", "gguf_types": "export.gguf_types", "imatrix": "export.imatrix: false",
@@ -143,12 +137,12 @@ CONFIG_NAMES = {"format": "export.format", "gguf_types": "export.gguf_types", "i
 
 
 def check_ignored(options: ExportOptions, given: Iterable[str], names: dict[str, str] = CLI_NAMES) -> None:
-    """Refuse, in one line, an option the user gave (`given`, of `FORMAT_OF`'s keys) that this export would
+    """Refuse, in one line, an option the user gave (`given`, of `format_keys()`) that this export would
     ignore: a format's option without that format, and the importance matrix's switch without a type that uses
     it (F32, F16 and Q8_0 are written without one). `names`: how the user wrote each key."""
-    formats = list(options.format)
+    formats, owners = list(options.format), format_keys()
     for key in given:
-        owner = FORMAT_OF.get(key)
+        owner = owners.get(key)
         if owner is not None and owner not in formats:
             raise ValueError(
                 f"{names[key]} applies to {names['format']} {owner} only, and the formats are {formats}: add {owner} "
