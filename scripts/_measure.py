@@ -47,8 +47,8 @@ def calibrated_run(
 
     from ghostdistill.core.model import ModelConfig
     from ghostdistill.data import TextSource
+    from ghostdistill.data.config import CalibrationData, DataConfig, EvaluationData
     from ghostdistill.pipeline.config import RunConfig
-    from ghostdistill.pipeline.data import CalibrationData, DataConfig, EvaluationData
     from ghostdistill.pipeline.run import Run
     from ghostdistill.planning import PlanConfig
 

@@ -47,7 +47,8 @@ from serving import check_llama_cpp  # scripts/serving/check_llama_cpp.py
 from ghostdistill.cli import load_run_config
 from ghostdistill.export.compressed import SCHEMES, compressed_path
 from ghostdistill.export.formats import view_kind
-from ghostdistill.pipeline.export import ExportOptions, export_views
+from ghostdistill.export.options import ExportOptions
+from ghostdistill.pipeline.export import export_views
 from ghostdistill.pipeline.reload import load_run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -58,8 +58,8 @@ def tensor_errors(f32: Path, quantized: Path) -> dict:
 def measure_run(run: Path, views: list[str] | None, out: Path, llama_cpp: Path, tensors: bool, log=print) -> dict:
     from ghostdistill.cli import load_run_config
     from ghostdistill.export.gguf import export_gguf
+    from ghostdistill.export.options import provenance
     from ghostdistill.methods import ships_stock
-    from ghostdistill.pipeline.export import provenance
     from ghostdistill.pipeline.reload import load_run
 
     os.environ["GHOSTDISTILL_LLAMA_CPP"] = str(llama_cpp)

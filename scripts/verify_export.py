@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from ghostdistill.cli import load_run_config
-from ghostdistill.pipeline.export import ExportOptions, export_views
+from ghostdistill.export.options import ExportOptions
+from ghostdistill.pipeline.export import export_views
 from ghostdistill.pipeline.reload import load_run
 
 ROOT = Path(__file__).resolve().parents[1]

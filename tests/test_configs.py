@@ -10,7 +10,7 @@ import yaml
 from shipped_configs import CONFIGS, PRODUCT, PROTOCOL, ROOT, SECTIONS, SHIPPED, STUDIES, STUDY, included
 
 from ghostdistill.core.model import ModelConfig
-from ghostdistill.pipeline.data_config import DataConfig
+from ghostdistill.data.config import DataConfig
 from ghostdistill.runner.config import parse_fit, typed
 
 FIT_STUDIES = [p for p in STUDY if "base" not in yaml.safe_load(p.read_text())]

@@ -13,12 +13,12 @@ from tiny_run import tiny_run_args
 from ghostdistill.cli import main
 from ghostdistill.core.model import ModelConfig
 from ghostdistill.data import TextSource
+from ghostdistill.data.config import CalibrationData, DataConfig, EvaluationData
 from ghostdistill.distill.config import DistillConfig
 from ghostdistill.distill.optim import make_optimizer
 from ghostdistill.export import load_exported
 from ghostdistill.methods import RecoveryConfig
 from ghostdistill.pipeline.config import RunConfig
-from ghostdistill.pipeline.data import CalibrationData, DataConfig, EvaluationData
 from ghostdistill.pipeline.run import PhaseObserver, Run
 from ghostdistill.pipeline.train import BestSteps, validate
 from ghostdistill.planning import PlanConfig

@@ -63,14 +63,8 @@ def test_phases_are_marked_by_the_runs_observers_and_measured(tiny_dir, text_fil
 
 def test_unused_window_lengths_are_not_checked_against_the_position_limit(tiny_tokenizer, text_files, tmp_path):
     from ghostdistill.data import TextSource
-    from ghostdistill.pipeline.data import (
-        CalibrationData,
-        DataConfig,
-        EvaluationData,
-        RunData,
-        TrainData,
-        ValidationData,
-    )
+    from ghostdistill.data.config import CalibrationData, DataConfig, EvaluationData, TrainData, ValidationData
+    from ghostdistill.data.run import RunData
 
     cfg = DataConfig(
         calibration=CalibrationData(source=TextSource(str(text_files["jsonl_gz"])), num_samples=4, seq_len=32),

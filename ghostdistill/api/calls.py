@@ -18,10 +18,10 @@ from ..core.model import ModelConfig, load_model, load_tokenizer
 from ..core.plan import PruningPlan
 from ..core.views import DENSE
 from ..data import GENERATE, TextSource
+from ..data.config import CalibrationData, DataConfig, EvaluationData, SelectionData, TrainData, ValidationData
 from ..distill.config import DistillConfig
 from ..methods import RecoveryConfig
 from ..pipeline.config import EvalConfig, RunConfig
-from ..pipeline.data import CalibrationData, DataConfig, EvaluationData, SelectionData, TrainData, ValidationData
 from ..pipeline.export import run_view_model
 from ..pipeline.run import Run, fit_device
 from ..planning import PlanConfig

@@ -53,7 +53,7 @@ def run_export(argv: list[str]) -> list[Path]:
     written in a temporary folder and renamed)."""
     from ..export.compressed import SETUP
     from ..export.formats import format_keys
-    from ..pipeline.export import ExportOptions, check_ignored, check_options
+    from ..export.options import ExportOptions, check_ignored, check_options
     from ..pipeline.reload import export_run
     from ..pipeline.trust import FLAG
 

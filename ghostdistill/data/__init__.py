@@ -1,10 +1,10 @@
 """Text data: sources (`sources`: hub, local files, self-generated), token windows (`windows`), and
-conversations through the chat template (`chat`; the dense model's answers, `answers`).
+conversations through the chat template (`chat`; the dense model's answers, `answers`), and a run's data:
+its sections (`config.DataConfig`) and `run.RunData`, the windows of one run bound to its tokenizer and cached
+in its folder (its chat sources and chat score: `run_chat`).
 
-Three places touch data, each for a reason: this package reads text and cuts token windows and knows
-no run; `pipeline/data.py` holds a run's data sections (`DataConfig`) and `RunData`, the windows of one run
-bound to its tokenizer and cached in its folder; `lit/datamodule.py` is only Lightning's wrapper around
-`RunData` (dataloaders, each rank's share of the evaluation windows).
+`lit/datamodule.py` is only Lightning's wrapper around `RunData` (dataloaders, each rank's share of the
+evaluation windows).
 """
 
 from .answers import ChatWindows

@@ -16,7 +16,7 @@ Float32 logits of a whole batch over a 262k vocabulary take gigabytes (4 × 512 
 
 Both give the same numbers up to float round-off (tested).
 
-`leading_agreement` turns top-1 agreements into the chat score's `prefix` (`pipeline.chat`): per answer, the
+`leading_agreement` turns top-1 agreements into the chat score's `prefix` (`data.run_chat`): per answer, the
 agreements in a row from its first token.
 """
 

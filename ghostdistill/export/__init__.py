@@ -2,9 +2,10 @@
 
 `model.view_model`: a view as a `transformers` model in memory, the model its folder loads as.
 GGUF files for llama.cpp (`gguf`, `gguf_vocab`) and folding rotations into weights (`fold`) live here
-too. Why `pipeline/export.py` is not here: this package writes one view, given in memory, as files; which
-views of a run may be exported, in which formats, to which checked targets, and with what provenance are a
-run's questions, answered in `pipeline` (and a finished run folder is rebuilt by `pipeline.reload`).
+too. What an export is asked (`options.ExportOptions`: views, folder, formats and their options), its checks
+that need no run, its locks and a view's provenance are here too. Which views a run has, and writing them
+from a run in memory or from its folder, need the run's config, above this package: `pipeline.export` and
+`pipeline.reload`.
 """
 
 from .load import load_exported

@@ -36,14 +36,14 @@ def view_kind(method: str | None) -> str:
 
 
 class ExportFormat:
-    """One way of writing a view (module docstring); `options` is the export's `pipeline.export.ExportOptions`."""
+    """One way of writing a view (module docstring); `options` is the export's `export.options.ExportOptions`."""
 
     name: str = ""
     takes: tuple[str, ...] = ("plain", "operators")
     target: str = "folder"
     options: type | None = None  # a dataclass of its own keys, set as `format_options: {<name>: {...}}`
     # The shipped formats' keys of `ExportOptions` (flat, as users have written them since before
-    # `format_options`): given without the format, they are refused (`pipeline.export.check_ignored`).
+    # `format_options`): given without the format, they are refused (`export.options.check_ignored`).
     keys: tuple[str, ...] = ()
 
     def options_of(self, options) -> Any:

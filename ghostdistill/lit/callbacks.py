@@ -16,8 +16,9 @@ from tqdm.auto import tqdm
 from ..distill.config import DistillConfig
 from ..distill.interface import get_part
 from ..export.formats import format_keys
+from ..export.options import CONFIG_NAMES, ExportOptions, check_ignored
 from ..pipeline.config import RunConfig
-from ..pipeline.export import CONFIG_NAMES, ExportOptions, check_export, check_ignored, check_view_names
+from ..pipeline.export import check_export, check_view_names
 from ..pipeline.state import STATE_FILE
 from .module import GhostDistill
 
@@ -124,7 +125,7 @@ class Report(Callback):
 
 class Export(Callback):
     """Write views of the run in the registered export formats after the report (rank 0 writes); its
-    arguments are `pipeline.export.ExportOptions`' keys (the `export` command's options too)."""
+    arguments are `export.options.ExportOptions`' keys (the `export` command's options too)."""
 
     __doc__ += "\n" + ExportOptions.__doc__.split("\n\n", 1)[1]  # its Args, for the config's help
 

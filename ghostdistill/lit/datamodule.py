@@ -1,4 +1,4 @@
-"""The LightningDataModule: the run's windows (`pipeline.data`) as DataLoaders, with the samplers that
+"""The LightningDataModule: the run's windows (`data.run`) as DataLoaders, with the samplers that
 make several processes read each window once."""
 
 from __future__ import annotations
@@ -10,15 +10,8 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from ..data import ChatWindows
-from ..pipeline.data import (
-    CalibrationData,
-    DataConfig,
-    EvaluationData,
-    RunData,
-    SelectionData,
-    TrainData,
-    ValidationData,
-)
+from ..data.config import CalibrationData, DataConfig, EvaluationData, SelectionData, TrainData, ValidationData
+from ..data.run import RunData
 
 __all__ = ["CalibrationData", "EvaluationData", "GhostDataModule", "TrainData", "ValidationData"]
 
@@ -90,7 +83,7 @@ class StepWindows(IterableDataset):
 class GhostDataModule(LightningDataModule):
     """Windows for calibration, distillation (training, validation) and evaluation, as DataLoaders.
 
-    The windows themselves come from the run's `pipeline.data.RunData` (`GhostDistill.run.data`), which
+    The windows themselves come from the run's `data.run.RunData` (`GhostDistill.run.data`), which
     `Run.setup` binds to the model's tokenizer and dense model before anything is read. These settings
     are linked into the module's `data` when `fit` builds it (`runner.fit`), so the run's config is complete.
 

@@ -22,13 +22,13 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from ..core.model import ModelConfig, decoder_stack
 from ..core.offload import is_offloaded
 from ..core.views import PrunedModel
+from ..data.config import DataConfig
 from ..distill.config import DistillConfig
 from ..distill.optim import clip_per_student, make_optimizer
 from ..distill.parallel import average_replicated_grads, ranks_agree, shard_for_fsdp2, shard_mesh
 from ..methods import RecoveryConfig
 from ..pipeline.calibrate import Dist
 from ..pipeline.config import NO_DISTILL_METHODS, EvalConfig, RunConfig
-from ..pipeline.data import DataConfig
 from ..pipeline.run import Run
 from ..pipeline.train import BestSteps, check_checkpoint_keys, checkpoint_extras
 from ..planning import PlanConfig

@@ -9,11 +9,11 @@ from ..core.checks import check_unique
 from ..core.model import ModelConfig
 from ..core.settings import cost_only
 from ..core.views import DENSE, PRUNED
+from ..data.config import DataConfig
 from ..distill.config import DistillConfig
 from ..evaluation.zeroshot import PAPER_TASKS, check_offline_tasks, task_limits
 from ..methods import RecoveryConfig, check_family, family_facts, validate_recovery
 from ..planning import PlanConfig, check_selection, repair_config
-from .data import DataConfig
 
 
 @dataclass

@@ -50,7 +50,7 @@ def score_views(
     real next-token positions). Each view's decoder runs once and yields final hidden states; logits
     exist only `chunk` tokens at a time (null: sized by the vocabulary, `core.head.tokens_per_chunk`),
     so memory does not grow with batch × vocabulary. `counted` [batch]: rows to score (default all).
-    `answers` [batch, seq]: the chat score (`pipeline.chat`): only the positions that predict an answer token
+    `answers` [batch, seq]: the chat score (`data.run_chat`): only the positions that predict an answer token
     are scored, and each view's `prefix` per answer is given."""
     hidden, heads = {}, {}
     for view in [DENSE, *(v for v in views if v != DENSE)]:

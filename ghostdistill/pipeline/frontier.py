@@ -43,6 +43,7 @@ from ..core.io import atomic_write_json
 from ..core.model import decoder_stack, text_config
 from ..core.plan import PruningPlan
 from ..core.views import DENSE, PRUNED, PrunedModel
+from ..data.run import RunData
 from ..methods import ships_stock
 from ..planning import PlanInputs, check_plan, score_runs
 from ..planning.candidates import first_windows
@@ -51,7 +52,6 @@ from ..planning.greedy import repair_greedy_plan
 from ..planning.scoring import SelectionScorer
 from ..reporting.frontier_spec import read_point
 from .config import RunConfig
-from .data import RunData
 from .evaluate import evaluate
 from .settings import frontier_settings, stale_point
 

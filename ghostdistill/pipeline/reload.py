@@ -13,10 +13,11 @@ import torch
 
 from ..core.io import read_mapping
 from ..core.views import PrunedModel
+from ..data.run import RunData
 from ..distill.students import Students
+from ..export.options import ExportOptions, holding_targets
 from .config import RunConfig
-from .data import RunData
-from .export import ExportOptions, check_export, check_view_names, holding_targets
+from .export import check_export, check_view_names
 from .run import Run
 from .state import STATE_FILE
 

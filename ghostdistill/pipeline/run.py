@@ -40,8 +40,10 @@ from ..core.model import decoder_stack, hidden_size, load_model, load_tokenizer,
 from ..core.offload import is_offloaded, model_device
 from ..core.sharded import is_sharded, load_sharded
 from ..core.views import DENSE
+from ..data.run import RunData
 from ..evaluation.scores import ScoreStore
 from ..evaluation.tally import ViewTally
+from ..export.options import ExportOptions
 from ..methods import flat_settings
 from ..planning import check_plan, greedy_steps, no_progress
 from ..reporting.flags import view_warnings
@@ -49,9 +51,8 @@ from ..reporting.report import RunReport
 from ..reporting.results import check_scored, markdown_table, rank_warning, write_report
 from .calibrate import Dist, calibrate, calibration_summary
 from .config import RunConfig, offload_with_fsdp2
-from .data import RunData
 from .evaluate import analysis, evaluate, score_batches, view_digests, view_results, zeroshot
-from .export import ExportOptions, export_views
+from .export import export_views
 from .phases import PhaseObserver as PhaseObserver
 from .phases import Phases
 from .phases import observe as observe
@@ -335,7 +336,7 @@ class Run(Phases, DistillPhases):
             return paths
 
     def export(self, options: ExportOptions | list[str], root: Path, report: dict | None = None) -> list[Path]:
-        """`options.views` written under `root` in its formats (`pipeline.export.ExportOptions`; a list of views:
+        """`options.views` written under `root` in its formats (`export.options.ExportOptions`; a list of views:
         Hugging Face folders), checked before any work (`check_export`); `report`: the results the exports
         record (default this run's). A sharded model exports on every rank (each block is gathered from all of
         them); rank 0 writes."""

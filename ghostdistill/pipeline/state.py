@@ -19,9 +19,9 @@ from torch import nn
 from ..core.io import atomic_torch_save, json_digest
 from ..core.model import ModelConfig, decoder_stack, hidden_size, model_key
 from ..core.plan import PruningPlan
+from ..data.config import section_settings
 from ..methods import Collector, RecoveryConfig, make_collectors, statistics_layout
 from ..planning import PlanConfig, repair_config
-from .data_config import section_settings
 
 STATE_FILE = "calibration_state.pt"
 # Version of `calibration_state.pt`; a file of another version is recomputed, never reinterpreted.

@@ -21,7 +21,7 @@ from typing import Any
 class SourceMetrics:
     """One view on one evaluation source: perplexity over `tokens` next-token predictions, and (for
     every view but dense) mean per-token KL(dense ‖ view) and top-1 agreement with the dense model; on a
-    chat source (the chat score, `pipeline.chat`) those are on the dense model's answer tokens, and `prefix`
+    chat source (the chat score, `data.run_chat`) those are on the dense model's answer tokens, and `prefix`
     is the mean number of answer tokens the view's greedy answer shares with the dense one."""
 
     ppl: float

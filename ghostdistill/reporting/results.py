@@ -18,7 +18,7 @@ from .report import RunReport
 
 
 def chat_sources(report: dict) -> list[str]:
-    """The evaluation sources that are chat scores (their views have a `prefix`, `pipeline.chat`)."""
+    """The evaluation sources that are chat scores (their views have a `prefix`, `data.run_chat`)."""
     views = report.get("views", {}).values()
     return [
         s

@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..data.config import DataConfig
 from ..methods import RecoveryConfig
 from ..pipeline.config import RunConfig
-from ..pipeline.data import DataConfig
 from ..pipeline.run import Run
 from ..pipeline.settings import result_settings
 from .fit import _ParseOnly, argument_line, build_fit, run_fit

@@ -217,8 +217,9 @@ def check_views(
     itself, once its converter parity is done), so the disk holds one view's files at a time: a float32 GGUF of
     SmolLM2-135M is 439 MB, and three views of three types with folders run a small disk out (CI did)."""
     from ghostdistill.export.gguf import refusal
+    from ghostdistill.export.options import ExportOptions
     from ghostdistill.methods import ships_stock
-    from ghostdistill.pipeline.export import ExportOptions, export_views
+    from ghostdistill.pipeline.export import export_views
 
     found = tools(root)
     source = cfg.data.evaluation.sources[0]

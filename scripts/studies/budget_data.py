@@ -18,8 +18,8 @@ from pathlib import Path
 
 from ghostdistill.cli.export import load_run_config
 from ghostdistill.core.model import load_tokenizer, model_key
+from ghostdistill.data.run import RunData
 from ghostdistill.lit.datamodule import StepWindows
-from ghostdistill.pipeline.data import RunData
 
 HALF = 15
 

@@ -24,8 +24,8 @@ from ghostdistill.data.chat import (
     parse_messages,
     statistics_mask,
 )
-from ghostdistill.pipeline.chat import evaluation_sources
-from ghostdistill.pipeline.data_config import CalibrationData, section_settings
+from ghostdistill.data.config import CalibrationData, section_settings
+from ghostdistill.data.run_chat import evaluation_sources
 
 # A ChatML-like template in the tiny tokenizer's own special tokens.
 TEMPLATE = (
@@ -228,7 +228,8 @@ def _count_calls(monkeypatch, module, name: str, real, interrupt_after: int | No
 def _run_data(run_dir, tokenizer, model, calibration: TextSource, evaluation: list[TextSource], seq_len: int):
     from contextlib import nullcontext
 
-    from ghostdistill.pipeline.data import DataConfig, EvaluationData, RunData
+    from ghostdistill.data.config import DataConfig, EvaluationData
+    from ghostdistill.data.run import RunData
 
     cfg = DataConfig(
         calibration=CalibrationData(calibration, num_samples=5, seq_len=seq_len, seed=0),

@@ -10,9 +10,9 @@ from conftest import ROOT, WIKITEXT_HEAD
 from ghostdistill.core.model import ModelConfig
 from ghostdistill.data import ChatSettings, TextSource
 from ghostdistill.data.chat import encode
+from ghostdistill.data.config import CalibrationData, DataConfig, EvaluationData
 from ghostdistill.methods import RecoveryConfig
 from ghostdistill.pipeline.config import RunConfig
-from ghostdistill.pipeline.data import CalibrationData, DataConfig, EvaluationData
 from ghostdistill.pipeline.run import Run
 from ghostdistill.planning import PlanConfig
 from ghostdistill.reporting.results import markdown_table

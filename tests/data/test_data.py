@@ -153,7 +153,8 @@ def test_interrupted_generated_calibration_resumes_and_equals_an_uninterrupted_r
     uninterrupted run's windows, to the bit; the partial file goes once the windows are kept."""
     from contextlib import nullcontext
 
-    from ghostdistill.pipeline.data import CalibrationData, DataConfig, EvaluationData, RunData
+    from ghostdistill.data.config import CalibrationData, DataConfig, EvaluationData
+    from ghostdistill.data.run import RunData
 
     model = tiny_model("llama", num_layers=2)
     real, calls = model.generate, []
@@ -308,7 +309,8 @@ def test_generated_training_windows_top_up_the_text_and_are_kept(tiny_tokenizer,
     from contextlib import nullcontext
 
     from ghostdistill.data import disjoint_windows
-    from ghostdistill.pipeline.data import DataConfig, EvaluationData, RunData, TrainData
+    from ghostdistill.data.config import DataConfig, EvaluationData, TrainData
+    from ghostdistill.data.run import RunData
 
     model = tiny_model("llama", num_layers=2)
     src = TextSource(str(text_files["jsonl_gz"]))
@@ -339,7 +341,7 @@ def test_generated_training_windows_top_up_the_text_and_are_kept(tiny_tokenizer,
     ],
 )
 def test_bad_training_cuts_are_named(text_files, train, message):
-    from ghostdistill.pipeline.data import DataConfig, EvaluationData, TrainData
+    from ghostdistill.data.config import DataConfig, EvaluationData, TrainData
 
     fields = {"source": TextSource(str(text_files["jsonl_gz"])), **train}
     cfg = DataConfig(evaluation=EvaluationData(sources=[]), train=TrainData(**fields))

@@ -1,4 +1,4 @@
-"""The chat score's definitions (`pipeline.chat`) against values computed by hand: KL and top-1 on answer
+"""The chat score's definitions (`data.run_chat`) against values computed by hand: KL and top-1 on answer
 tokens only, the shared prefix per answer, and the tally's means."""
 
 from __future__ import annotations

@@ -16,12 +16,12 @@ from conftest import GEMMA, TINY_FAMILIES, tiny_config
 
 from ghostdistill.core.model import ModelConfig
 from ghostdistill.data import TextSource
+from ghostdistill.data.config import CalibrationData, DataConfig, EvaluationData
 from ghostdistill.export.gguf import export_gguf, gguf_path
 from ghostdistill.export.gguf_header import READER, layer_types
+from ghostdistill.export.options import ExportOptions
 from ghostdistill.methods import RecoveryConfig
 from ghostdistill.pipeline.config import RunConfig
-from ghostdistill.pipeline.data import CalibrationData, DataConfig, EvaluationData
-from ghostdistill.pipeline.export import ExportOptions
 from ghostdistill.pipeline.run import Run
 from ghostdistill.planning import PlanConfig
 

@@ -1,4 +1,4 @@
-"""The chat score in the reports: results.md's table and compare's (`pipeline.chat`), from hand-made results."""
+"""The chat score in the reports: results.md's table and compare's (`data.run_chat`), from hand-made results."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The windows a run reads: calibration, distillation training and validation, and evaluation.
 
-`RunData` turns the data settings (`pipeline.data_config`, re-exported here) into token windows, each
+`RunData` turns the data settings (`data.config`) into token windows, each
 computed once: it needs the tokenizer and, for self-generated (data-free) text or the dense model's answers,
 the dense model that writes them. Nothing here knows about Lightning; the data module hands these windows to
 its loaders.
@@ -18,29 +18,17 @@ import torch
 from torch import nn
 
 from ..core.io import Resumable, atomic_torch_save, json_digest, partial_path
-from ..data import (
-    GENERATE,
-    ChatWindows,
-    TextSource,
-    calibration_windows,
-    disjoint_windows,
-    evaluation_windows,
-    generate_windows,
-    shared_ngrams,
-)
-from .chat import chat_windows, check_chat_sources, evaluation_sources, score_source, statistics_masks
-from .data_config import (
+from .answers import ChatWindows
+from .config import (
     DISJOINT,
-    CalibrationData,
     DataConfig,
-    EvaluationData,
-    SelectionData,
-    TrainData,
-    ValidationData,
     section_settings,
 )
+from .run_chat import chat_windows, check_chat_sources, evaluation_sources, score_source, statistics_masks
+from .sources import GENERATE, TextSource
+from .windows import calibration_windows, disjoint_windows, evaluation_windows, generate_windows, shared_ngrams
 
-__all__ = ["CalibrationData", "DataConfig", "EvaluationData", "RunData", "SelectionData", "TrainData", "ValidationData"]
+__all__ = ["RunData"]
 
 
 class RunData:
@@ -154,7 +142,7 @@ class RunData:
 
     @property
     def eval_sources(self) -> list[TextSource]:
-        """The evaluation sources: the configured ones and the chat score's (`pipeline.chat`)."""
+        """The evaluation sources: the configured ones and the chat score's (`data.run_chat`)."""
         ev = self.cfg.evaluation
         return evaluation_sources(ev.sources, ev.chat, self.tokenizer)
 

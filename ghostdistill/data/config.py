@@ -1,13 +1,13 @@
 """The data sections of a run's config: calibration, evaluation, distillation training and validation, the
 repair-aware plan's selection windows, and `DataConfig` holding them (the data module's arguments).
-`pipeline.data.RunData` turns them into token windows."""
+`data.run.RunData` turns them into token windows."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
 from ..core.settings import cost_only, is_later, setting
-from ..data import GENERATE, TextSource, validate_source
+from .sources import GENERATE, TextSource, validate_source
 
 #: How training windows are cut from a text source (`TrainData.cut`): random offsets (None, "random")
 #: or consecutive, non-overlapping windows.
@@ -35,7 +35,7 @@ class EvaluationData:
 
     `max_windows` keeps only the first windows of each source (for quick runs; results say so); a chat
     source scores every instruction (`max_documents` keeps the first). `chat`: the chat score
-    (`pipeline.chat`), null: on for a model with a chat template; true: on; false: off.
+    (`data.run_chat`), null: on for a model with a chat template; true: on; false: off.
     """
 
     sources: list[TextSource] = field(default_factory=lambda: [TextSource(source="wikitext2")])

@@ -8,7 +8,7 @@
     statistics_masks(src, answers)                     what each calibration window counts (`chat.tokens`)
     check_chat_sources(data, distilling)               a chat template, and readable records, before any work
 
-`data` is the run's `pipeline.data.RunData`.
+`data` is the run's `data.run.RunData`.
 
 The chat score. For held-out instructions (`data/README.md`: written for this project, none of them a
 calibration instruction) the dense model writes its greedy answer, up to N tokens (`chat.max_new_tokens`,
@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 from ..core.io import Resumable, atomic_torch_save, partial_path
-from ..data import GENERATE, ChatSettings, ChatWindows, TextSource
-from ..data.answers import generated_chat_windows, score_windows
-from ..data.chat import check_chat_template, conversations, given_windows, statistics_mask
+from .answers import ChatWindows, generated_chat_windows, score_windows
+from .chat import check_chat_template, conversations, given_windows, statistics_mask
+from .sources import GENERATE, ChatSettings, TextSource
 
 CHAT_SCORE = "chat"
 
