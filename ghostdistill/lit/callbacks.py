@@ -13,13 +13,13 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from tqdm.auto import tqdm
 
+from ..calibration.state import STATE_FILE
 from ..distill.config import DistillConfig
 from ..distill.interface import get_part
 from ..export.formats import format_keys
 from ..export.options import CONFIG_NAMES, ExportOptions, check_ignored
 from ..pipeline.config import RunConfig
 from ..pipeline.export import check_export, check_view_names
-from ..pipeline.state import STATE_FILE
 from .module import GhostDistill
 
 

@@ -24,15 +24,16 @@ from torch import nn
 
 from ..calibration.distributed import even_shard, sum_collectors
 from ..calibration.fit import fit_methods
+from ..calibration.state import STATE_FILE, SavedState, Statistics, fingerprint, load_state, save_state, to_device
 from ..calibration.stream import accumulate
 from ..core.model import hidden_size
 from ..core.offload import is_offloaded, model_device
 from ..core.plan import PruningPlan
 from ..core.views import PrunedModel
+from ..data.config import section_settings
 from ..methods import Collector, RecoveryConfig, get_method, make_collectors
-from ..planning import PlanConfig, Progress, choose, no_progress
+from ..planning import PlanConfig, Progress, choose, no_progress, repair_config
 from .config import OFFLOAD_ONE_DEVICE
-from .state import SavedState, Statistics, save_state, to_device
 
 Batch = dict[str, torch.Tensor]
 
@@ -217,3 +218,33 @@ def token_groups(collectors: dict[str, Collector]) -> dict | None:
         if groups is not None:
             return groups
     return None
+
+
+def run_key(cfg, llm: nn.Module) -> str:
+    """The fingerprint of a run's statistics (`cfg`: its `pipeline.config.RunConfig`); results.json's
+    `calibration.fingerprint`."""
+    methods = {r.method for r in cfg.recovery}
+    calibration = section_settings(cfg.data.calibration)
+    if cfg.plan.repair_aware():
+        # The plan these statistics belong to was chosen on the selection windows (and its repair method).
+        calibration["selection"] = section_settings(cfg.data.selection)
+        calibration["repair_method"] = repair_config(cfg.plan, cfg.recovery).settings()
+    return fingerprint(
+        cfg.model, llm, cfg.plan.digest_dict(), calibration, cfg.data.batch_size, methods, recovery=cfg.recovery
+    )
+
+
+def open_state(
+    run_dir: Path,
+    cfg,
+    llm: nn.Module,
+    warn: Callable[[str], None] | None = None,
+    info: Callable[[str], None] = lambda message: None,
+    reason: Callable[[str], None] | None = None,
+) -> tuple[str, SavedState | None]:
+    """The fingerprint of a run (`run_key`) and its usable saved state, if any, in `run_dir`; its
+    collectors are sized to the run's recovery entries (`reason`: as `load_state`'s)."""
+    key = run_key(cfg, llm)
+    methods = {r.method for r in cfg.recovery}
+    path = Path(run_dir) / STATE_FILE
+    return key, load_state(path, key, methods, hidden_size(llm), warn, info, cfg.recovery, reason)

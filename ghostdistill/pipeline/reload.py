@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..calibration.state import STATE_FILE
 from ..core.io import read_mapping
 from ..core.views import PrunedModel
 from ..data.run import RunData
@@ -19,7 +20,6 @@ from ..export.options import ExportOptions, holding_targets
 from .config import RunConfig
 from .export import check_export, check_view_names
 from .run import Run
-from .state import STATE_FILE
 
 CHECKPOINT = Path("checkpoints") / "last.ckpt"
 

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from ..calibration.state import STATE_FILE, incomplete_state
 from ..core.model import decoder_stack, hidden_size, load_model, load_tokenizer, model_key, padded
 from ..core.offload import is_offloaded, model_device
 from ..core.sharded import is_sharded, load_sharded
@@ -49,14 +50,13 @@ from ..planning import check_plan, greedy_steps, no_progress
 from ..reporting.flags import view_warnings
 from ..reporting.report import RunReport
 from ..reporting.results import check_scored, markdown_table, rank_warning, write_report
-from .calibrate import Dist, calibrate, calibration_summary
+from .calibrate import Dist, calibrate, calibration_summary, open_state, run_key
 from .config import RunConfig, offload_with_fsdp2
 from .evaluate import analysis, evaluate, score_batches, view_digests, view_results, zeroshot
 from .export import export_views
 from .phases import PhaseObserver as PhaseObserver
 from .phases import Phases
 from .phases import observe as observe
-from .state import STATE_FILE, incomplete_state, open_state, run_key
 from .train import BestSteps, DistillPhases
 
 

@@ -9,12 +9,12 @@ from shipped_configs import SHIPPED as SHIPPED_CONFIGS
 
 import ghostdistill.calibration.fit as fit_module
 from ghostdistill.calibration.fit import fit_methods
+from ghostdistill.calibration.state import load_state, save_state
 from ghostdistill.calibration.stream import accumulate
 from ghostdistill.core.plan import PruningPlan
 from ghostdistill.core.views import PrunedModel
 from ghostdistill.methods import RecoveryConfig, fit_gap, make_collectors, statistics_layout, validate_recovery
 from ghostdistill.methods.ghost import GhostStatistics, fit_groups
-from ghostdistill.pipeline.state import load_state, save_state
 
 C = 64
 
@@ -186,12 +186,16 @@ def test_saved_state_resumes_only_into_its_own_layout(tmp_path):
 
 
 def test_fingerprint_names_a_sized_layout_only():
+    from ghostdistill.calibration.state import fingerprint
     from ghostdistill.core.model import ModelConfig
-    from ghostdistill.pipeline.state import fingerprint
     from ghostdistill.planning import PlanConfig
 
     model = tiny_model("llama", num_layers=4)
-    key = lambda methods, recovery=None: fingerprint(ModelConfig(), model, PlanConfig(), {}, 4, methods, recovery)  # noqa: E731
+    plan = PlanConfig().digest_dict()
+
+    def key(methods, recovery=None):
+        return fingerprint(ModelConfig(), model, plan, {}, 4, methods, recovery)
+
     every = [RecoveryConfig(name=f, fit=f) for f in ("first", "plain", "weighted", "first_weighted", "first_normed")]
     assert key({"ghost"}, every) == key({"ghost"})  # everything: the key of the layout without `recovery`
     assert key({"ghost"}, [RecoveryConfig()]) != key({"ghost"})

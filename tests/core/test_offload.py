@@ -278,8 +278,8 @@ def test_an_interrupted_offloaded_calibration_says_what_a_rerun_finds_and_keeps_
     resumes from the saved plan to the uninterrupted run's operators, bit for bit."""
     import pytest
 
+    from ghostdistill.calibration.state import load_state
     from ghostdistill.pipeline import calibrate as calibrate_module
-    from ghostdistill.pipeline.state import load_state
 
     folder, batches = saved_model(tmp_path_factory), random_batches(4)
     state = tmp_path_factory.mktemp("state") / "calibration_state.pt"

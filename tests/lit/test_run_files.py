@@ -10,11 +10,11 @@ import pytest
 import torch
 from tiny_run import tiny_run_args
 
+from ghostdistill.calibration.state import STATE_FORMAT, load_state
 from ghostdistill.cli import main
 from ghostdistill.lit.callbacks import Calibration
 from ghostdistill.lit.checkpoint import checkpoint_problem
 from ghostdistill.methods import make_collectors
-from ghostdistill.pipeline.state import STATE_FORMAT, load_state
 
 ROOT = Path(__file__).resolve().parents[2]
 

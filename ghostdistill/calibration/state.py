@@ -1,5 +1,6 @@
 """`calibration_state.pt`: the calibration statistics of a run, saved while they accumulate, so an
-interrupted run resumes where it stopped and `export` re-solves without a calibration pass.
+interrupted run resumes where it stopped and `export` re-solves without a calibration pass. A run's own key
+and state (`run_key`, `open_state`: they read its `RunConfig`) are `pipeline.calibrate`'s.
 
 A state is keyed by a fingerprint of everything the statistics depend on (model, its shape and dtype,
 plan settings, calibration data, batch size, methods). A file that is unreadable, of another format,
@@ -19,9 +20,7 @@ from torch import nn
 from ..core.io import atomic_torch_save, json_digest
 from ..core.model import ModelConfig, decoder_stack, hidden_size, model_key
 from ..core.plan import PruningPlan
-from ..data.config import section_settings
 from ..methods import Collector, RecoveryConfig, make_collectors, statistics_layout
-from ..planning import PlanConfig, repair_config
 
 STATE_FILE = "calibration_state.pt"
 # Version of `calibration_state.pt`; a file of another version is recomputed, never reinterpreted.
@@ -44,13 +43,13 @@ class SavedState:
 def fingerprint(
     model_cfg: ModelConfig,
     llm: nn.Module,
-    plan_cfg: PlanConfig,
+    plan: dict,
     calibration: dict,
     batch_size: int,
     methods: set[str],
     recovery: list[RecoveryConfig] | None = None,
 ) -> str:
-    """What the statistics depend on, as a digest. `recovery`: the run's entries, when its collectors are
+    """What the statistics depend on, as a digest (`plan`: the plan settings' `PlanConfig.digest_dict()`). `recovery`: the run's entries, when its collectors are
     sized to them (`make_collectors(..., recovery)`); a layout smaller than everything is then part of the
     key (a run whose collectors hold everything keeps the key it had without `recovery`)."""
     key = {
@@ -65,7 +64,7 @@ def fingerprint(
             "vocab_size": llm.get_output_embeddings().weight.shape[0],
             "dtype": str(next(llm.parameters()).dtype),
         },
-        "plan": plan_cfg.digest_dict(),
+        "plan": plan,
         "calibration": calibration,
         "batch_size": batch_size,
         # The statistics collected depend on which methods need them.
@@ -186,31 +185,3 @@ def to_device(state: dict, device) -> dict:
         k: to_device(v, device) if isinstance(v, dict) else v.to(device) if isinstance(v, torch.Tensor) else v
         for k, v in state.items()
     }
-
-
-def run_key(cfg, llm: nn.Module) -> str:
-    """The fingerprint of a run's statistics (`cfg`: its `pipeline.config.RunConfig`); results.json's
-    `calibration.fingerprint`."""
-    methods = {r.method for r in cfg.recovery}
-    calibration = section_settings(cfg.data.calibration)
-    if cfg.plan.repair_aware():
-        # The plan these statistics belong to was chosen on the selection windows (and its repair method).
-        calibration["selection"] = section_settings(cfg.data.selection)
-        calibration["repair_method"] = repair_config(cfg.plan, cfg.recovery).settings()
-    return fingerprint(cfg.model, llm, cfg.plan, calibration, cfg.data.batch_size, methods, recovery=cfg.recovery)
-
-
-def open_state(
-    run_dir: Path,
-    cfg,
-    llm: nn.Module,
-    warn: Callable[[str], None] | None = None,
-    info: Callable[[str], None] = lambda message: None,
-    reason: Callable[[str], None] | None = None,
-) -> tuple[str, SavedState | None]:
-    """The fingerprint of a run (`run_key`) and its usable saved state, if any, in `run_dir`; its
-    collectors are sized to the run's recovery entries (`reason`: as `load_state`'s)."""
-    key = run_key(cfg, llm)
-    methods = {r.method for r in cfg.recovery}
-    path = Path(run_dir) / STATE_FILE
-    return key, load_state(path, key, methods, hidden_size(llm), warn, info, cfg.recovery, reason)
