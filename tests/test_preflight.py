@@ -13,8 +13,9 @@ import yaml
 from tiny_run import tiny_run_args
 
 from ghostdistill.cli import main
+from ghostdistill.data.run import RunData
 from ghostdistill.lit.module import GhostDistill
-from ghostdistill.pipeline import data, frontier
+from ghostdistill.pipeline import frontier
 from ghostdistill.pipeline import run as run_phases
 
 
@@ -29,8 +30,8 @@ def no_work(monkeypatch):
     def refuse(*args, **kwargs):
         raise Reached("the run reached data generation, calibration or model loading before failing")
 
-    monkeypatch.setattr(data.RunData, "calibration_ids", refuse)
-    monkeypatch.setattr(data.RunData, "selection_ids", refuse)
+    monkeypatch.setattr(RunData, "calibration_ids", refuse)
+    monkeypatch.setattr(RunData, "selection_ids", refuse)
     monkeypatch.setattr(run_phases, "calibrate", refuse)
     monkeypatch.setattr(frontier, "score_runs", refuse)
     return refuse

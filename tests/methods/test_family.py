@@ -19,9 +19,10 @@ import ghostdistill
 from ghostdistill.cli import entry, main
 from ghostdistill.core.anatomy import decoder_stack
 from ghostdistill.core.errors import GhostdistillError
+from ghostdistill.data.run import RunData
 from ghostdistill.methods import RecoveryConfig, applicable, check_family, family_facts, registered
 from ghostdistill.methods.hadamard import has_hadamard
-from ghostdistill.pipeline import data, frontier
+from ghostdistill.pipeline import frontier
 from ghostdistill.pipeline import run as run_phases
 from ghostdistill.pipeline.config import RunConfig
 from ghostdistill.planning import PlanConfig
@@ -88,7 +89,7 @@ def test_family_fit_refuses_every_wrong_entry_in_one_line_before_any_data(gemma_
     def refuse(*args, **kwargs):
         raise AssertionError("calibration text was read before the refusal")
 
-    monkeypatch.setattr(data.RunData, "calibration_ids", refuse)
+    monkeypatch.setattr(RunData, "calibration_ids", refuse)
     run = tmp_path / "run"
     recovery = "[{name: g, method: ghost}, {name: rt, method: rotation_through}, {name: ra, method: rotation_anchored}]"
     argv = ["fit", "--config", DEMO, "--model.model.source", str(gemma_dir)]
