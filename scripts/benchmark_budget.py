@@ -11,8 +11,11 @@ backward of every student) in four modes:
 
 The cache is filled by one pass over the batches first (timed apart: it is paid once per window, not per
 step, epoch, student or run). Per-student throughput = students × tokens per batch / step seconds (median);
-the ratio printed is over live fp32. `auto` precision picks bf16 only on a CPU with AVX-512 BF16 or AMX (or a
-CUDA GPU with bfloat16): elsewhere the affordable recipe is "cached fp32".
+the ratio printed is over live fp32. `auto` precision picks bf16 only on a CPU with AVX-512 BF16 or AMX that
+ATen and oneDNN may use (or a CUDA GPU with bfloat16): elsewhere the affordable recipe is "cached fp32". To see
+an AVX2-only CPU on a newer one, cap the libraries (`native_bf16` then reports false):
+
+    ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 .venv/bin/python scripts/benchmark_budget.py
 
     .venv/bin/python scripts/benchmark_budget.py                  # SmolLM2-135M, layers 12-18, 2 × 512 tokens
 """

@@ -91,7 +91,7 @@ import time
 from pathlib import Path
 
 from _rehearsal import ACTIVE, GIB, LLAMA3_8B, TINY, Phases, build_model_dir, fit_hooks, parameter_count
-from rehearsal_8b import fit_args
+from _rehearsal_steps import fit_args
 
 PEAK_BF16_FLOPS = 790e12  # H200, bfloat16 dense, as the issue states it (the SXM datasheet says 989 TFLOP/s)
 LLAMA3_11_STEPS = 500  # configs/llama3_11.yaml: trainer.max_steps

@@ -127,7 +127,7 @@ class DistillConfig:
             live teacher, all tokens.
         precision: the students' forward: ``fp32``; ``bf16`` (autocast; parameters, optimizer state and
             the loss's sums stay float32); ``auto``: bf16 where the device computes it natively (a CUDA
-            GPU with bfloat16, a CPU with AVX-512 BF16 or AMX), else fp32. The teacher runs in the model's
+            GPU with bfloat16, a CPU with AVX-512 BF16 or AMX that ATen and oneDNN may use), else fp32. The teacher runs in the model's
             dtype either way; evaluation and validation in the model's dtype.
         curve_tokens: training tokens per student (windows × seq_len) at which every student is scored on
             the first evaluation source during training: a budget curve from one run (results.json

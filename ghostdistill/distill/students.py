@@ -28,6 +28,7 @@ parameters, their gradients and the optimizer state stay float32); the teacher n
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -43,13 +44,39 @@ from .interface import get_part, parts
 from .parts import stream_sites
 from .teacher_cache import TeacherCache
 
+# oneDNN ISA caps (`ONEDNN_MAX_CPU_ISA`) under which it still has bfloat16 kernels of its own
+_ONEDNN_BF16_ISAS = frozenset(
+    {
+        "ALL",
+        "DEFAULT",
+        "AVX512_CORE_BF16",
+        "AVX512_CORE_FP16",
+        "AVX512_CORE_AMX",
+        "AVX512_CORE_AMX_FP16",
+        "AVX10_1_512",
+        "AVX10_1_512_AMX",
+        "AVX10_1_512_AMX_FP16",
+        "AVX10_2_512",
+        "AVX10_2_512_AMX_2",
+    }
+)
+
 
 def native_bf16(device: torch.device) -> bool:
     """Whether `device` computes bfloat16 matrix products natively (a CPU without AVX-512 BF16 or AMX takes a
-    scalar path for some of them, hundreds of times slower: docs/gpu.md)."""
+    scalar path for some of them, hundreds of times slower: docs/gpu.md).
+
+    On a CPU the hardware is not enough: with ATen held below AVX-512 (`ATEN_CPU_CAPABILITY`) or oneDNN capped
+    below its bfloat16 kernels (`ONEDNN_MAX_CPU_ISA`) the products are emulated, and a bf16 distillation step
+    ran 8 to 10 times slower than float32 on an AVX-512 BF16 CPU so capped (docs/benchmarks.md)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    if device.type != "cpu":
+        return False
+    hardware = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    aten = torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512")
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").strip().upper() in _ONEDNN_BF16_ISAS
+    return hardware and aten and onednn
 
 
 class _Enough(Exception):

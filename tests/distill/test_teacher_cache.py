@@ -175,3 +175,30 @@ def test_bad_budget_settings_are_named(key, value, match, tiny_dir, text_files, 
         main(_args(tiny_dir, text_files, tmp_path / "run", f"--model.distill.{key}", value))
     assert match in str(err.value) + capsys.readouterr().err
     assert not (tmp_path / "run" / "calibration_state.pt").exists()  # refused before any work
+
+
+@pytest.mark.parametrize(
+    ("hardware", "aten", "onednn", "native"),
+    [
+        (True, "AVX512", None, True),
+        (True, "AVX512", "avx512_core_amx", True),
+        (True, "AVX2", None, False),  # ATEN_CPU_CAPABILITY=avx2: emulated, 8-10x slower (docs/benchmarks.md)
+        (True, "AVX512", "AVX2", False),  # ONEDNN_MAX_CPU_ISA=AVX2 likewise
+        (True, "AVX512", "AVX512_CORE", False),  # AVX-512 without its bfloat16 kernels
+        (False, "AVX512", None, False),  # an AVX-512 CPU without BF16 or AMX
+    ],
+)
+def test_auto_precision_takes_bf16_only_where_the_cpu_and_its_libraries_compute_it(
+    hardware, aten, onednn, native, monkeypatch
+):
+    from ghostdistill.distill.students import native_bf16
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: hardware)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: aten)
+    if onednn is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", onednn)
+    assert native_bf16(torch.device("cpu")) is native
+    assert native_bf16(torch.device("meta")) is False
