@@ -68,7 +68,7 @@ def native_bf16(device: torch.device) -> bool:
 
     On a CPU the hardware is not enough: with ATen held below AVX-512 (`ATEN_CPU_CAPABILITY`) or oneDNN capped
     below its bfloat16 kernels (`ONEDNN_MAX_CPU_ISA`) the products are emulated, and a bf16 distillation step
-    ran 8 to 10 times slower than float32 on an AVX-512 BF16 CPU so capped (docs/benchmarks.md)."""
+    ran 8 to 9 times slower than float32 on an AVX-512 BF16 CPU so capped (docs/benchmarks.md)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type != "cpu":

@@ -182,7 +182,7 @@ def test_bad_budget_settings_are_named(key, value, match, tiny_dir, text_files, 
     [
         (True, "AVX512", None, True),
         (True, "AVX512", "avx512_core_amx", True),
-        (True, "AVX2", None, False),  # ATEN_CPU_CAPABILITY=avx2: emulated, 8-10x slower (docs/benchmarks.md)
+        (True, "AVX2", None, False),  # ATEN_CPU_CAPABILITY=avx2: emulated, 8-9x slower (docs/benchmarks.md)
         (True, "AVX512", "AVX2", False),  # ONEDNN_MAX_CPU_ISA=AVX2 likewise
         (True, "AVX512", "AVX512_CORE", False),  # AVX-512 without its bfloat16 kernels
         (False, "AVX512", None, False),  # an AVX-512 CPU without BF16 or AMX
