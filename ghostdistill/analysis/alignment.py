@@ -22,10 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.capture import gap_points, residual_streams
-from ..core.model import model_inputs
-from ..core.offload import is_offloaded
-from ..core.sequential import dense_sweep
+from ..core.capture import gap_points
+from ..core.executor import executor_of, gap_pairs
 from ..core.views import DENSE, PrunedModel
 from .anatomy import operator_anatomy
 
@@ -97,24 +95,14 @@ def held_out_alignment(
     mlp_blocks = sorted(
         {g.start - 1 for g in gaps if g.start > 0 for _, _, m in _repairs(pruned, views, g.key) if m is not None}
     )
-    if is_offloaded(model):
-        # Block by block (offloaded weights): each gap measured, batch after batch, once the pass reaches its end.
-        held: dict[int, list[torch.Tensor]] = {}
-        with pruned.use(DENSE):
-            for windows, point, streams, mlp in dense_sweep(model, stack, list(batches), gap_points(gaps), mlp_blocks):
-                held[point] = streams
-                for gap in (g for g in gaps if g.stop == point):
-                    for b, (mask, first) in enumerate(zip(windows.masks, windows.first)):
-                        u = {gap.start - 1: mlp[gap.start - 1][b]} if gap.start - 1 in mlp else {}
-                        _measure(pruned, views, gap, held[gap.start][b], streams[b], u, mask, first, out)
-        return out
-    for batch in batches:
-        ids, mask = model_inputs(model, batch)
-        mlp: dict[int, torch.Tensor] = {}
-        with pruned.use(DENSE):
-            streams, first = residual_streams(model, stack, ids, mask, gap_points(gaps), mlp_blocks, mlp)
-        for gap in gaps:
-            _measure(pruned, views, gap, streams[gap.start], streams[gap.stop], mlp, mask, first, out)
+    pairs = [(g.start, g.stop) for g in gaps]
+    with pruned.use(DENSE):
+        reached = executor_of(model).dense_points(model, stack, batches, gap_points(gaps), mlp_blocks)
+        for windows, start, stop, before, after, mlp in gap_pairs(reached, pairs):
+            gap = next(g for g in gaps if (g.start, g.stop) == (start, stop))
+            for b, (mask, first) in enumerate(zip(windows.masks, windows.first)):
+                u = {start - 1: mlp[start - 1][b]} if start - 1 in mlp else {}
+                _measure(pruned, views, gap, before[b], after[b], u, mask, first, out)
     return out
 
 

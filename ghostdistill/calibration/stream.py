@@ -10,24 +10,22 @@ Every tap is checked to be finite before it reaches a sum: one inf or NaN (a flo
 broken weights) would turn every operator into NaN silently, so the run stops at once naming the batch
 and the block whose input it was.
 
-A model whose weights are off the device (`model.model.offload`) is run block by block instead
-(`core.sequential`): all batches through one block before the next, each gap's collectors fed, batch after
-batch as above, once the pass has reached its end, so the sums are the same to the bit.
+How the batches go through the blocks is the model's executor's choice (`core.executor`): a full forward
+per batch, or (weights offloaded) all batches through one block before the next. Either way a gap's
+collectors are fed, batch after batch, once the pass reaches its end, so the sums are the same to the bit.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from ..core.capture import gap_points, residual_streams
-from ..core.model import DecoderStack, model_inputs
-from ..core.offload import is_offloaded
+from ..core.capture import gap_points
+from ..core.executor import executor_of, gap_pairs
+from ..core.model import DecoderStack
 from ..core.plan import Gap
-from ..core.sequential import advance, capture, dense_sweep, view_stream
 from ..core.views import DENSE, PrunedModel
 from ..methods import Collector, GapTaps, needs_mlp
 from .distributed import counted
@@ -51,54 +49,36 @@ def accumulate(
     """
     points = gap_points(gaps)
     mlp_blocks = sorted({g.start - 1 for g in gaps if g.start > 0 and needs_mlp(stats[g.key])})
-    if is_offloaded(model):
-        batches = list(batches)
-        return _accumulate_blockwise(model, stack, gaps, batches, stats, first_batch, points, mlp_blocks, progress)
+    batches = batches if isinstance(batches, list) else list(batches)
     tokens = 0
-    for index, batch in enumerate(batches, start=first_batch):
-        ids, mask = model_inputs(model, batch)
-        mlp: dict[int, torch.Tensor] = {}
-        streams, first = residual_streams(model, stack, ids, mask, points, mlp_blocks, mlp)
-        if not counted(batch):  # a padding batch: run (sharded blocks gather in lockstep), not counted
-            continue
-        where = f"calibration batch {index}"
-        for point, stream in streams.items():
-            check_finite(stream, mask, where, f"the residual stream entering block {point}", model)
-        for block, out in mlp.items():
-            check_finite(out, mask, where, f"the MLP output of block {block}", model)
-        summed = counted_tokens(batch, mask)
-        for gap in gaps:
-            taps = GapTaps(streams[gap.start], streams[gap.stop], summed, first, mlp.get(gap.start - 1))
+    pairs = [(g.start, g.stop) for g in gaps]
+    desc = "calibration statistics, block by block"
+    reached = executor_of(model).dense_points(model, stack, batches, points, mlp_blocks, progress, desc)
+    for windows, start, stop, before, after, mlp in gap_pairs(_finite(reached, batches, first_batch, model), pairs):
+        gap = next(g for g in gaps if (g.start, g.stop) == (start, stop))
+        for b, (mask, first) in enumerate(zip(windows.masks, windows.first)):
+            batch = batches[windows.offset + b]
+            if not counted(batch):  # a padding batch: run (sharded blocks gather in lockstep), not counted
+                continue
+            out = mlp[start - 1][b] if start - 1 in mlp else None
+            if out is not None:
+                where = f"calibration batch {first_batch + windows.offset + b}"
+                check_finite(out, mask, where, f"the MLP output of block {start - 1}", model)
+            summed = counted_tokens(batch, mask)
+            tokens += int(summed.sum()) if gap is gaps[0] else 0
             for collector in stats[gap.key].values():
-                collector.update(taps)
-        tokens += int(summed.sum())
+                collector.update(GapTaps(before[b], after[b], summed, first, out))
     return tokens
 
 
-def _accumulate_blockwise(model, stack, gaps, batches, stats, first_batch, points, mlp_blocks, progress) -> int:
-    """`accumulate` in one block-by-block pass: a gap's collectors are fed when the pass reaches its end, and
-    the streams a later gap does not need are dropped."""
-    held: dict[int, list[torch.Tensor]] = {}
-    masks: list[torch.Tensor] = []
-    sweep = dense_sweep(model, stack, batches, points, mlp_blocks, progress, "calibration statistics, block by block")
-    for windows, point, streams, mlp in sweep:
-        masks = windows.masks
-        for b, stream in enumerate(streams):
-            where = f"calibration batch {first_batch + b}"
-            check_finite(stream, windows.masks[b], where, f"the residual stream entering block {point}", model)
-        held[point] = streams
-        for gap in (g for g in gaps if g.stop == point):
-            for b, mask in enumerate(windows.masks):
-                out = mlp[gap.start - 1][b] if gap.start - 1 in mlp else None
-                if out is not None:
-                    what = f"the MLP output of block {gap.start - 1}"
-                    check_finite(out, mask, f"calibration batch {first_batch + b}", what, model)
-                summed = counted_tokens(batches[b], mask)
-                taps = GapTaps(held[gap.start][b], streams[b], summed, windows.first[b], out)
-                for collector in stats[gap.key].values():
-                    collector.update(taps)
-        held = {p: s for p, s in held.items() if any(g.start == p and g.stop > point for g in gaps)}
-    return sum(int(counted_tokens(batches[b], mask).sum()) for b, mask in enumerate(masks))
+def _finite(reached, batches, first_batch, model):
+    """`reached` with every counted batch's stream checked finite at each point (`check_finite`)."""
+    for windows, point, streams, mlp in reached:
+        for b, (stream, mask) in enumerate(zip(streams, windows.masks)):
+            if counted(batches[windows.offset + b]):
+                where = f"calibration batch {first_batch + windows.offset + b}"
+                check_finite(stream, mask, where, f"the residual stream entering block {point}", model)
+        yield windows, point, streams, mlp
 
 
 @torch.no_grad()
@@ -120,63 +100,25 @@ def accumulate_students(
     mlp_blocks = {
         view: [kept.index(gap.start - 1)] if gap.start > 0 and needs_mlp(c) else [] for view, c in collectors.items()
     }
-    if is_offloaded(pruned.model):
-        return _students_blockwise(pruned, gap, list(batches), collectors, student_point, mlp_blocks)
+    runs = [(DENSE, gap.stop, []), *((view, student_point, mlp_blocks[view]) for view in collectors)]
     seconds = dict.fromkeys([DENSE, *collectors], 0.0)
-    for index, batch in enumerate(batches):
-        start = time.perf_counter()
-        ids, mask = model_inputs(pruned.model, batch)
-        with pruned.use(DENSE):
-            dense, _ = residual_streams(pruned.model, pruned.stack, ids, mask, [gap.stop])
-        seconds[DENSE] += time.perf_counter() - start
-        for view, view_collectors in collectors.items():
-            start = time.perf_counter()
-            mlp: dict[int, torch.Tensor] = {}
-            with pruned.use(view):
-                student, first = residual_streams(
-                    pruned.model, pruned.stack, ids, mask, [student_point], mlp_blocks[view], mlp
-                )
+    batches = batches if isinstance(batches, list) else list(batches)
+    desc = f"student statistics for gap {gap.key}, block by block"
+    for windows, taps, mlp, spent in executor_of(pruned.model).view_points(pruned, batches, runs, desc):
+        for name, s in zip(seconds, spent):
+            seconds[name] += s
+        for b, (mask, first) in enumerate(zip(windows.masks, windows.first)):
+            batch = batches[windows.offset + b]
             if not counted(batch):
                 continue
-            where = f"student statistics of view {view!r}, gap {gap.key}, batch {index}"
-            check_finite(
-                student[student_point], mask, where, f"the residual stream entering block {gap.stop}", pruned.model
-            )
             summed = counted_tokens(batch, mask)
-            taps = GapTaps(student[student_point], dense[gap.stop], summed, first, next(iter(mlp.values()), None))
-            for collector in view_collectors.values():
-                collector.update(taps)
-            seconds[view] += time.perf_counter() - start
+            for i, (view, view_collectors) in enumerate(collectors.items(), start=1):
+                where = f"student statistics of view {view!r}, gap {gap.key}, batch {windows.offset + b}"
+                check_finite(taps[i][b], mask, where, f"the residual stream entering block {gap.stop}", pruned.model)
+                out = next(iter(mlp[i].values()))[b] if mlp[i] else None
+                for collector in view_collectors.values():
+                    collector.update(GapTaps(taps[i][b], taps[0][b], summed, first, out))
     return seconds
-
-
-def _students_blockwise(pruned, gap, batches, collectors, student_point, mlp_blocks) -> dict[str, float]:
-    """`accumulate_students` in one block-by-block pass: the dense stream and every view's advance together."""
-    start = time.perf_counter()
-    with pruned.use(DENSE):
-        windows = capture(pruned.model, pruned.stack, batches)
-    streams = [view_stream(pruned, DENSE, windows), *(view_stream(pruned, v, windows) for v in collectors)]
-    stops = [gap.stop, *[student_point] * len(collectors)]
-    taps, mlp = advance(
-        streams,
-        stops,
-        windows,
-        taps=[{s} for s in stops],
-        mlp=[(), *(mlp_blocks[v] for v in collectors)],
-        desc=f"student statistics for gap {gap.key}, block by block",
-    )
-    for b, mask in enumerate(windows.masks):
-        for i, (view, view_collectors) in enumerate(collectors.items(), start=1):
-            where = f"student statistics of view {view!r}, gap {gap.key}, batch {b}"
-            student = taps[i][student_point][b]
-            check_finite(student, mask, where, f"the residual stream entering block {gap.stop}", pruned.model)
-            out = next(iter(mlp[i].values()))[b] if mlp[i] else None
-            summed = counted_tokens(batches[b], mask)
-            taps_b = GapTaps(student, taps[0][gap.stop][b], summed, windows.first[b], out)
-            for collector in view_collectors.values():
-                collector.update(taps_b)
-    seconds = {view: s.seconds for view, s in zip(collectors, streams[1:])}
-    return {DENSE: time.perf_counter() - start - sum(seconds.values()), **seconds}
 
 
 def counted_tokens(batch: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:

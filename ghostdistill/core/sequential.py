@@ -56,6 +56,7 @@ class Windows:
     hidden: list[torch.Tensor]
     first: list[torch.Tensor]
     calls: list[list[tuple[tuple, dict]]]  # batch → dense block → (args after the stream, kwargs)
+    offset: int = 0  # the caller's index of the first batch
 
 
 class _Recorder(nn.Module):

@@ -35,10 +35,9 @@ import torch
 from torch import nn
 
 from ..core import modeling_ghostdistill
+from ..core.executor import executor_of
 from ..core.io import disk_space, publish_permissions
 from ..core.lock import alive, hold, lock_path, marked_tmpdir, marker_of
-from ..core.offload import is_offloaded
-from ..core.sharded import is_sharded
 from ..core.views import PrunedModel
 from .card import model_card
 from .parts import Part, exporting, save_parts, view_parts
@@ -105,7 +104,7 @@ class ViewExport:
 
     @property
     def streamed(self) -> bool:
-        return is_offloaded(self.model) or is_sharded(self.model)
+        return executor_of(self.model).streamed
 
     @property
     def state(self) -> dict[str, torch.Tensor]:

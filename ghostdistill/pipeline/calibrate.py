@@ -26,8 +26,9 @@ from ..calibration.distributed import even_shard, sum_collectors
 from ..calibration.fit import fit_methods
 from ..calibration.state import STATE_FILE, SavedState, Statistics, fingerprint, load_state, save_state, to_device
 from ..calibration.stream import accumulate
+from ..core.executor import executor_of
 from ..core.model import hidden_size
-from ..core.offload import is_offloaded, model_device
+from ..core.offload import model_device
 from ..core.plan import PruningPlan
 from ..core.views import PrunedModel
 from ..data.config import section_settings
@@ -105,7 +106,7 @@ def collect_statistics(
         for collectors in stats.values():
             sum_collectors(collectors, dist.reduce)
         tokens = int(dist.reduce(torch.tensor(tokens, dtype=torch.float64, device=device)).item())
-    elif is_offloaded(llm) and done < len(batches):
+    elif executor_of(llm).blockwise and done < len(batches):
         # Block by block: every batch through one block before the next, so the sums are complete only at
         # the end (checkpointed then, not every `checkpoint_every` batches). The plan is saved first, with no
         # batch done: a pass cut short costs its statistics, not the plan (`offloaded_stop`).
@@ -145,7 +146,7 @@ def calibrate(
     ``repair_greedy`` starts after (`plan.greedy_from`); `phase(name)` wraps each of ``plan``, ``calibrate``
     and ``fit`` (`pipeline.run.Run.phase`: seconds and peak memory for its observers)."""
     llm.eval()
-    if is_offloaded(llm) and dist.world > 1:
+    if executor_of(llm).blockwise and dist.world > 1:
         raise ValueError(OFFLOAD_ONE_DEVICE)
     if saved is not None and dist.world > 1 and saved.batches_done < saved.batches_total:
         # Partial sums of one process cannot be split among several: only complete states are reused.
@@ -184,7 +185,7 @@ def calibrate(
                 progress=progress,
             )
         except (KeyboardInterrupt, SystemExit):  # SIGINT, SIGTERM (`lit.interrupts`): say what a rerun finds
-            if is_offloaded(llm):
+            if executor_of(llm).blockwise:
                 log(offloaded_stop(state_path if dist.is_zero else None))
             raise
     seconds["statistics_s"] = round(time.perf_counter() - start, 2)

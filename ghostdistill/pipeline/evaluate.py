@@ -1,7 +1,7 @@
 """Evaluate: perplexity and teacher fidelity of every view, the analyses, zero-shot.
 
 scores = score_views(pruned, ids, mask, views)     one batch: NLL, KL(dense ‖ view), top-1 per token
-score_batches(pruned, batches, views)             many at once: block by block when the weights are offloaded
+score_batches(pruned, batches, views)             many at once, as the model's executor runs them
 tally.update(view, source, scores[view])           float64 sums over batches (`evaluation.tally.ViewTally`)
 results = view_results(tally, pruned)              the report's `views` section, summed over ranks
 evaluate(pruned, views, windows)                   the three above over whole sources, in one call
@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from ..analysis import analyse
-from ..core.head import final_hidden, output_head, tokens_per_chunk
+from ..core.executor import executor_of
+from ..core.head import output_head, tokens_per_chunk
 from ..core.io import json_digest, tensor_digest
-from ..core.offload import is_offloaded, model_device, onloaded
-from ..core.sequential import capture, final_states, view_stream
+from ..core.offload import model_device, onloaded
 from ..core.views import DENSE, PRUNED, PrunedModel, view_parameter_count
 from ..data import ChatWindows
 from ..data.windows import shared_ngrams
@@ -52,12 +52,8 @@ def score_views(
     so memory does not grow with batch × vocabulary. `counted` [batch]: rows to score (default all).
     `answers` [batch, seq]: the chat score (`data.run_chat`): only the positions that predict an answer token
     are scored, and each view's `prefix` per answer is given."""
-    hidden, heads = {}, {}
-    for view in [DENSE, *(v for v in views if v != DENSE)]:
-        with pruned.use(view) as model:
-            hidden[view] = final_hidden(model, ids, mask)[:, :-1]
-            heads[view] = output_head(model)  # a student that trains the tail has its own head
-    return _scores(pruned, hidden, heads, ids, mask, chunk, counted, answers)
+    batch = {"input_ids": ids, "attention_mask": mask, "counted": counted, "answers": answers}
+    return score_batches(pruned, [{k: v for k, v in batch.items() if v is not None}], views, chunk=chunk)[0]
 
 
 def _scores(pruned, hidden, heads, ids, mask, chunk, counted, answers) -> dict[str, TokenScores]:
@@ -79,49 +75,23 @@ def _scores(pruned, hidden, heads, ids, mask, chunk, counted, answers) -> dict[s
 def score_batches(
     pruned: PrunedModel, batches: list[dict[str, torch.Tensor]], views: list[str], *, chunk: int | None = None
 ) -> list[dict[str, TokenScores]]:
-    """`score_views` of each batch ({"input_ids", "attention_mask", "counted"?, "answers"?}). With the weights offloaded
-    (`model.model.offload`) every view runs block by block over all the batches at once (`core.sequential`),
-    each block and the head brought onto the device once; the scores are `score_views`' to the bit."""
-    masks = [b.get("attention_mask", torch.ones_like(b["input_ids"])) for b in batches]
-    if not is_offloaded(pruned.model):
-        return [
-            score_views(
-                pruned, b["input_ids"], m, views, chunk=chunk, counted=b.get("counted"), answers=b.get("answers")
-            )
-            for b, m in zip(batches, masks)
-        ]
-    # A pass holds every view's final hidden states of its windows: passes are cut to `PASS_BYTES` of them.
+    """`score_views` of each batch ({"input_ids", "attention_mask"?, "counted"?, "answers"?}), the views run as the
+    model's executor runs them (`core.executor.view_finals`: a forward per batch, or with the weights offloaded
+    block by block over all the batches at once, each block and the head brought onto the device once); the
+    scores are the same to the bit."""
     order = [DENSE, *(v for v in views if v != DENSE)]
-    item = next(pruned.model.parameters()).element_size() * pruned.model.get_input_embeddings().weight.shape[1]
-    per_batch = max(1, (len(order) + 1) * item * max(int(b["input_ids"].numel()) for b in batches))
-    size = max(1, PASS_BYTES // per_batch)
-    out = []
-    for lo in range(0, len(batches), size):
-        part = [{**b, "attention_mask": m} for b, m in zip(batches[lo : lo + size], masks[lo : lo + size])]
-        out += _score_pass(pruned, part, order, chunk)
-    return out
-
-
-# The most bytes of final hidden states one block-by-block evaluation pass holds (each pass reads the weights once).
-PASS_BYTES = 4 * 2**30
-
-
-def _score_pass(pruned: PrunedModel, batches: list[dict], order: list[str], chunk: int | None) -> list[dict]:
-    """`score_batches` of `batches` in one block-by-block pass (`order`: the dense view first)."""
-    with pruned.use(DENSE):
-        windows = capture(pruned.model, pruned.stack, batches)
-    hidden = dict(zip(order, final_states([view_stream(pruned, v, windows) for v in order], windows)))
     heads, modules = {}, []
     for view in order:
         with pruned.use(view) as model:
-            heads[view] = output_head(model)
+            heads[view] = output_head(model)  # a student that trains the tail has its own head
             modules.append(model.get_output_embeddings())
     out = []
-    with onloaded(*{id(m): m for m in modules}.values()):
-        for b, (ids, mask) in enumerate(zip(windows.ids, windows.masks)):
-            states = {view: hidden[view][b][:, :-1] for view in order}
-            counted, answers = batches[b].get("counted"), batches[b].get("answers")
-            out.append(_scores(pruned, states, heads, ids, mask, chunk, counted, answers))
+    for windows, hidden in executor_of(pruned.model).view_finals(pruned, batches, order):
+        with onloaded(*{id(m): m for m in modules}.values()):
+            for b, (ids, mask) in enumerate(zip(windows.ids, windows.masks)):
+                batch = batches[windows.offset + b]
+                states = {view: hidden[view][b][:, :-1] for view in order}
+                out.append(_scores(pruned, states, heads, ids, mask, chunk, batch.get("counted"), batch.get("answers")))
     return out
 
 

@@ -37,9 +37,10 @@ from pathlib import Path
 import torch
 
 from ..calibration.state import STATE_FILE, incomplete_state
+from ..core.executor import Executor, executor_of
 from ..core.model import decoder_stack, hidden_size, load_model, load_tokenizer, model_key, padded
-from ..core.offload import is_offloaded, model_device
-from ..core.sharded import is_sharded, load_sharded
+from ..core.offload import model_device
+from ..core.sharded import load_sharded
 from ..core.views import DENSE
 from ..data.run import RunData
 from ..evaluation.scores import ScoreStore
@@ -90,6 +91,7 @@ class Run(Phases, DistillPhases):
         self.tokenizer = load_tokenizer(cfg.model) if tokenizer is None else padded(tokenizer)
         self.report = RunReport(model=asdict(cfg.model))
         self.llm: torch.nn.Module | None = None if model is None else model.eval().requires_grad_(False)
+        self.executor: Executor | None = None if model is None else executor_of(self.llm)  # how passes run
         self.run_dir: Path | None = None
         self.data: RunData | None = None
         self.key: str | None = None  # the calibration statistics' fingerprint
@@ -115,13 +117,14 @@ class Run(Phases, DistillPhases):
                 else:
                     self.llm = load_sharded(self.cfg.model, mesh, device)
                 self.llm.requires_grad_(False)
+                self.executor = executor_of(self.llm)
         return self.llm
 
     @property
     def sharded(self) -> bool:
         """Whether the model's blocks are sharded (FSDP2): every rank then joins every forward and every
         export, where one process would do the work alone."""
-        return self.llm is not None and is_sharded(self.llm)
+        return self.executor is not None and self.executor.mode == "sharded"
 
     def setup(self, run_dir: Path | None = None, *, distilling: bool = False, checks: bool = True) -> RunData:
         """Load the model, bind the data to its tokenizer and dense model (windows are made on first use)
@@ -244,20 +247,18 @@ class Run(Phases, DistillPhases):
         sources = [s.label for s in self.data.eval_sources]
         self.tally = ViewTally(self.views, sources, reference=DENSE).to(device or model_device(self.llm))
 
-    @torch.no_grad()
     def score_batch(self, batch: dict[str, torch.Tensor], source: int = 0) -> None:
-        """Score one batch; with offloaded weights the batches wait for one block-by-block pass over all of
-        them (`score_batches`), run by `finish_evaluation`, which updates the tally in the same order."""
+        """Score one batch; a block-by-block executor's batches wait for one pass over all of them
+        (`score_batches`), run by `finish_evaluation`, which updates the tally in the same order."""
         # Windows added only to even out the ranks' shares are run but not counted (`EvenShares`).
         self._pending.append((batch, source))
-        if not is_offloaded(self.llm):
+        if not self.executor.blockwise:
             self._score_pending()
 
     def _score_pending(self) -> None:
         pending, self._pending = self._pending, []
         for source in dict.fromkeys(s for _, s in pending):
-            batches = [b for b, s in pending if s == source]
-            chunk = self.cfg.evaluation.logit_chunk
+            batches, chunk = [b for b, s in pending if s == source], self.cfg.evaluation.logit_chunk
             for scores in score_batches(self.pruned, batches, self.tally.views, chunk=chunk):
                 for view in self.tally.views:
                     self.tally.update(view, source, scores[view])

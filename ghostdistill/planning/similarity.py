@@ -1,8 +1,8 @@
 """Similarity criteria from one forward pass per batch: ``streamline``, ``angular``, ``angular_last``
 (contiguous runs; Gromov et al. 2024) and ``block_influence`` (single blocks; ShortGPT, Men et al. 2024).
-Every similarity compares hidden vectors along the channel axis, per token, with padding masked. With the
-weights offloaded the pass goes block by block (`core.sequential.dense_sweep`), each pair compared, batch after
-batch, once the pass reaches its end: the same sums."""
+Every similarity compares hidden vectors along the channel axis, per token, with padding masked; each pair
+is compared, batch after batch, once the model's executor reaches its end (`core.executor`: a full forward
+per batch, or block by block with the weights offloaded): the same sums."""
 
 from __future__ import annotations
 
@@ -13,11 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..core.capture import residual_streams
-from ..core.model import DecoderStack, model_inputs
-from ..core.offload import is_offloaded
+from ..core.executor import executor_of, gap_pairs
+from ..core.model import DecoderStack
 from ..core.plan import PruningPlan
-from ..core.sequential import dense_sweep
 from .candidates import PerBlock, candidate_starts, protected_edges
 from .interface import Batch, Criterion, PlanConfig, PlanInputs, register
 
@@ -30,23 +28,12 @@ def _token_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _pair_streams(
     model: nn.Module, stack: DecoderStack, batches: Iterable[Batch], pairs: list[tuple[int, int]]
 ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(i, j, stream entering block i, stream entering block j, mask) for every pair of `pairs` and batch:
-    batch by batch from full forwards, or pair by pair from one block-by-block pass (offloaded weights)."""
-    points = sorted({p for pair in pairs for p in pair})
-    if not is_offloaded(model):
-        for batch in batches:
-            ids, mask = model_inputs(model, batch)
-            streams, _ = residual_streams(model, stack, ids, mask, points)
-            for i, j in pairs:
-                yield i, j, streams[i], streams[j], mask
-        return
-    held: dict[int, list[torch.Tensor]] = {}
-    for windows, point, streams, _ in dense_sweep(model, stack, list(batches), points):
-        held[point] = streams
-        for i, j in (pair for pair in pairs if pair[1] == point):
-            for b, mask in enumerate(windows.masks):
-                yield i, j, held[i][b], streams[b], mask
-        held = {p: s for p, s in held.items() if any(i == p and j > point for i, j in pairs)}
+    """(i, j, stream entering block i, stream entering block j, mask) for every pair of `pairs` and batch,
+    as the model's executor reaches j (`core.executor`)."""
+    reached = executor_of(model).dense_points(model, stack, batches, {p for pair in pairs for p in pair})
+    for windows, i, j, before, after, _ in gap_pairs(reached, pairs):
+        for a, b, mask in zip(before, after, windows.masks):
+            yield i, j, a, b, mask
 
 
 @torch.no_grad()

@@ -68,11 +68,11 @@ def run_phases(folder: str, mode: str, plan: PlanConfig = PLAN, selection=None) 
 
 
 def test_every_phase_equals_the_model_in_memory_bit_for_bit(tmp_path_factory, monkeypatch):
-    from ghostdistill.pipeline import evaluate as evaluation
+    from ghostdistill.core import executor
 
     folder = saved_model(tmp_path_factory)
     runs = {mode: run_phases(folder, mode) for mode in ("none", "disk")}
-    monkeypatch.setattr(evaluation, "PASS_BYTES", 1)  # evaluation cut into one pass per batch: the same scores
+    monkeypatch.setattr(executor, "PASS_BYTES", 1)  # evaluation cut into one pass per batch: the same scores
     runs["cpu"] = run_phases(folder, "cpu")
     assert runs["none"]["views"]["ghost"].metrics["w"].kl > 0  # a real comparison: views differ from dense
     for mode in ("cpu", "disk"):
