@@ -10,7 +10,8 @@ import json
 import shutil
 from pathlib import Path
 
-from _rehearsal import ACTIVE, C4_HEAD, EVAL_SOURCE, ROOT, Phases, build_model_dir, export_hooks, fit_hooks, run_worker
+from _rehearsal import ACTIVE, C4_HEAD, ROOT, Phases, export_hooks, fit_hooks, run_worker
+from _rehearsal_model import EVAL_SOURCE, build_model_dir
 
 RECOVERY_ALL = [
     {"name": "ghost"},

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 from serving import check_llama_cpp  # scripts/serving/check_llama_cpp.py
+from serving.report import parted, stacks_table  # scripts/serving/report.py
 
 from ghostdistill.cli import load_run_config
 from ghostdistill.export.compressed import SCHEMES, compressed_path
@@ -117,66 +118,6 @@ def run_vllm(python: str, request: dict, tmp: Path, retry: bool = True) -> dict:
     )
     again = run_vllm(python, request | {"skip": sorted(measured)}, tmp, retry=False)
     return again | {"views": measured | again["views"]}
-
-
-def columns(stacks: list[str], gguf_types) -> list[str]:
-    """The stacks' columns: llama.cpp has one per GGUF type."""
-    out: list[str] = []
-    for stack in stacks:
-        if stack == "llama.cpp":
-            out += [f"llama.cpp {t}" for t in gguf_types]
-        elif stack != "transformers":
-            out.append(stack)
-    return out
-
-
-def parted(tokens: list[list[int]], reference: list[list[int]]) -> list[int | None]:
-    """Per prompt, the first position where `tokens` part from `reference` (None: identical)."""
-    return [next((i for i, (a, b) in enumerate(zip(t, r)) if a != b), None) for t, r in zip(tokens, reference)]
-
-
-def quantized_cell(s: dict) -> str:
-    """A quantized folder in vLLM: greedy tokens identical to the float view's in vLLM (how many prompts; the
-    first parting position of the others) and the perplexity with its difference from the float view's."""
-    same = sum(p is None for p in s["parted"])
-    where = ",".join(f"@{p}" for p in s["parted"] if p is not None)
-    tokens = "✔" if same == len(s["parted"]) else f"✗ {same}/{len(s['parted'])} ({where})"
-    return f"{tokens} {s['ppl']:.2f} ({100 * s['rel_diff']:+.2f}%)"
-
-
-def table(report: dict, stacks: list[str], gguf_types: tuple[str, ...] = check_llama_cpp.TYPES) -> str:
-    """One row per view, one column per stack: ✔/✗ (greedy tokens identical to transformers') and the
-    perplexity measured there, with its difference from transformers' on the same tokens (llama.cpp: the
-    second half of each window, beside transformers' figure over those tokens)."""
-    schemes = report.get("schemes") or []
-    head = ["view", "kind", "transformers"] + columns(stacks, gguf_types) + [f"vllm {s}" for s in schemes]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for view, r in report["views"].items():
-        t = r["transformers"]
-        cells = [
-            view,
-            r["kind"],
-            f"{'✔' if t['same_tokens_as_run'] else '✗'} {t['ppl']:.2f} (run {r['ppl_run']:.2f})",
-        ]
-        for stack in head[3:]:
-            s = r.get(stack)
-            if s is None:
-                cells.append("–")
-            elif "error" in s:
-                cells.append(f"not served: {s['error']}")
-            elif "parted" in s:
-                cells.append(quantized_cell(s))
-            elif "refused" in s:
-                cells.append("refused: operators" if stack.startswith("llama.cpp") else f"refused: {s['refused']}")
-            elif "reference" in s:
-                cells.append(
-                    f"{'✔' if s['same_tokens'] else '✗'} {s['ppl']:.2f} ({100 * s['rel_diff']:+.3f}% vs "
-                    f"{s['reference']:.2f})"
-                )
-            else:
-                cells.append(f"{'✔' if s['same_tokens'] else '✗'} {s['ppl']:.2f} ({100 * s['rel_diff']:+.3f}%)")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -382,7 +323,7 @@ def main() -> None:
                 }
             if "converter_parity" in entry:
                 report["views"][view]["converter_parity"] = entry["converter_parity"]
-    text = table(report, args.stacks, args.gguf_types)
+    text = stacks_table(report, args.stacks, args.gguf_types)
     print("\n" + text)
     tp = (report.get("vllm") or {}).get("throughput")
     if tp:

@@ -37,7 +37,8 @@ blocks that a fold or a LoRA merge changes) and 45 GB of disk (the float32 folde
 6.8 GB; each exported folder is deleted once reloaded unless `--keep`). `--tiny` runs the same steps on a
 hidden-64 model in seconds (what tests/test_rehearsal.py runs). The steps themselves (`fit_args`, the worker,
 a step's resume, the reload, the report's peaks and seconds) live in `scripts/_rehearsal_steps.py`, which
-`scripts/device_check.py` shares, as it shares `scripts/_rehearsal.py`'s `Phases`, `fit_hooks` and builders.
+`scripts/device_check.py` shares, as it shares `scripts/_rehearsal.py`'s `Phases` and `fit_hooks` and
+`scripts/_rehearsal_model.py`'s builders.
 """
 
 from __future__ import annotations
@@ -50,15 +51,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _rehearsal import (
-    GIB,
-    LLAMA3_8B,
-    TINY,
-    parameter_count,
-    reload_inputs,
-    run_worker,
-    same_model,
-)
+from _rehearsal import GIB, LLAMA3_8B, TINY, run_worker
+from _rehearsal_model import parameter_count, reload_inputs, same_model
 from _rehearsal_steps import (
     RECOVERY_ALL,
     RECOVERY_DISTILLED,

@@ -32,20 +32,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from _rehearsal import (
-    C4_HEAD,
-    EVAL_SOURCE,
-    LLAMA3_8B,
-    ROOT,
-    TINY,
-    WIKITEXT_HEAD,
-    model_config,
-    parameter_count,
-    reload_inputs,
-    run_worker,
-    same_model,
-    small_tokenizer,
-)
+from _rehearsal import C4_HEAD, LLAMA3_8B, ROOT, TINY, WIKITEXT_HEAD, run_worker
+from _rehearsal_model import EVAL_SOURCE, model_config, parameter_count, reload_inputs, same_model, small_tokenizer
 
 GOAL = 0.25  # peak RssAnon / model bytes, every phase
 LLAMA_CPP = ROOT / ".serve" / "llama.cpp" / "bin"

@@ -48,6 +48,11 @@ import torch
 
 from ghostdistill.export.quantize import find_tools, llama_cpp_root, llama_tokens, run_tool, threads
 
+if __package__:  # imported from scripts/ as serving.check_llama_cpp (check_serving.py, quantize_table.py)
+    from serving.report import common_prefix, divergence_margins, llama_cpp_table
+else:  # run as scripts/serving/check_llama_cpp.py: its folder is the first entry of sys.path
+    from report import common_prefix, divergence_margins, llama_cpp_table
+
 LLAMA_CPP = llama_cpp_root()
 TYPES = ("F32", "F16", "Q8_0")
 TOLERANCE = {"F32": 0.01, "F16": 0.01, "Q8_0": 0.03}
@@ -85,31 +90,6 @@ def perplexity(tool: Path, model: Path, text: Path, n_ctx: int, chunks: int, f32
     if not found:
         raise SystemExit(f"{tool}: no final estimate in its output:\n{(done.stdout + done.stderr)[-3000:]}")
     return {"ppl": float(found.group(1)), "ppl_err": float(found.group(2)), "seconds": time.perf_counter() - start}
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """How many tokens two continuations share before they part."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-@torch.no_grad()
-def divergence_margins(pruned, view: str, prompts: list, expected: list, got: list) -> list:
-    """Where a continuation parts from transformers': per prompt None (identical) or {"at": position,
-    "margin": transformers' logit of its own token minus its logit of llama.cpp's token there}. A margin far
-    below the logits' own spread is a near-tie that rounding decides, not a different model."""
-    out: list = []
-    for prompt, a, b in zip(prompts, expected, got):
-        at = _common_prefix(a, b)
-        if at == min(len(a), len(b)):
-            out.append(None)
-            continue
-        with pruned.use(view) as model:
-            logits = model(input_ids=torch.tensor([prompt + a[:at]])).logits[0, -1].float()
-        out.append({"at": at, "margin": float(logits[a[at]] - logits[b[at]])})
-    return out
 
 
 def eval_text(cfg, tokenizer, source, tokens: int, folder: Path) -> Path:
@@ -286,7 +266,7 @@ def check_views(
                     "tokens": got,
                     "same_tokens": got == expected,
                     "same_prompts": sum(a == b for a, b in zip(got, expected)),
-                    "same_prefix": [_common_prefix(a, b) for a, b in zip(got, expected)],
+                    "same_prefix": [common_prefix(a, b) for a, b in zip(got, expected)],
                     "divergence": divergence_margins(loaded.pruned, view, prompts, expected, got),
                     **ppl,
                     "rel_diff": rel,
@@ -309,28 +289,6 @@ def check_views(
             entry["discarded"] = discard
             report["views"][view] = entry
     return report
-
-
-def _parted(entry: dict) -> str:
-    """Where each diverging continuation parts, and transformers' logit margin there: ``@17 Δ0.004``."""
-    return ", ".join(f"@{d['at']} Δ{d['margin']:.3f}" for d in entry.get("divergence", []) if d)
-
-
-def table(report: dict) -> str:
-    types = [t for t in TYPES if any(t in r for r in report["views"].values())]
-    head = ["view", "transformers (2nd half)", "run (all tokens)"] + [f"llama.cpp {t}" for t in types]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for view, r in report["views"].items():
-        if "refused" in r:
-            lines.append(f"| {view} | " + " | ".join(["–", "–"] + ["refused: operators"] * len(types)) + " |")
-            continue
-        cells = [view, f"{r['transformers']['ppl_second_half']:.3f}", f"{r['ppl_run']:.3f}"]
-        for t in types:
-            s = r[t]
-            mark = "✔" if s["same_tokens"] else f"✗ ({s['same_prompts']}/{len(s['tokens'])}: {_parted(s)})"
-            cells.append(f"{mark} {s['ppl']:.3f} ({100 * s['rel_diff']:+.2f}%)")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -370,7 +328,7 @@ def main() -> None:
         discard=args.discard,
     )
     report["run"] = str(run)
-    text = table(report)
+    text = llama_cpp_table(report, TYPES)
     print("\n" + text)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
