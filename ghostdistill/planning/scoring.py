@@ -7,9 +7,9 @@ gap run. A view that also changes the block before the gap (ReplaceMe's map on i
 block earlier, at the stream entering block i − 1, which the dense pass keeps too. The shortcut is checked once against a full forward and turned off (with a warning) for a
 family that transforms its input embeddings, as the distillation students' shared prefix is.
 
-With the weights offloaded (`model.model.offload`) the dense pass and each candidate's views run block by
-block over all the selection windows at once (`core.sequential`; a candidate's views advance together from
-its start, each block and the head brought onto the device once), and score the same to the bit.
+The dense pass is the model's executor's (`core.executor`). With the weights offloaded each candidate's views
+also run block by block over all the selection windows at once (`core.sequential`; they advance together
+from the candidate's start, each block and the head brought onto the device once), and score the same to the bit.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..core.executor import executor_of
 from ..core.head import decoder_of, final_hidden, output_head, tokens_per_chunk
 from ..core.model import decoder_stack, model_inputs
-from ..core.offload import is_offloaded, onloaded
-from ..core.sequential import advance, capture, dense_stream, final_states, view_stream
+from ..core.offload import onloaded
+from ..core.sequential import final_states, view_stream
 from ..core.views import DENSE, PrunedModel
 from ..evaluation.metrics import next_token_targets, reference_log_probs, score_hidden
 
@@ -54,24 +55,22 @@ class SelectionScorer:
         self.chunk = tokens_per_chunk(model.get_output_embeddings().weight.shape[0], chunk)
         # Each start i and i − 1: a view with an MLP map acts inside block i − 1 (`_first_block`).
         self.starts = sorted({j for i in starts if i > 0 for j in (int(i), int(i) - 1) if j > 0})
-        layers = decoder_stack(model).layers
+        stack = decoder_stack(model)
+        if stack.norm is None:
+            raise TypeError(f"cannot find the final norm of {type(model).__name__}: its candidates cannot be scored")
         self.dense: list[torch.Tensor] = []
-        self.prefix: list[dict[int, torch.Tensor]] = []
-        self.windows = None
-        if is_offloaded(model):
-            self._dense_blockwise(batches)
-        with torch.no_grad():
-            for ids, mask in self.inputs if self.windows is None else ():
-                grabbed: dict[int, torch.Tensor] = {}
-                handles = [
-                    layers[i].register_forward_pre_hook(self._grab(grabbed, i), with_kwargs=True) for i in self.starts
-                ]
-                try:
-                    self.dense.append(final_hidden(model, ids, mask)[:, :-1])
-                finally:
-                    for h in handles:
-                        h.remove()
-                self.prefix.append(grabbed)
+        self.prefix: list[dict[int, torch.Tensor]] = [{} for _ in batches]
+        executor = executor_of(model)
+        self.windows = None  # the captured windows, which a block-by-block executor's candidates start from
+        with torch.no_grad(), onloaded(stack.norm):
+            n = len(stack.layers)
+            for windows, point, streams, _ in executor.dense_points(model, stack, batches, [*self.starts, n]):
+                self.windows = windows if executor.blockwise else None
+                for b, stream in enumerate(streams, start=windows.offset):
+                    if point == n:
+                        self.dense.append(stack.norm(stream)[:, :-1])
+                    else:
+                        self.prefix[b][point] = stream
         self.tokens = sum(int(next_token_targets(ids, mask)[1].sum()) for ids, mask in self.inputs)
         vocab = model.get_output_embeddings().weight.shape[0]
         self.dense_logp: list[list[torch.Tensor]] | None = None
@@ -86,18 +85,6 @@ class SelectionScorer:
         self.skip = bool(self.starts)  # until the first check says otherwise
         self._checked = False
 
-    @torch.no_grad()
-    def _dense_blockwise(self, batches: Sequence[Batch]) -> None:
-        """The dense final hidden states and the streams at `starts`, block by block (offloaded weights)."""
-        model = self.model
-        stack = decoder_stack(model)
-        self.windows = capture(model, stack, batches)
-        stream = dense_stream(stack, self.windows)
-        taps, _ = advance([stream], [len(stream.blocks)], self.windows, taps=[set(self.starts)])
-        with onloaded(stack.norm):
-            self.dense = [stack.norm(h)[:, :-1] for h in stream.hidden]
-        self.prefix = [{i: taps[0][i][b] for i in self.starts} for b in range(len(self.dense))]
-
     def _views_blockwise(self, pruned: PrunedModel, views: Sequence[str], start: int | None) -> dict[str, list]:
         """Every view's final hidden states on every window, advanced together from the candidate's start."""
         streams = []
@@ -109,13 +96,6 @@ class SelectionScorer:
                 hidden = [prefix[first] for prefix in self.prefix]
                 streams.append(view_stream(pruned, view, self.windows, first, hidden))
         return {v: [h[:, :-1] for h in states] for v, states in zip(views, final_states(streams, self.windows))}
-
-    @staticmethod
-    def _grab(store: dict[int, torch.Tensor], i: int):
-        def hook(module, args, kwargs):
-            store[i] = args[0] if args else kwargs["hidden_states"]
-
-        return hook
 
     @staticmethod
     def _first_block(pruned: PrunedModel, view: str, start: int) -> int:
