@@ -30,13 +30,10 @@ def flat_settings(cfg: RecoveryConfig) -> dict[str, Any]:
     """Every key with a value, as the flat config had them: the flat keys (the method's resolved values, the
     flat defaults for the others) and the method's own later keys. What `asdict(cfg)` gave before the split,
     so a digest of it (the keys of saved zero-shot scores) comes out as it did then."""
-    resolved = cfg.resolved()
     own = method_keys(get_method(cfg.method)) if cfg.method in registered() else {}
-    out: dict[str, Any] = {"name": cfg.name, "method": cfg.method}
-    for key, default in FLAT_DEFAULTS.items():
-        value = getattr(resolved, key, None)
-        out[key] = default if value is None else value
-    return out | {k: getattr(resolved, k) for k in own if k not in FLAT_DEFAULTS}
+    flat = {key: default if getattr(cfg, key) is None else getattr(cfg, key) for key, default in FLAT_DEFAULTS.items()}
+    later = {k: getattr(cfg, k) for k in own if k not in FLAT_DEFAULTS}
+    return {"name": cfg.name, "method": cfg.method, **flat, **later}
 
 
 def drop_flat_defaults(entry: dict[str, Any]) -> dict[str, Any]:

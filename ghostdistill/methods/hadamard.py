@@ -205,13 +205,10 @@ def supported_base_orders() -> tuple[int, ...]:
     An order ``n`` is supported iff ``n == m * 2**k`` for some ``m`` in this
     tuple and ``k >= 0``.  ``1`` is included, standing for the powers of two.
     """
-    bases = []
-    for m in range(1, MAX_BASE_ORDER + 1):
-        # m is a base order only if m/2 is not buildable; otherwise m is just
-        # a doubling of a smaller base order with the same odd part.
-        if _recipe(m) is not None and not (m % 2 == 0 and _recipe(m // 2) is not None):
-            bases.append(m)
-    return tuple(bases)
+    # m is a base order only if m/2 is not buildable; otherwise m is just
+    # a doubling of a smaller base order with the same odd part.
+    buildable = range(1, MAX_BASE_ORDER + 1)
+    return tuple(m for m in buildable if _recipe(m) is not None and not (m % 2 == 0 and _recipe(m // 2) is not None))
 
 
 def _base_for(n: int) -> int | None:
@@ -226,21 +223,6 @@ def has_hadamard(n: int) -> bool:
     """Whether :func:`hadamard_matrix` can build an order-``n`` matrix."""
     n = _as_order(n)
     return n >= 1 and _base_for(n) is not None
-
-
-def _unsupported_message(n: int) -> str:
-    bases = supported_base_orders()
-    listed = [m for m in bases[1:] if m <= _LISTED_IN_ERRORS]
-    more = len(bases) - 1 - len(listed)
-    nxt = next(k for k in range(n + 1, 2 * n + 2) if has_hadamard(k))
-    return (
-        f"no Hadamard matrix of order {n} is known to ghostdistill; supported "
-        f"orders are 1, 2, 4, ... (powers of two) and m·2^k for m in "
-        f"{{{', '.join(map(str, listed))}, ... ({more} more up to "
-        f"{MAX_BASE_ORDER}, see ghostdistill.methods.hadamard.supported_base_orders())}}; "
-        f"the next supported order is {nxt}: pad the hidden size or use "
-        f"linearpatch variant 'diag'"
-    )
 
 
 def hadamard_matrix(n: int, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -258,7 +240,17 @@ def hadamard_matrix(n: int, *, dtype: torch.dtype = torch.float64) -> torch.Tens
         raise ValueError(f"Hadamard order must be >= 1, got {n}")
     base = _base_for(n)
     if base is None:
-        raise ValueError(_unsupported_message(n))
+        bases = supported_base_orders()
+        listed = [m for m in bases[1:] if m <= _LISTED_IN_ERRORS]
+        nxt = next(k for k in range(n + 1, 2 * n + 2) if has_hadamard(k))
+        raise ValueError(
+            f"no Hadamard matrix of order {n} is known to ghostdistill; supported "
+            f"orders are 1, 2, 4, ... (powers of two) and m·2^k for m in "
+            f"{{{', '.join(map(str, listed))}, ... ({len(bases) - 1 - len(listed)} more up to "
+            f"{MAX_BASE_ORDER}, see ghostdistill.methods.hadamard.supported_base_orders())}}; "
+            f"the next supported order is {nxt}: pad the hidden size or use "
+            f"linearpatch variant 'diag'"
+        )
     # Only the small base matrix is cached; the Sylvester factor is rebuilt per
     # call because caching e.g. an 8192² or 32768² sign matrix would pin
     # 64 MiB / 1 GiB for the life of the process.

@@ -28,25 +28,13 @@ def shared_hadamard(hidden_size: int, device: torch.device) -> torch.Tensor:
 
 
 class LinearPatchStatistics:
-    """Per-channel mean magnitudes of X_pre and X_post, in the Hadamard-rotated basis and in the plain one.
-
-    LinearPatch (Chen et al. 2025) sets W = H·diag(s)·Hᵀ with s_j = mean|X_post H|_j / mean|X_pre H|_j;
-    the rotation spreads the few outlier channels over all channels before the per-channel scaling.
-    """
+    """Per-channel mean magnitudes of X_pre and X_post, in the Hadamard-rotated basis and in the plain one."""
 
     def __init__(self, hidden_size: int, device: torch.device | str = "cpu") -> None:
         z = lambda: torch.zeros(hidden_size, dtype=torch.float64, device=device)  # noqa: E731
-        self.hidden_size = hidden_size
-        self.rotated = has_hadamard(hidden_size)
-        self._h = shared_hadamard(hidden_size, torch.device(device)) if self.rotated else None
+        self.hadamard = shared_hadamard(hidden_size, torch.device(device)) if has_hadamard(hidden_size) else None
         self.sums = {"pre": z(), "post": z(), "pre_rot": z(), "post_rot": z()}
         self.tokens = 0
-
-    def hadamard(self) -> torch.Tensor:
-        if self._h is None:
-            # The error names the size and what is valid.
-            hadamard_matrix(self.hidden_size)
-        return self._h
 
     @torch.no_grad()
     def update(self, taps: GapTaps) -> None:
@@ -55,9 +43,9 @@ class LinearPatchStatistics:
         y = taps.x_post[keep].to(torch.float64)
         self.sums["pre"] += x.abs().sum(0)
         self.sums["post"] += y.abs().sum(0)
-        if self._h is not None:
-            self.sums["pre_rot"] += (x @ self._h).abs().sum(0)
-            self.sums["post_rot"] += (y @ self._h).abs().sum(0)
+        if self.hadamard is not None:
+            self.sums["pre_rot"] += (x @ self.hadamard).abs().sum(0)
+            self.sums["post_rot"] += (y @ self.hadamard).abs().sum(0)
         self.tokens += x.shape[0]
 
     def state_dict(self) -> dict:
@@ -99,7 +87,9 @@ class LinearPatch(Method):
         sums = stats.sums
         if cfg.variant == "diag":
             return GapFit(operator=operator_of(torch.diag(sums["post"] / sums["pre"].clamp_min(1e-12))))
-        h = stats.hadamard()  # raises for a hidden size with no known Hadamard matrix, naming it
+        h = stats.hadamard
+        if h is None:
+            hadamard_matrix(hidden_size)  # raises for a hidden size with no known Hadamard matrix, naming it
         scale = sums["post_rot"] / sums["pre_rot"].clamp_min(1e-12)
         w = (h * scale) @ h.T
         w = 0.5 * (w + w.T)  # exact symmetry despite rounding

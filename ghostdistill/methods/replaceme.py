@@ -26,9 +26,7 @@ from .interface import GapFit, GapTaps, Method, Solved, operator_of, register
 
 
 class ReplaceMeStatistics:
-    """Normal equations of ReplaceMe (Shopkhoev et al. 2025): with M the MLP output of the last block
-    before the gap and Y = X_pre − M its residual input, min_T ‖M T − (X_post − Y)‖²; T is then fused
-    into that block's down_proj."""
+    """ReplaceMe's normal equations, MᵀM and Mᵀ(X_post − Y), over the calibration tokens (module docstring)."""
 
     def __init__(self, hidden_size: int, device: torch.device | str = "cpu") -> None:
         c = hidden_size

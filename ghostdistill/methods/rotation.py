@@ -291,17 +291,6 @@ def scaled_rotation(operator: nn.Module) -> tuple[float, torch.Tensor, torch.Ten
     return c, q, t
 
 
-def _absorb_gain(norm: nn.Module, readers: list[nn.Linear]) -> None:
-    gain = norm.weight.detach().to(torch.float64)
-    for lin in readers:
-        lin.weight.copy_((lin.weight.to(torch.float64) * gain).to(lin.weight.dtype))
-    norm.weight.fill_(1.0)
-
-
-def _read(lin: nn.Linear, q: torch.Tensor) -> None:
-    lin.weight.copy_((lin.weight.to(torch.float64) @ q.to(lin.weight.device)).to(lin.weight.dtype))
-
-
 @torch.no_grad()
 def rotate_blocks(blocks: list[nn.Module], q: torch.Tensor) -> None:
     """Transform each of `blocks` by the orthogonal Q (in place: the caller passes checked copies)."""
@@ -312,9 +301,11 @@ def rotate_blocks(blocks: list[nn.Module], q: torch.Tensor) -> None:
             block.post_attention_layernorm: [getattr(mlp, n) for n in _MLP_IN],
         }
         for norm, lins in readers.items():
-            _absorb_gain(norm, lins)
-            for lin in lins:
-                _read(lin, q)
+            gain = norm.weight.detach().to(torch.float64)
+            for lin in lins:  # γ into the linears that read the norm (γ ← 1), then W' = W·Q
+                lin.weight.copy_((lin.weight.to(torch.float64) * gain).to(lin.weight.dtype))
+                lin.weight.copy_((lin.weight.to(torch.float64) @ q.to(lin.weight.device)).to(lin.weight.dtype))
+            norm.weight.fill_(1.0)
         fuse_output_map(attn.o_proj, q)
         fuse_output_map(mlp.down_proj, q)
 
