@@ -35,7 +35,7 @@ from .capture import residual_streams
 from .head import final_hidden
 from .model import DecoderStack, model_inputs
 from .offload import is_offloaded, model_device
-from .sequential import Progress, Windows, advance, capture, dense_sweep, final_states, view_stream
+from .sequential import Progress, Stream, Windows, advance, capture, final_states, view_stream
 from .sharded import is_sharded
 from .views import DENSE
 
@@ -63,9 +63,6 @@ class Executor:
     def streamed(self) -> bool:
         """Whether the weights are never whole on one device (export reads them part by part)."""
         return self.mode != "memory"
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.mode!r}, device={self.device})"
 
     @torch.no_grad()
     def dense_points(
@@ -128,8 +125,17 @@ class Offloaded(Executor):
     blockwise = True
 
     def dense_points(self, model, stack, batches, points, mlp_blocks=(), progress=None, desc="block by block"):
-        """As `Executor.dense_points`, in one block-by-block pass over all `batches` (`core.sequential`)."""
-        return dense_sweep(model, stack, list(batches), points, mlp_blocks, progress, desc or "block by block")
+        """As `Executor.dense_points`, in one block-by-block pass over all `batches`: nothing is held beyond
+        what the caller keeps."""
+        windows = capture(model, stack, list(batches))
+        stream = Stream(None, list(enumerate(stack.layers)), list(windows.hidden))  # through the current blocks
+        mlp: dict[int, list[torch.Tensor]] = {}
+        for point in sorted(set(points)):
+            taps, outs = advance(
+                [stream], [point], windows, taps=[{point}], mlp=[set(mlp_blocks)], progress=progress, desc=desc
+            )
+            mlp.update(outs[0])
+            yield windows, point, taps[0][point], mlp
 
     @torch.no_grad()
     def view_points(self, pruned, batches, runs, desc=""):

@@ -8,7 +8,7 @@ gets each its own. Then `advance` runs each block over every batch, keeping the 
 brought onto the device once per pass (`core.offload.onloaded`), not once per batch:
 
     windows = capture(model, stack, batches)
-    dense, ghost = dense_stream(stack, windows), view_stream(pruned, "ghost", windows)
+    dense, ghost = view_stream(pruned, DENSE, windows), view_stream(pruned, "ghost", windows)
     taps, mlp = advance([dense, ghost], [stop_dense, stop_ghost], taps=[{4}, {3}])
 
 A block computes exactly what it computes inside the model's forward (the same inputs, the same batch
@@ -21,16 +21,15 @@ turn. A tap at position p is the input of block p as the block sees it, after it
 operator a view puts at a gap), as `core.capture.residual_streams` takes it; position len(blocks) is the
 output of the last block.
 
-This is the service a fitter calls ("these windows through these blocks; the streams at these boundaries"):
-`dense_sweep` yields the dense streams at chosen boundaries as the pass reaches them, `final_states` a set
-of views' final hidden states.
+The offloaded executor (`core.executor.Offloaded`) is written on these; `final_states` gives a set of views'
+final hidden states.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -110,12 +109,7 @@ class Stream:
     hidden: list[torch.Tensor]
     at: int = 0
     pruned: object = None
-    seconds: float = field(default=0.0)
-
-
-def dense_stream(stack: DecoderStack, windows: Windows) -> Stream:
-    """The stream through `stack`'s current blocks (the dense model's when no view is switched in)."""
-    return Stream(None, list(enumerate(stack.layers)), list(windows.hidden))
+    seconds: float = 0.0
 
 
 def view_stream(pruned, view: str, windows: Windows, at: int = 0, hidden: list[torch.Tensor] | None = None) -> Stream:
@@ -143,48 +137,32 @@ def _recording(store: list, stop: bool = False):
 
 
 @torch.no_grad()
-def _run(stream: Stream, windows: Windows, tap: list | None, mlp: list | None) -> None:
-    """Stream's block `at` over every batch (the caller has it on the device)."""
+def _run(stream: Stream, windows: Windows, tap: list | None, mlp: list | None, peek: bool = False) -> None:
+    """Stream's block `at` over every batch (the caller has it on the device). `peek`: only record into `tap`
+    the block's input as the block sees it (after its pre-hooks), without running it."""
     index, block = stream.blocks[stream.at]
     if stream.pruned is not None and stream.pruned.view != stream.view:
         stream.pruned.set_view(stream.view)
     handles = []
     if tap is not None:
-        handles.append(block.register_forward_pre_hook(_recording(tap), with_kwargs=True))
+        handles.append(block.register_forward_pre_hook(_recording(tap, stop=peek), with_kwargs=True))
     if mlp is not None:
         handles.append(mlp_module(block).register_forward_hook(lambda _module, _args, out: mlp.append(_output(out))))
     start = time.perf_counter()
     try:
         for b, hidden in enumerate(stream.hidden):
             args, kwargs = windows.calls[b][index]
-            stream.hidden[b] = _output(block(hidden, *args, **kwargs))
+            try:
+                out = _output(block(hidden, *args, **kwargs))
+            except _StopForward:
+                continue
+            stream.hidden[b] = out
     finally:
         for h in handles:
             h.remove()
-    stream.seconds += time.perf_counter() - start
-    stream.at += 1
-
-
-@torch.no_grad()
-def _peek(stream: Stream, windows: Windows) -> list[torch.Tensor]:
-    """The input of the stream's next block as the block sees it (after its pre-hooks), without running it."""
-    if stream.at == len(stream.blocks):
-        return list(stream.hidden)
-    index, block = stream.blocks[stream.at]
-    if stream.pruned is not None and stream.pruned.view != stream.view:
-        stream.pruned.set_view(stream.view)
-    seen: list[torch.Tensor] = []
-    handle = block.register_forward_pre_hook(_recording(seen, stop=True), with_kwargs=True)
-    try:
-        for b, hidden in enumerate(stream.hidden):
-            args, kwargs = windows.calls[b][index]
-            try:
-                block(hidden, *args, **kwargs)
-            except _StopForward:
-                pass
-    finally:
-        handle.remove()
-    return seen
+    if not peek:
+        stream.seconds += time.perf_counter() - start
+        stream.at += 1
 
 
 def advance(
@@ -217,42 +195,21 @@ def advance(
                     out = mlp_out[i].setdefault(s.at, []) if s.at in mlp[i] else None
                     _run(s, windows, tap, out)
         for i, s in enumerate(streams):
-            if s.at in taps[i]:
-                tapped[i][s.at] = _peek(s, windows)
+            if s.at == len(s.blocks) and s.at in taps[i]:
+                tapped[i][s.at] = list(s.hidden)
+            elif s.at in taps[i]:
+                _run(s, windows, tapped[i].setdefault(s.at, []), None, peek=True)
     finally:
         for pruned, view, skip in views.values():
             pruned.set_view(view, skip)
     return tapped, mlp_out
 
 
-def dense_sweep(
-    model: nn.Module,
-    stack: DecoderStack,
-    batches: Sequence[Batch],
-    points: Collection[int],
-    mlp_blocks: Collection[int] = (),
-    progress: Progress | None = None,
-    desc: str = "block by block",
-) -> Iterator[tuple[Windows, int, list[torch.Tensor], dict[int, list[torch.Tensor]]]]:
-    """The dense streams entering each block of `points` (len(blocks): the last block's output) for every
-    batch, yielded in ascending order as one pass reaches them: (windows, point, per-batch streams, MLP outputs
-    of the `mlp_blocks` the pass has gone through so far). Nothing is held beyond what the caller keeps."""
-    windows = capture(model, stack, batches)
-    stream = dense_stream(stack, windows)
-    mlp: dict[int, list[torch.Tensor]] = {}
-    for point in sorted(set(points)):
-        taps, outs = advance(
-            [stream], [point], windows, taps=[{point}], mlp=[set(mlp_blocks)], progress=progress, desc=desc
-        )
-        mlp.update(outs[0])
-        yield windows, point, taps[0][point], mlp
-
-
 @torch.no_grad()
-def final_states(streams: Sequence[Stream], windows: Windows, progress: Progress | None = None) -> list[list]:
+def final_states(streams: Sequence[Stream], windows: Windows) -> list[list]:
     """Each stream (of a view: `view_stream`) run to the end of its view and through its final norm: per stream
     the final hidden states of every batch (what the decoder's forward returns)."""
-    advance(streams, [len(s.blocks) for s in streams], windows, progress=progress, desc="evaluation, block by block")
+    advance(streams, [len(s.blocks) for s in streams], windows)
     out = []
     for s in streams:
         with s.pruned.use(s.view) as model:
