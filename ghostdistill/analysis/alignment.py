@@ -101,21 +101,15 @@ def held_out_alignment(
         for windows, start, stop, before, after, mlp in gap_pairs(reached, pairs):
             gap = next(g for g in gaps if (g.start, g.stop) == (start, stop))
             for b, (mask, first) in enumerate(zip(windows.masks, windows.first)):
-                u = {start - 1: mlp[start - 1][b]} if start - 1 in mlp else {}
-                _measure(pruned, views, gap, before[b], after[b], u, mask, first, out)
+                for view, op, mlp_map in _repairs(pruned, views, gap.key):
+                    x_hat = before[b]
+                    if mlp_map is not None:
+                        u = mlp[start - 1][b]  # the MLP output of the block before the gap
+                        x_hat = x_hat + mlp_map(u) - u
+                    if op is not None:
+                        x_hat = op(x_hat, first)
+                    out[gap.key].setdefault(view, AlignmentErrors()).update(x_hat, before[b], after[b], mask, first)
     return out
-
-
-def _measure(pruned, views, gap, x_pre, x_post, mlp, mask, first, out) -> None:
-    """One batch's alignment errors at `gap` for every view with something there (`mlp`: block → MLP output)."""
-    for view, op, mlp_map in _repairs(pruned, views, gap.key):
-        x_hat = x_pre
-        if mlp_map is not None:
-            u = mlp[gap.start - 1]
-            x_hat = x_hat + mlp_map(u) - u
-        if op is not None:
-            x_hat = op(x_hat, first)
-        out[gap.key].setdefault(view, AlignmentErrors()).update(x_hat, x_pre, x_post, mask, first)
 
 
 def analyse(pruned: PrunedModel, views: list[str], batches: list[dict[str, torch.Tensor]]) -> dict:

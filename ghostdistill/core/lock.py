@@ -67,13 +67,18 @@ def describe(record: dict) -> str:
     return f"process {record.get('pid')} on {record.get('host')} since {record.get('since')}{what}"
 
 
-def _read(fd: int) -> dict:
+def _read(source: int | Path) -> dict:
+    """The record of a lock file, from its open descriptor or its path; {} where none reads."""
     try:
-        os.lseek(fd, 0, os.SEEK_SET)
-        data = json.loads(os.read(fd, 65536).decode() or "{}")
-        return data if isinstance(data, dict) else {}
+        if isinstance(source, int):
+            os.lseek(source, 0, os.SEEK_SET)
+            text = os.read(source, 65536).decode()
+        else:
+            text = source.read_text()
+        data = json.loads(text or "{}")
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _acquire(path: Path) -> int | None:
@@ -133,7 +138,7 @@ def hold(path: str | os.PathLike, what: str, advice: str = "") -> Iterator[None]
             "choose a folder you can write"
         ) from None
     if fd is None:
-        holder = _read_path(path)
+        holder = _read(path)
         raise PlaceInUse(
             f"{path.parent} is in use by {describe(holder) if holder else 'another process'} (lock {path}); "
             + (advice or "wait for it to finish")
@@ -151,14 +156,6 @@ def hold(path: str | os.PathLike, what: str, advice: str = "") -> Iterator[None]
         except OSError:
             pass
         os.close(fd)
-
-
-def _read_path(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text() or "{}")
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 # The lock file of a run folder (`fit`, `frontier`, `compare`), inside it.

@@ -62,32 +62,30 @@ _UNIT_HOOKS = (
 )
 
 
-def _fsdp_module():
+def _unit() -> type | tuple:
+    """FSDP2's unit class, for `isinstance`; the empty tuple (nothing is an instance) where torch has none."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch < 2.6: no FSDP2 units can exist
-        return None
+        return ()
     return FSDPModule
 
 
 def plain_class(module: nn.Module) -> type:
     """`module`'s own class: FSDP2 makes a sharded block an instance of ``FSDP<Class>``, a subclass of both."""
-    unit = _fsdp_module()
-    return next(c for c in type(module).__mro__ if unit is None or not issubclass(c, unit))
+    return next(c for c in type(module).__mro__ if not issubclass(c, _unit()))
 
 
 def is_sharded(module: nn.Module) -> bool:
     """Whether `module` or any of its submodules is an FSDP2 unit."""
-    unit = _fsdp_module()
-    return unit is not None and any(isinstance(m, unit) for m in module.modules())
+    return any(isinstance(m, _unit()) for m in module.modules())
 
 
 @contextmanager
 def gathered(module: nn.Module) -> Iterator[nn.Module]:
     """Within the span, every FSDP2 unit inside `module` holds its whole weights as plain tensors (an
     all-gather: every rank must enter it, in the same order); a plain module as it is."""
-    unit = _fsdp_module()
-    units = [m for m in module.modules() if unit is not None and isinstance(m, unit)]
+    units = [m for m in module.modules() if isinstance(m, _unit())]
     for u in units:
         u.unshard()
     try:
@@ -107,14 +105,13 @@ def plain_copy(module: nn.Module) -> nn.Module:
     a sharded module's weights are gathered for the copy (collective: every rank calls it). FSDP2 refuses
     `copy.deepcopy` of its units, so the copy is made with their original classes and their FSDP2 state
     and hook tables mapped to nothing."""
-    unit = _fsdp_module()
     with gathered(module):
         memo: dict[int, object] = {}
         swapped = []
         for m in module.modules():
             if getattr(m, "_hf_hook", None) is not None:  # an offload hook maps every weight of the model: left out
                 memo[id(m._hf_hook)] = None
-            is_unit = unit is not None and isinstance(m, unit)
+            is_unit = isinstance(m, _unit())
             for name in (*_FORWARD_HOOKS, *(_UNIT_HOOKS if is_unit else ())):
                 table = getattr(m, name, None)
                 if table is not None:
@@ -142,9 +139,8 @@ def plain_copy(module: nn.Module) -> nn.Module:
 def reshard_stopped(layers: Sequence[nn.Module]) -> None:
     """Free the weights a block gathered when a forward was stopped by an exception raised in its own
     forward hooks (its post-forward, which frees them, never ran)."""
-    unit = _fsdp_module()
     for layer in layers:
-        if unit is not None and isinstance(layer, unit):
+        if isinstance(layer, _unit()):
             layer.reshard()
 
 

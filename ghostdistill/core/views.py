@@ -197,19 +197,19 @@ class PrunedModel:
                 return name
         raise ValueError(f"{type(module).__name__} is not a submodule of {type(self.model).__name__}")
 
-    def _operator(self, gap: Gap) -> GhostOperator | None:
-        if self.view in (DENSE, PRUNED) or gap.key not in self.operators[self.view]:
+    def _repair(self, table: nn.ModuleDict, gap: Gap) -> GhostOperator | None:
+        """The current view's entry of `table` (its operators or its MLP maps) at `gap`; None where it has none."""
+        if self.view in (DENSE, PRUNED) or gap.key not in table[self.view]:
             return None
-        return self.operators[self.view][gap.key]
+        return table[self.view][gap.key]
 
     def _host_mlp(self, gap: Gap, block: nn.Module):
         if gap.start == 0:
             raise ValueError(f"gap {gap.key} starts at block 0: there is no MLP before it to fuse into")
 
         def hook(module, args, output):
-            if self.view in (DENSE, PRUNED) or gap.key not in self.mlp_maps[self.view]:
-                return None
-            return self.mlp_maps[self.view][gap.key](output)
+            mlp_map = self._repair(self.mlp_maps, gap)
+            return None if mlp_map is None else mlp_map(output)
 
         return mlp_module(block).register_forward_hook(hook)
 
@@ -217,10 +217,10 @@ class PrunedModel:
         """The operator acts on the residual stream entering the first block after the gap; when the
         gap reaches the end of the stack it acts on the output of the last block before it instead."""
         if gap.stop < self.plan.num_layers:
-            return attach(layers[gap.stop], "input", lambda: self._operator(gap))
+            return attach(layers[gap.stop], "input", lambda: self._repair(self.operators, gap))
         if gap.start == 0:
             raise ValueError("the plan removes every block; nothing is left to host an operator")
-        return attach(layers[gap.start - 1], "output", lambda: self._operator(gap))
+        return attach(layers[gap.start - 1], "output", lambda: self._repair(self.operators, gap))
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
