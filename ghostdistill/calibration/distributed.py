@@ -9,32 +9,24 @@ runs a padding batch that is not counted (`counted`), as evaluation does (`lit.d
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 
 import torch
 
 from ..methods import Collector
 
-T = TypeVar("T")
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
-def shard(items: Sequence[T], rank: int, world: int) -> list[T]:
-    """Rank `rank`'s share of `items`: every `world`-th one, starting at `rank`."""
+def even_shard(batches: Sequence[dict], rank: int, world: int) -> list[dict]:
+    """Rank `rank`'s share of `batches` (every `world`-th one, starting at `rank`), padded to ⌈len / world⌉
+    with copies of its first batch (or the first batch) marked ``counted: False``, so that every rank runs as
+    many forwards."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in 0..{world - 1}")
-    return list(items[rank::world])
-
-
-def even_shard(batches: Sequence[dict], rank: int, world: int) -> list[dict]:
-    """Rank `rank`'s share of `batches` (`shard`), padded to ⌈len / world⌉ with copies of its first batch
-    (or the first batch) marked ``counted: False``, so that every rank runs as many forwards."""
-    mine = shard(batches, rank, world)
-    rounds = -(-len(batches) // world)
-    filler = (mine or list(batches[:1]) or [None])[0]
-    if filler is None:
-        return mine
-    return mine + [{**filler, "counted": False}] * (rounds - len(mine))
+    if not batches:
+        return []
+    mine = list(batches[rank::world])
+    return mine + [{**(mine or batches)[0], "counted": False}] * (-(-len(batches) // world) - len(mine))
 
 
 def counted(batch: dict) -> bool:

@@ -34,7 +34,7 @@ from torch import nn
 from .capture import residual_streams
 from .head import final_hidden
 from .model import DecoderStack, model_inputs
-from .offload import is_offloaded, model_device
+from .offload import is_offloaded
 from .sequential import Progress, Stream, Windows, advance, capture, final_states, view_stream
 from .sharded import is_sharded
 from .views import DENSE
@@ -45,8 +45,8 @@ PASS_BYTES = 4 * 2**30
 # (windows of the pass, block boundary, per-batch streams there, block → per-batch MLP outputs so far)
 Reached = tuple[Windows, int, list[torch.Tensor], dict[int, list[torch.Tensor]]]
 Run = tuple[str, int, Sequence[int]]  # (view, block point, MLP blocks)
-# (windows, per run the per-batch streams, per run block → per-batch MLP outputs, per run seconds)
 Finals = tuple[Windows, dict[str, list[torch.Tensor]]]  # (windows, view → per-batch final hidden states)
+# (windows, per run the per-batch streams, per run block → per-batch MLP outputs, per run seconds)
 Views = tuple[Windows, list[list[torch.Tensor]], list[dict[int, list[torch.Tensor]]], list[float]]
 
 
@@ -55,9 +55,8 @@ class Executor:
 
     blockwise = False
 
-    def __init__(self, model: nn.Module, mode: str = "memory") -> None:
+    def __init__(self, mode: str = "memory") -> None:
         self.mode = mode
-        self.device = model_device(model)
 
     @property
     def streamed(self) -> bool:
@@ -169,8 +168,8 @@ class Offloaded(Executor):
 def executor_of(model: nn.Module) -> Executor:
     """The executor of `model` as it was loaded (`core.model.load_model`)."""
     if is_offloaded(model):
-        return Offloaded(model, "offloaded")
-    return Executor(model, "sharded" if is_sharded(model) else "memory")
+        return Offloaded("offloaded")
+    return Executor("sharded" if is_sharded(model) else "memory")
 
 
 def gap_pairs(

@@ -211,16 +211,12 @@ def read_mapping(path: str | os.PathLike, what: str) -> dict:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"{what} {p} is not text (byte {err.start} is not UTF-8)") from None
-    kind = "JSON" if p.suffix == ".json" else "YAML"
     if not text.strip():
         raise ValueError(f"{what} {p} is empty: it must hold a mapping of keys")
-    try:
-        if kind == "JSON":
-            data = json.loads(text)
-        else:
-            import yaml
+    import yaml
 
-            data = yaml.safe_load(text)
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"{what} {p} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from None
     except Exception as err:  # noqa: BLE001 - yaml.YAMLError and its kin: any parse failure reads the same

@@ -68,7 +68,7 @@ def describe(record: dict) -> str:
 
 
 def _read(source: int | Path) -> dict:
-    """The record of a lock file, from its open descriptor or its path; {} where none reads."""
+    """The record in a lock file (from its open descriptor or its path) or a marker; {} where none reads."""
     try:
         if isinstance(source, int):
             os.lseek(source, 0, os.SEEK_SET)
@@ -193,10 +193,5 @@ def marker_of(folder: str | os.PathLike, target: str) -> dict | None:
     path = Path(folder) / MARKER
     if Path(folder).is_symlink() or not path.is_file() or path.is_symlink():
         return None
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(record, dict) or record.get("tool") != "ghostdistill" or record.get("target") != target:
-        return None
-    return record
+    record = _read(path)
+    return record if record.get("tool") == "ghostdistill" and record.get("target") == target else None

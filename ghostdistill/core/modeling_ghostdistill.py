@@ -77,10 +77,11 @@ class GapOperator(nn.Module):
 OperatorGetter = Callable[[], "GapOperator | None"]
 
 
-def input_hook(get_op: OperatorGetter):
-    """A forward pre-hook (with kwargs) applying `get_op()` to a block's input hidden states."""
+def attach(block: nn.Module, where: str, get_op: OperatorGetter):
+    """Hook `get_op()` onto a block's input hidden states (`where="input"`, a forward pre-hook) or its output
+    (`"output"`, a forward hook), both with kwargs; returns the handle."""
 
-    def hook(module, args, kwargs):
+    def on_input(module, args, kwargs):
         op = get_op()
         if op is None:
             return None
@@ -88,13 +89,7 @@ def input_hook(get_op: OperatorGetter):
         first = first_position_mask(kwargs.get("position_ids"), hidden)
         return (op(hidden, first), *rest), kwargs
 
-    return hook
-
-
-def output_hook(get_op: OperatorGetter):
-    """A forward hook (with kwargs) applying `get_op()` to a block's output hidden states."""
-
-    def hook(module, args, kwargs, output):
+    def on_output(module, args, kwargs, output):
         op = get_op()
         if op is None:
             return None
@@ -102,15 +97,10 @@ def output_hook(get_op: OperatorGetter):
         new = op(hidden, first_position_mask(kwargs.get("position_ids"), hidden))
         return (new, *output[1:]) if isinstance(output, tuple) else new
 
-    return hook
-
-
-def attach(block: nn.Module, where: str, get_op: OperatorGetter):
-    """Hook an operator onto a block's input (`where="input"`) or output (`"output"`); returns the handle."""
     if where == "input":
-        return block.register_forward_pre_hook(input_hook(get_op), with_kwargs=True)
+        return block.register_forward_pre_hook(on_input, with_kwargs=True)
     if where == "output":
-        return block.register_forward_hook(output_hook(get_op), with_kwargs=True)
+        return block.register_forward_hook(on_output, with_kwargs=True)
     raise ValueError(f"where={where!r}: an operator acts on a block's 'input' or 'output'")
 
 

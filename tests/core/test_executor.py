@@ -17,7 +17,7 @@ from ghostdistill.core.views import DENSE, PRUNED, PrunedModel
 
 
 def executors(model):
-    return Executor(model), Offloaded(model, "offloaded")
+    return Executor(), Offloaded("offloaded")
 
 
 @torch.no_grad()
