@@ -7,19 +7,15 @@ running a depth twice costs time and hides the mistake.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 
 def repeated(values: Iterable) -> list:
     """The values that occur more than once in `values`, in order of first occurrence."""
-    seen: set = set()
-    twice: list = []
-    for value in values:
-        key = (type(value), value)  # `True` is not `1`: a bool among integers is its own mistake
-        if key in seen and value not in twice:
-            twice.append(value)
-        seen.add(key)
-    return twice
+    values = list(values)
+    counts = Counter((type(v), v) for v in values)  # `True` is not `1`: a bool among integers is its own mistake
+    return list(dict.fromkeys(v for v in values if counts[type(v), v] > 1))
 
 
 def check_unique(what: str, values: Iterable) -> list:
