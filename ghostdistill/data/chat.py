@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from .sources import GENERATE, ChatSettings, TextSource, read_text
+from .sources import GENERATE, ChatSettings, TextSource, json_records
 
 PROMPTS = Path(__file__).resolve().parent / "prompts"
 #: Data-free chat calibration's instructions: PIQA's how-to questions (data/README.md).
@@ -89,22 +89,7 @@ def read_records(path: Path) -> list[tuple[str, object]]:
         except Exception as err:  # noqa: BLE001 - pyarrow's errors read alike
             raise ValueError(f"chat source file {path} cannot be read as parquet ({err})") from None
         return [(f"{path} row {i}", r) for i, r in enumerate(rows)]
-    text = read_text(path)
-    if text.lstrip().startswith("["):
-        try:
-            return [(f"{path} item {i}", r) for i, r in enumerate(json.loads(text))]
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: its JSON array is not valid JSON ({err.msg}, line {err.lineno})") from None
-    records = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            try:
-                records.append((f"{path}:{number}", json.loads(line)))
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number}: line {number} is not valid JSON ({err.msg})") from None
-    if not records:
-        raise ValueError(f"{path} is empty: no conversations")
-    return records
+    return json_records(path, "conversations")
 
 
 def conversations(src: TextSource, *, for_eval: bool) -> list[Messages]:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -68,36 +69,43 @@ class RunData:
     def batch_size(self) -> int:
         return self.cfg.batch_size
 
-    def _generate(
-        self, seq_len: int, n: int, seed: int, keep: Resumable | None = None, batch_size: int | None = None, what=""
-    ) -> torch.Tensor:
-        if self.dense is None:
-            raise ValueError("source: generate needs the dense model, which this run did not provide")
-        with self.dense() as model:
-            size = batch_size or self.batch_size
-            return generate_windows(
-                model,
-                self.tokenizer,
-                seq_len,
-                n,
-                seed,
-                size,
-                progress=self.progress,
-                keep=keep,
-                what=what or "calibration",
-            )
-
-    def _cached_generation(self, cache: Path | None, *args, **kwargs) -> torch.Tensor:
-        """`_generate(*args, **kwargs)`, read from `cache` when it is there, else made batch by batch (an
-        interrupted run resumes) and kept there."""
+    def made_by_dense(
+        self,
+        cache: Path | None,
+        make: Callable[[nn.Module, Resumable], Any],
+        *,
+        to_file=lambda out: out,
+        from_file=lambda saved: saved,
+        needs="source: generate needs the dense model, which this run did not provide",
+    ):
+        """`make(dense model, keep)`, read from `cache` (`from_file` of it) when it is there, else made and kept
+        there (`to_file` of it, by the process that writes); `keep` holds its batches beside `cache` as they come:
+        an interrupted run resumes. `needs`: the error when the run gave no dense model."""
         if cache is not None and cache.is_file():
-            return torch.load(cache, weights_only=True)
+            return from_file(torch.load(cache, weights_only=True))
+        if self.dense is None:
+            raise ValueError(needs)
         keep = Resumable(partial_path(cache), self.write)
-        ids = self._generate(*args, keep=keep, **kwargs)  # seeded: every rank samples the same text; rank 0 keeps it
+        with self.dense() as model:
+            out = make(model, keep)
         if cache is not None and self.write:
-            atomic_torch_save(ids, cache)
+            atomic_torch_save(to_file(out), cache)
         keep.finish()
-        return ids
+        return out
+
+    def _generated(
+        self, cache: Path | None, seq_len: int, n: int, seed: int, batch_size: int | None = None, what="calibration"
+    ) -> torch.Tensor:
+        """Self-generated windows, read from `cache` when it is there, else made batch by batch (an interrupted
+        run resumes) and kept there; seeded: every rank samples the same text, rank 0 keeps it."""
+
+        size = batch_size or self.batch_size
+        return self.made_by_dense(
+            cache,
+            lambda model, keep: generate_windows(
+                model, self.tokenizer, seq_len, n, seed, size, progress=self.progress, keep=keep, what=what
+            ),
+        )
 
     def generated_cache(self, what: str = "calibration", part: str = "") -> Path | None:
         """Where self-generated `what` (calibration, train) tokens are kept: keyed by the model that wrote them
@@ -110,20 +118,13 @@ class RunData:
         key = json_digest({"model": self.model_key, what: settings, "batch_size": self.batch_size})
         return Path(self.run_dir) / f"generated_{what}{part and '_' + part}_{key}.pt"
 
-    def answers_cache(self, src: TextSource) -> Path | None:
-        """Where the chat score's sequences of `src` (the dense model's answers) are kept: keyed by the model
-        that wrote them and the source's settings."""
-        if self.run_dir is None:
-            return None
-        return Path(self.run_dir) / f"chat_answers_{json_digest({'model': self.model_key, 'source': asdict(src)})}.pt"
-
     def _windows(self, src: TextSource, seq_len: int, n: int, seed: int, cache: Path | None = None):
         """(ids, answer mask or None): `n` random windows of `src`, text, self-generated (kept in `cache`) or chat."""
         if src.chat is not None:
             return chat_windows(self, src, seq_len, n, seed, cache)
         if src.source != GENERATE:
             return calibration_windows(self.tokenizer, src, seq_len, n, seed), None
-        return self._cached_generation(cache, seq_len, n, seed), None
+        return self._generated(cache, seq_len, n, seed), None
 
     def calibration_ids(self) -> torch.Tensor:
         if self._calibration is None:
@@ -151,7 +152,10 @@ class RunData:
         if src.chat is None:
             return self.eval_ids(src)
         if src.label not in self._chat:
-            self._chat[src.label] = score_source(self, src, self.answers_cache(src))
+            # The dense model's answers, kept keyed by the model that wrote them and the source's settings.
+            key = json_digest({"model": self.model_key, "source": asdict(src)})
+            cache = None if self.run_dir is None else Path(self.run_dir) / f"chat_answers_{key}.pt"
+            self._chat[src.label] = score_source(self, src, cache)
         return self._chat[src.label]
 
     def eval_ids(self, src: TextSource) -> torch.Tensor:
@@ -161,7 +165,7 @@ class RunData:
             ev = self.cfg.evaluation
             if src.source == GENERATE:
                 # Held-out self-generated text: a seed the calibration does not use.
-                ids = self._generate(ev.seq_len, ev.max_windows or 8, 10_000 + self.cfg.calibration.seed)
+                ids = self._generated(None, ev.seq_len, ev.max_windows or 8, 10_000 + self.cfg.calibration.seed)
             else:
                 ids = evaluation_windows(self.tokenizer, src, ev.seq_len, ev.max_windows)
             self._eval[src.label] = ids
@@ -181,7 +185,7 @@ class RunData:
             for src in [tr.source or self.cfg.calibration.source, *(tr.more_sources or [])]:
                 self._check_disjoint("training", src, ids)
             if tr.generated:
-                more = self._cached_generation(
+                more = self._generated(
                     self.generated_cache("train", "more"),
                     ids.shape[1],
                     tr.generated,

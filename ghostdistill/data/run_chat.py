@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch
 
-from ..core.io import Resumable, atomic_torch_save, partial_path
 from .answers import ChatWindows, generated_chat_windows, score_windows
 from .chat import check_chat_template, conversations, given_windows, statistics_mask
 from .sources import GENERATE, ChatSettings, TextSource
@@ -47,35 +46,25 @@ def chat_windows(data, src: TextSource, seq_len: int, n: int, seed: int, cache: 
     check_chat_template(data.tokenizer, src.label)
     if src.source != GENERATE:
         return given_windows(data.tokenizer, src, seq_len, n, seed)
-    if cache is not None and cache.is_file():
-        saved = torch.load(cache, weights_only=True)
-        return saved["input_ids"], saved["answers"]
-    if data.dense is None:
-        raise ValueError("source: generate needs the dense model, which this run did not provide")
-    keep = Resumable(partial_path(cache), data.write)  # answers kept as they come: an interrupted run resumes
-    with data.dense() as model:
-        ids, answers = generated_chat_windows(model, data.tokenizer, src, seq_len, n, seed, keep=keep)
-    if cache is not None and data.write:
-        atomic_torch_save({"input_ids": ids, "answers": answers}, cache)
-    keep.finish()
-    return ids, answers
+    return data.made_by_dense(
+        cache,
+        lambda model, keep: generated_chat_windows(model, data.tokenizer, src, seq_len, n, seed, keep=keep),
+        to_file=lambda out: {"input_ids": out[0], "answers": out[1]},
+        from_file=lambda saved: (saved["input_ids"], saved["answers"]),
+    )
 
 
 def score_source(data, src: TextSource, cache: Path | None = None) -> ChatWindows:
     """The chat score's sequences of `src`: its instructions and the dense model's greedy answers, kept in
     `cache` (and, while they are written, batch by batch beside it: an interrupted run resumes)."""
     check_chat_template(data.tokenizer, src.label)
-    if cache is not None and cache.is_file():
-        return ChatWindows(**torch.load(cache, weights_only=True))
-    if data.dense is None:
-        raise ValueError("the chat score needs the dense model's answers, and this run did not provide the model")
-    keep = Resumable(partial_path(cache), data.write)
-    with data.dense() as model:
-        windows = score_windows(model, data.tokenizer, src, keep=keep)
-    if cache is not None and data.write:
-        atomic_torch_save(asdict(windows), cache)
-    keep.finish()
-    return windows
+    return data.made_by_dense(
+        cache,
+        lambda model, keep: score_windows(model, data.tokenizer, src, keep=keep),
+        needs="the chat score needs the dense model's answers, and this run did not provide the model",
+        to_file=asdict,
+        from_file=lambda saved: ChatWindows(**saved),
+    )
 
 
 def check_chat_sources(data, distilling: bool) -> None:

@@ -200,6 +200,28 @@ def read_text(path: Path) -> str:
         ) from None
 
 
+def json_records(path: Path, what: str) -> list[tuple[str, object]]:
+    """(where, record) of a JSON-lines or JSON-array file (optionally .gz): a bad line names the file and line,
+    a file of none says it holds no `what`."""
+    text = read_text(path)
+    if text.lstrip().startswith("["):
+        try:
+            records = [(f"{path} item {i}", r) for i, r in enumerate(json.loads(text))]
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: its JSON array is not valid JSON ({err.msg}, line {err.lineno})") from None
+    else:
+        records = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    records.append((f"{path}:{number}", json.loads(line)))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}: line {number} is not valid JSON ({err.msg})") from None
+    if not records:
+        raise ValueError(f"{path} is empty: no {what}")
+    return records
+
+
 def _file_documents(src: TextSource) -> list[str]:
     path = Path(src.source).expanduser()
     suffixes = path.suffixes
@@ -212,22 +234,8 @@ def _file_documents(src: TextSource) -> list[str]:
             raise ValueError(f"text source file {path} cannot be read as parquet ({err})") from None
         return [t for t in table.column(src.text_field).to_pylist() if t]
     if ".jsonl" in suffixes or ".json" in suffixes:
-        text = read_text(path)
-        array = text.lstrip().startswith("[")
-        records, number = [], 0
-        try:
-            if array:
-                records = json.loads(text)
-            else:
-                for number, line in enumerate(text.splitlines(), start=1):  # noqa: B007 (the error names it)
-                    if line.strip():
-                        records.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            where = "its JSON array" if array else f"line {number}"
-            raise ValueError(f"{path}: {where} is not valid JSON ({err.msg})") from None
-        if not records:
-            raise ValueError(f"{path} is empty: no JSON records")
-        if records and not any(isinstance(r, dict) and src.text_field in r for r in records):
+        records = [r for _, r in json_records(path, "JSON records")]
+        if not any(isinstance(r, dict) and src.text_field in r for r in records):
             keys = sorted(records[0]) if isinstance(records[0], dict) else type(records[0]).__name__
             raise ValueError(
                 f"{path}: records have no text field {src.text_field!r} (they have {keys}); set text_field"

@@ -171,8 +171,7 @@ def shared_ngrams(windows: torch.Tensor, reference: torch.Tensor, n: int = 32) -
     n = max(1, min(n, windows.shape[1] // 2 or 1))
     stream = reference.reshape(-1).tolist()
     seen = {hash(tuple(stream[i : i + n])) for i in range(len(stream) - n + 1)}
-    hits = []
-    for k, row in enumerate(windows.tolist()):
-        if any(hash(tuple(row[i : i + n])) in seen for i in range(len(row) - n + 1)):
-            hits.append(k)
-    return hits
+    rows = windows.tolist()
+    return [
+        k for k, row in enumerate(rows) if any(hash(tuple(row[i : i + n])) in seen for i in range(len(row) - n + 1))
+    ]

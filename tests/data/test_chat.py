@@ -77,7 +77,7 @@ def test_sharegpt_messages_read_alike_and_bad_records_are_named(tmp_path):
     ]
     good = {"messages": [{"role": "user", "content": "hi"}]}
     path = write_jsonl(tmp_path / "c.jsonl", [good, "{not json", good])
-    with pytest.raises(ValueError, match=r"c\.jsonl:2: line 2 is not valid JSON"):
+    with pytest.raises(ValueError, match=r"c\.jsonl: line 2 is not valid JSON"):
         conversations(TextSource(str(path), chat=ChatSettings()), for_eval=False)
     path = write_jsonl(tmp_path / "d.jsonl", [good, {"text": "plain"}])
     with pytest.raises(ValueError, match=r"d\.jsonl:2: no conversation under 'messages' \(found \['text'\]\)"):
