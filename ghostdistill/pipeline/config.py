@@ -96,14 +96,6 @@ OFFLOAD_ONE_DEVICE = (
 )
 
 
-def offload_with_fsdp2(offload: str) -> str:
-    """Why offloaded weights and FSDP2 do not go together, and what to do instead (one line)."""
-    return (
-        f"model.model.offload {offload!r} with FSDP2 (trainer.strategy ModelParallelStrategy): the blocks are sharded "
-        "over the ranks instead; set model.model.offload: none, or run without FSDP2"
-    )
-
-
 def students_offloaded(offload: str) -> str:
     """Why distillation does not run with offloaded weights, and what to do instead (one line)."""
     return (
@@ -167,7 +159,10 @@ class RunConfig:
                 )
         offload = self.model.offload
         if offload != "none" and fsdp2:  # on one device too
-            raise ValueError(offload_with_fsdp2(offload))
+            raise ValueError(
+                f"model.model.offload {offload!r} with FSDP2 (trainer.strategy ModelParallelStrategy): the blocks are "
+                "sharded over the ranks instead; set model.model.offload: none, or run without FSDP2"
+            )
         if offload != "none" and world_size > 1:
             raise ValueError(OFFLOAD_ONE_DEVICE)
         if offload != "none" and steps > 0:

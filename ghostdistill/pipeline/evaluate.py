@@ -56,21 +56,6 @@ def score_views(
     return score_batches(pruned, [{k: v for k, v in batch.items() if v is not None}], views, chunk=chunk)[0]
 
 
-def _scores(pruned, hidden, heads, ids, mask, chunk, counted, answers) -> dict[str, TokenScores]:
-    """`score_views`' scores from each view's final hidden states (`hidden`, shifted) and output head."""
-    targets, valid = next_token_targets(ids, mask)
-    if counted is not None:
-        valid = valid & counted.to(valid.device).bool()[:, None]
-    if answers is not None:
-        valid = valid & answers[:, 1:].to(valid.device).bool()
-    vocab = pruned.model.get_output_embeddings().weight.shape[0]
-    scores = score_hidden(hidden, heads, targets, valid, reference=DENSE, chunk=tokens_per_chunk(vocab, chunk))
-    if answers is not None:
-        for s in scores.values():
-            s.prefix = None if s.top1 is None else leading_agreement(s.top1, valid)
-    return scores
-
-
 @torch.no_grad()
 def score_batches(
     pruned: PrunedModel, batches: list[dict[str, torch.Tensor]], views: list[str], *, chunk: int | None = None
@@ -85,13 +70,21 @@ def score_batches(
         with pruned.use(view) as model:
             heads[view] = output_head(model)  # a student that trains the tail has its own head
             modules.append(model.get_output_embeddings())
+    chunk = tokens_per_chunk(pruned.model.get_output_embeddings().weight.shape[0], chunk)
     out = []
     for windows, hidden in executor_of(pruned.model).view_finals(pruned, batches, order):
         with onloaded(*{id(m): m for m in modules}.values()):
             for b, (ids, mask) in enumerate(zip(windows.ids, windows.masks)):
-                batch = batches[windows.offset + b]
+                batch, (targets, valid) = batches[windows.offset + b], next_token_targets(ids, mask)
+                if batch.get("counted") is not None:
+                    valid = valid & batch["counted"].to(valid.device).bool()[:, None]
+                if batch.get("answers") is not None:
+                    valid = valid & batch["answers"][:, 1:].to(valid.device).bool()
                 states = {view: hidden[view][b][:, :-1] for view in order}
-                out.append(_scores(pruned, states, heads, ids, mask, chunk, batch.get("counted"), batch.get("answers")))
+                out.append(score_hidden(states, heads, targets, valid, reference=DENSE, chunk=chunk))
+                if batch.get("answers") is not None:  # the chat score: each view's prefix per answer
+                    for s in out[-1].values():
+                        s.prefix = None if s.top1 is None else leading_agreement(s.top1, valid)
     return out
 
 

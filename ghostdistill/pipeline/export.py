@@ -13,12 +13,10 @@ A llama-quantize type (`export.quantize`) takes an importance matrix over the ru
 (`imatrix`, on by default), and so does compressed-tensors' calibration; the tools each format needs are
 checked before anything loads.
 
-From a run folder (`pipeline.reload`, which rebuilds it as a `pipeline.run.Run`) nothing the run cached is recomputed: the calibration statistics come from
-`calibration_state.pt` (only the closed-form solves run again, and the student passes of a sequential
-fit with several gaps), and a fine-tuned `<name>_ft` view takes its trained values from
-`checkpoints/last.ckpt` (loaded with `weights_only=True`: tensors and plain data, never code) at the
-step the run's report shows (`distill.kept`: the best validation step, kept in the checkpoint, or the
-last one).
+From a run folder (`pipeline.reload`, which rebuilds it as a `pipeline.run.Run`) nothing the run cached is
+recomputed but the closed-form solves (and a sequential fit's student passes): the statistics come from
+`calibration_state.pt`, a `<name>_ft` view's trained values from `checkpoints/last.ckpt` (`weights_only=True`:
+tensors and plain data, never code) at the step the report shows (`distill.kept`: the best or the last).
 """
 
 from __future__ import annotations
@@ -100,14 +98,12 @@ def export_views(
     and into its provenance (`warnings`), which the model card shows. Returns `export_targets`' paths. `write`
     false: a rank of a sharded model other than rank 0, which joins every gather and writes nothing
     (`export.parts`)."""
-    check_built(pruned, cfg, options)
+    # Each writer holds its target's lock while it writes (`export.writer`, `export.gguf`); rank 0 checks them.
+    check_built(pruned, cfg, options, root if write else None, flag="overwrite (--overwrite / export.overwrite: true)")
     formats = get_formats(options.format)
     needs = [f.name for f in formats if f.calibrates(options)]
     if needs and calibration is None:
         raise ValueError(f"{', '.join(needs)} calibrate on the run's windows: pass calibration (Run.export does)")
-    # Each writer holds its target's lock while it writes (`export.writer`, `export.gguf`).
-    if write:
-        check_export(cfg, options, root, flag="overwrite (--overwrite / export.overwrite: true)")
     # What every view is prepared with; a `.gguf` source (SmolLM2's wheel) lends GGUF files its vocabulary.
     folder, name = resolve_source(cfg.model)
     kw = {"write": write, "calibration": calibration, "vocab_source": Path(folder) / name if name else None}
@@ -128,9 +124,9 @@ def export_views(
     return paths
 
 
-def check_built(pruned: PrunedModel, cfg: RunConfig, options: ExportOptions) -> None:
-    """`check_export` without the targets, and that this in-memory run built every one of the views."""
-    check_export(cfg, options)
+def check_built(pruned: PrunedModel, cfg: RunConfig, options: ExportOptions, root: Path | None = None, **how) -> None:
+    """`check_export` (of the targets too, given `root`), and that this in-memory run built every one of the views."""
+    check_export(cfg, options, root, **how)
     missing = [v for v in options.views if v not in pruned.views]
     if missing:
         raise ValueError(f"cannot export {missing}: they were not built in this run (views: {pruned.views})")

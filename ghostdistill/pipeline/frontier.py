@@ -68,11 +68,8 @@ def frontier_point(
     progress: Callable[[Iterable, str], Iterable] = lambda it, desc: it,
 ) -> dict:
     """One depth of the frontier: rows of (criterion, view) with the plan, the selection KL and the
-    evaluation metrics, the candidates' table and the costs."""
-    criteria = list(criteria)
-    bad = [c for c in criteria if c not in FRONTIER_CRITERIA]
-    if bad:
-        raise ValueError(f"frontier criteria {bad} are not known; choose among {', '.join(FRONTIER_CRITERIA)}")
+    evaluation metrics, the candidates' table and the costs (the criteria are the frontier file's, checked
+    when it is read: `reporting.frontier_spec`)."""
     stack = decoder_stack(llm)
     num_layers = len(stack.layers)
     plan_cfg = replace(cfg.plan, layers=None, num_layers=n, criterion="repair", repair_method=None)

@@ -52,7 +52,7 @@ from ..reporting.flags import view_warnings
 from ..reporting.report import RunReport
 from ..reporting.results import check_scored, markdown_table, rank_warning, write_report
 from .calibrate import Dist, calibrate, calibration_summary, open_state, run_key
-from .config import RunConfig, offload_with_fsdp2
+from .config import RunConfig
 from .evaluate import analysis, evaluate, score_batches, view_digests, view_results, zeroshot
 from .export import export_views
 from .phases import PhaseObserver as PhaseObserver
@@ -107,13 +107,12 @@ class Run(Phases, DistillPhases):
     # ------------------------------------------------------------------ setup
     def load(self, mesh=None, device=None) -> torch.nn.Module:
         """The model, frozen (once); with a device `mesh` (FSDP2), every decoder block sharded over it from
-        the start, on `device` (`core.sharded.load_sharded`: no process holds the whole model)."""
+        the start, on `device` (`core.sharded.load_sharded`: no process holds the whole model; offloaded weights
+        with FSDP2 are refused before, by `RunConfig.preflight`)."""
         if self.llm is None:
             with self.phase("load"), self.report.timed("load_model"):
                 if mesh is None:
                     self.llm = load_model(self.cfg.model, self.device)
-                elif self.cfg.model.offload != "none":
-                    raise ValueError(offload_with_fsdp2(self.cfg.model.offload))
                 else:
                     self.llm = load_sharded(self.cfg.model, mesh, device)
                 self.llm.requires_grad_(False)

@@ -188,10 +188,6 @@ def curve_point(
     return tracker.curve[-1]
 
 
-def describe_point(entry: dict, views: list[str]) -> str:
-    return ", ".join(f"{v} PPL {entry[v]['ppl']:.2f}" for v in views)
-
-
 @dataclass
 class BestSteps:
     """The validation history, each student's best step by KL (with its trainable values by name) and the
@@ -301,7 +297,8 @@ class DistillPhases:
         with self.phase("curve"):
             entry = curve_point(self.students, self.data, self.cfg, self.tracker, step, batches_per_step, dist)
         if entry is not None:
-            self.log(f"budget curve at {entry['tokens']:,} tokens: " + describe_point(entry, self.students.views))
+            line = ", ".join(f"{v} PPL {entry[v]['ppl']:.2f}" for v in self.students.views)
+            self.log(f"budget curve at {entry['tokens']:,} tokens: {line}")
 
     def end_distillation(self, step: int) -> None:
         self.tracker.restore(self.students, self.cfg.distill.keep, step)
