@@ -20,8 +20,6 @@ def _protection(keep_first: int, keep_last: int) -> str:
 
 def protected_edges(cfg: PlanConfig) -> tuple[int, int]:
     """(keep_first, keep_last) that a criterion must respect: `allow_edges` means (0, 0)."""
-    if cfg.keep_first < 0 or cfg.keep_last < 0:
-        raise ValueError(f"plan.keep_first and plan.keep_last must be >= 0, got {cfg.keep_first} and {cfg.keep_last}")
     if cfg.allow_edges:
         # The defaults (1, 1) cannot be told from an explicit 1/1, so only a clear contradiction fails.
         if (cfg.keep_first, cfg.keep_last) not in ((1, 1), (0, 0)):
@@ -33,27 +31,15 @@ def protected_edges(cfg: PlanConfig) -> tuple[int, int]:
     return cfg.keep_first, cfg.keep_last
 
 
-def candidate_starts(
-    num_layers: int,
-    n: int,
-    allow_edges: bool = False,
-    *,
-    keep_first: int | None = None,
-    keep_last: int | None = None,
-) -> list[int]:
-    """Start indices i of contiguous blocks [i, i+n) that a criterion may remove.
-
-    `keep_first`/`keep_last` (default: 1 each, 0 each with `allow_edges`) blocks at either end are
-    never part of a candidate."""
-    default = 0 if allow_edges else 1
-    first = default if keep_first is None else keep_first
-    last = default if keep_last is None else keep_last
-    lo, hi = first, num_layers - last - n
-    most = min(num_layers - first - last, num_layers - 1)
+def candidate_starts(num_layers: int, n: int, *, keep_first: int = 1, keep_last: int = 1) -> list[int]:
+    """Start indices i of contiguous blocks [i, i+n) that a criterion may remove: the `keep_first` and
+    `keep_last` blocks at either end are never part of a candidate."""
+    lo, hi = keep_first, num_layers - keep_last - n
+    most = min(num_layers - keep_first - keep_last, num_layers - 1)
     if n < 1 or n > most or hi < lo:
         raise ValueError(
             f"cannot remove {n} contiguous layers from {num_layers} "
-            f"({_protection(first, last)}at most {max(most, 0)} can go)"
+            f"({_protection(keep_first, keep_last)}at most {max(most, 0)} can go)"
         )
     return list(range(lo, hi + 1))
 
@@ -77,8 +63,6 @@ def first_windows(batches: Iterable[Batch], limit: int | None) -> Iterator[Batch
     if limit is None:
         yield from batches
         return
-    if limit < 1:
-        raise ValueError(f"plan.criterion_samples must be >= 1, got {limit}")
     left = limit
     for batch in batches:
         rows = batch["input_ids"].shape[0]

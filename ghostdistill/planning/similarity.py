@@ -7,7 +7,7 @@ per batch, or block by block with the weights offloaded): the same sums."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -25,18 +25,32 @@ def _token_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1, eps=1e-8)
 
 
-def _pair_streams(
-    model: nn.Module, stack: DecoderStack, batches: Iterable[Batch], pairs: list[tuple[int, int]]
-) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(i, j, stream entering block i, stream entering block j, mask) for every pair of `pairs` and batch,
-    as the model's executor reaches j (`core.executor`)."""
-    reached = executor_of(model).dense_points(model, stack, batches, {p for pair in pairs for p in pair})
-    for windows, i, j, before, after, _ in gap_pairs(reached, pairs):
-        for a, b, mask in zip(before, after, windows.masks):
-            yield i, j, a, b, mask
-
-
 @torch.no_grad()
+def _mean_similarity(
+    model: nn.Module, stack: DecoderStack, batches: Iterable[Batch], pairs: list[tuple[int, int]], last_token_only=False
+) -> dict[int, tuple[float, float]]:
+    """Per pair (i, j) of `pairs`, by i: the mean cosine and mean angular distance between the residual stream
+    entering block i and the one entering block j, over non-padding tokens (or over the last non-padding token
+    of each sequence), each batch compared as the model's executor reaches j (`core.executor`)."""
+    starts = [i for i, _ in pairs]
+    cos_sum, ang_sum = dict.fromkeys(starts, 0.0), dict.fromkeys(starts, 0.0)
+    count = 0
+    reached = executor_of(model).dense_points(model, stack, batches, {p for pair in pairs for p in pair})
+    for windows, i, _, before, after, _ in gap_pairs(reached, pairs):
+        for a, b, mask in zip(before, after, windows.masks):
+            select = mask.bool()
+            if last_token_only:
+                select = torch.zeros_like(select)
+                select[torch.arange(mask.shape[0], device=mask.device), mask.sum(1) - 1] = True
+            count += int(select.sum()) if i == starts[0] else 0
+            cos = _token_cosine(a, b)[select].double()
+            cos_sum[i] += float(cos.sum())
+            ang_sum[i] += float((torch.arccos(cos.clamp(-1, 1)) / math.pi).sum())
+    if count == 0:
+        raise ValueError("the criterion saw no tokens: the calibration data is empty")
+    return {i: (cos_sum[i] / count, ang_sum[i] / count) for i in starts}
+
+
 def block_similarity(
     model: nn.Module,
     stack: DecoderStack,
@@ -44,47 +58,25 @@ def block_similarity(
     n: int,
     *,
     last_token_only: bool = False,
-    keep_first: int | None = None,
-    keep_last: int | None = None,
+    keep_first: int = 1,
+    keep_last: int = 1,
 ) -> dict[int, dict[str, float]]:
     """For every candidate block [i, i+n): mean cosine and mean angular distance between the residual
     stream entering block i and the one leaving block i+n-1, over non-padding tokens (or over the last
     non-padding token of each sequence)."""
-    num_layers = len(stack.layers)
-    starts = candidate_starts(num_layers, n, keep_first=keep_first, keep_last=keep_last)
-    cos_sum = {i: 0.0 for i in starts}
-    ang_sum = {i: 0.0 for i in starts}
-    count = 0
-    for i, _, a, b, mask in _pair_streams(model, stack, batches, [(i, i + n) for i in starts]):
-        select = mask.bool()
-        if last_token_only:
-            select = torch.zeros_like(select)
-            select[torch.arange(mask.shape[0], device=mask.device), mask.sum(1) - 1] = True
-        count += int(select.sum()) if i == starts[0] else 0
-        cos = _token_cosine(a, b)[select].double()
-        cos_sum[i] += float(cos.sum())
-        ang_sum[i] += float((torch.arccos(cos.clamp(-1, 1)) / math.pi).sum())
-    if count == 0:
-        raise ValueError("the criterion saw no tokens: the calibration data is empty")
-    return {i: {"cosine": cos_sum[i] / count, "angular": ang_sum[i] / count} for i in starts}
+    starts = candidate_starts(len(stack.layers), n, keep_first=keep_first, keep_last=keep_last)
+    means = _mean_similarity(model, stack, batches, [(i, i + n) for i in starts], last_token_only)
+    return {i: {"cosine": cosine, "angular": angular} for i, (cosine, angular) in means.items()}
 
 
-@torch.no_grad()
 def block_influence(
     model: nn.Module, stack: DecoderStack, batches: Iterable[Batch], blocks: list[int]
 ) -> dict[int, float]:
     """ShortGPT's Block Influence (Men et al. 2024): BI_i = 1 - mean over non-padding tokens of the cosine
     between the residual stream entering block i and the one leaving it. Low BI: the block barely
     rotates the stream. One forward pass per batch for all blocks."""
-    cos_sum = {i: 0.0 for i in blocks}
-    count = 0
-    for i, _, a, b, mask in _pair_streams(model, stack, batches, [(i, i + 1) for i in blocks]):
-        select = mask.bool()
-        count += int(select.sum()) if i == blocks[0] else 0
-        cos_sum[i] += float(_token_cosine(a, b)[select].double().sum())
-    if count == 0:
-        raise ValueError("the criterion saw no tokens: the calibration data is empty")
-    return {i: 1.0 - cos_sum[i] / count for i in blocks}
+    means = _mean_similarity(model, stack, batches, [(i, i + 1) for i in blocks])
+    return {i: 1.0 - cosine for i, (cosine, _) in means.items()}
 
 
 @dataclass(frozen=True)

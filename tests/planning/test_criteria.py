@@ -40,15 +40,15 @@ def test_criteria_find_the_blocks_that_do_nothing(criterion):
 
 
 def test_edges_are_protected_unless_allowed():
-    assert candidate_starts(8, 2, allow_edges=False) == [1, 2, 3, 4, 5]
-    assert candidate_starts(8, 2, allow_edges=True) == list(range(7))
+    assert candidate_starts(8, 2) == [1, 2, 3, 4, 5]
+    assert candidate_starts(8, 2, keep_first=0, keep_last=0) == list(range(7))
     model = _identity_blocks(tiny_model("llama", num_layers=8), [0, 1])
     plan = choose(PlanConfig(num_layers=2), model, _batches())
     assert 0 not in plan.removed and 7 not in plan.removed
     plan = choose(PlanConfig(num_layers=2, allow_edges=True), model, _batches())
     assert plan.removed == (0, 1)
     with pytest.raises(ValueError, match="cannot remove 7"):
-        candidate_starts(8, 7, allow_edges=False)
+        candidate_starts(8, 7)
 
 
 def test_padding_is_masked_per_token():
@@ -151,7 +151,7 @@ def test_edge_options():
     with pytest.raises(ValueError, match="allow_edges"):
         protected_edges(PlanConfig(allow_edges=True, keep_first=4, keep_last=2))
     with pytest.raises(ValueError, match=">= 0"):
-        protected_edges(PlanConfig(keep_first=-1))
+        PlanConfig(num_layers=2, keep_first=-1).validate()
 
 
 @pytest.mark.parametrize("edges", [dict(keep_first=0), dict(keep_first=0, keep_last=0), dict(allow_edges=True)])
