@@ -83,11 +83,7 @@ def answer(
         pad_token_id=pad,
         **({"do_sample": False} | sampling),
     )[:, width:].tolist()
-    answers = []
-    for row in out:
-        end = next((i for i, t in enumerate(row) if t in stop), None)
-        answers.append(row if end is None else row[: end + 1])
-    return answers
+    return [row[: next((i + 1 for i, t in enumerate(row) if t in stop), len(row))] for row in out]
 
 
 def _pad_id(tokenizer, stop: list[int]) -> int:
