@@ -37,7 +37,7 @@ class GhostDistillCLI(LightningCLI):
         parser.add_lightning_class_args(Calibration, "calibration")
         parser.add_lightning_class_args(Export, "export")
         # The run's config is complete when the module is built: the data module's settings become its `data`.
-        parser.link_arguments("data", "model.data", compute_fn=_data_settings, apply_on="instantiate")
+        parser.link_arguments("data", "model.data", compute_fn=lambda data: data.cfg, apply_on="instantiate")
         parser.add_argument(
             "--ckpt_path",
             type=Optional[str],
@@ -80,10 +80,6 @@ class GhostDistillCLI(LightningCLI):
             self.config["model"]["distill"]["checkpoint_every"],
         )
         return super().instantiate_trainer(callbacks=callbacks, **kwargs)
-
-
-def _data_settings(datamodule: GhostDataModule):
-    return datamodule.cfg
 
 
 def check_accelerator(accelerator, devices) -> None:

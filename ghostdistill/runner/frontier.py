@@ -25,13 +25,10 @@ from .config import ParsedFit, parse_fit, typed
 
 
 def frontier_depths(spec: str | os.PathLike | Mapping, overrides: Sequence[str] = ()) -> tuple[Path, dict]:
-    """The frontier of `spec` (a frontier file, or a mapping of its keys): per depth, the pruned model and every
-    recovery entry of the base config on streamline's plan and on its own repair-aware plan, and with ``greedy``
-    among the criteria on the plan `repair_greedy` grows from the depth before (`pipeline.frontier`), resumable
-    per depth; with `students`, then per depth the stock and operator students (`frontier_students`);
-    frontier.json/csv/md/png in the root. The training-free part runs no Trainer: the phases are called
-    directly. `overrides`: `fit` arguments (``["--data.batch_size", "2"]``), for the student runs too (the same
-    model). Returns the root and the report frontier.json holds."""
+    """The frontier of `spec` (a frontier file, or a mapping of its keys), as this module's docstring says: the
+    training-free part resumable per depth and run without a Trainer (the phases called directly), then the
+    students; frontier.json/csv/md/png in the root. `overrides`: `fit` arguments (``["--data.batch_size", "2"]``),
+    for the student runs too (the same model). Returns the root and the report frontier.json holds."""
     from lightning.pytorch import seed_everything
 
     name = spec_name(spec)
