@@ -8,10 +8,8 @@
                                                plans of any shape grown from the depth before), evaluated;
                                                with `students`, a stock and an operator student trained per depth
 
-`fit` is a LightningCLI (YAML configs, `--print_config`, dotted overrides) built without its own
-subcommands: the run is `run_fit`, which calls `Trainer.fit` only when there are steps to take, then
-`Trainer.test`. Bad input ends in one line `error: ...` and exit status 2 (`GHOSTDISTILL_DEBUG=1` shows
-the traceback); Ctrl-C outside `fit` (export, compare's gathering) in one line and exit status 130.
+`fit` is `runner.fit.run_fit`. Bad input ends in one line `error: ...` and exit status 2 (`GHOSTDISTILL_DEBUG=1`
+shows the traceback); Ctrl-C outside `fit` (export, compare's gathering) in one line and exit status 130.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import os
 import sys
 
 from ..core.errors import USER_ERRORS, one_line
-from ..runner.fit import build_fit as build_fit
 from ..runner.fit import check_strategy_config as check_strategy_config
 from ..runner.fit import run_fit
 from .export import load_run_config as load_run_config
