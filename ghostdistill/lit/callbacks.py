@@ -19,7 +19,7 @@ from ..distill.interface import get_part
 from ..export.formats import format_keys
 from ..export.options import CONFIG_NAMES, ExportOptions, check_ignored
 from ..pipeline.config import RunConfig
-from ..pipeline.export import check_export, check_view_names
+from ..pipeline.export import check_export
 from .module import GhostDistill
 
 
@@ -159,7 +159,6 @@ class Export(Callback):
         run (`check_before_run`, before any data is read), not after it."""
         if not self.options.views:
             return
-        check_view_names(cfg, self.options.views, key="export.views")
         check_ignored(self.options, self.given, CONFIG_NAMES)
         # Rank 0 writes, and alone tries the folders (ranks probing one new folder at once race).
         root = self.root(trainer) if trainer.is_global_zero else None

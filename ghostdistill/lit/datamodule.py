@@ -13,8 +13,6 @@ from ..data import ChatWindows
 from ..data.config import CalibrationData, DataConfig, EvaluationData, SelectionData, TrainData, ValidationData
 from ..data.run import RunData
 
-__all__ = ["CalibrationData", "EvaluationData", "GhostDataModule", "TrainData", "ValidationData"]
-
 
 class _Windows(Dataset):
     """Windows by index; an index i ≥ len marks a padding copy of window i − len (`counted` false). A chat
