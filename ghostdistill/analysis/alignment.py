@@ -75,10 +75,10 @@ class AlignmentErrors:
 def _repairs(pruned: PrunedModel, views: list[str], key: str) -> Iterator[tuple]:
     """(view, operator, MLP map) at gap `key` for each of `views` with either there (`dense` and `pruned` never)."""
     for view in views:
-        # nn.ModuleDict has no `get`.
-        ops = pruned.operators[view] if view in pruned.operators else {}  # noqa: SIM401
-        mlps = pruned.mlp_maps[view] if view in pruned.mlp_maps else {}  # noqa: SIM401
-        op, mlp_map = (ops[key] if key in ops else None), (mlps[key] if key in mlps else None)  # noqa: SIM401
+        if view not in pruned.operators:  # a method's view has both tables (`PrunedModel.add_method`)
+            continue
+        ops, mlps = pruned.operators[view], pruned.mlp_maps[view]  # nn.ModuleDicts: no `get`
+        op, mlp_map = (ops[key] if key in ops else None), (mlps[key] if key in mlps else None)
         if op is not None or mlp_map is not None:
             yield view, op, mlp_map
 

@@ -148,15 +148,13 @@ def fit_methods(
     device: torch.device | str,
     progress: Callable[[Iterable, str], Iterable] = lambda it, desc: it,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    student: StudentPass | None = None,
 ) -> dict[str, dict]:
     """Fit every gap of every method from the calibration statistics `stats` (gap key -> method -> collector)
     and register each method's view (in config order, the order of the views in every report); returns each
     method's settings, what its fit cost (`fit_s`, `SequentialFitter.seconds`) and its fits' `notes`.
 
-    With several processes, `batches` is this rank's share and `reduce` sums a tensor over ranks. `student`:
-    another way of running the student passes (default `student_pass(batches, progress)`)."""
-    fitter = SequentialFitter(cfgs, hidden, device, student or student_pass(batches, progress), reduce)
+    With several processes, `batches` is this rank's share and `reduce` sums a tensor over ranks."""
+    fitter = SequentialFitter(cfgs, hidden, device, student_pass(batches, progress), reduce)
     fitter.fit(pruned, lambda gap: stats[gap.key])
     # `notes`: what a fit had to say (e.g. an assumption that did not hold), for the log and results.md.
     return {

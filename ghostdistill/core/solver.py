@@ -42,18 +42,15 @@ def solve_ridge(xtx: torch.Tensor, xtd: torch.Tensor, ridge: float = 1e-4) -> to
     return torch.linalg.solve(a, xtd)
 
 
-def solve_lstsq(xtx: torch.Tensor, xtd: torch.Tensor, rcond: float | None = None) -> torch.Tensor:
+def solve_lstsq(xtx: torch.Tensor, xtd: torch.Tensor) -> torch.Tensor:
     """Minimum-norm least-squares solution: M = A⁺ B via the eigendecomposition of A = XᵀX.
 
     Since range(B) ⊆ range(Xᵀ) = range(A), A⁺B is exactly the minimum-norm minimiser of ||XM − D||;
-    eigenvalues below rcond·λ_max are treated as zero (default: C · machine epsilon, as numpy does).
+    eigenvalues below C·ε·λ_max are treated as zero (ε the machine epsilon, as numpy does).
     """
     _check(xtx, xtd)
-    c = xtx.shape[0]
     evals, evecs = torch.linalg.eigh(xtx)
-    if rcond is None:
-        rcond = c * torch.finfo(xtx.dtype).eps
-    cutoff = rcond * evals.abs().max()
+    cutoff = xtx.shape[0] * torch.finfo(xtx.dtype).eps * evals.abs().max()
     inv = torch.where(evals > cutoff, 1.0 / evals, torch.zeros_like(evals))
     return evecs @ (inv.unsqueeze(1) * (evecs.T @ xtd))
 
