@@ -39,15 +39,7 @@ TASK_FILES: dict[str, tuple[str, ...]] = {
 
 #: Split each task's documents are published under in the DatasetDict: the split lm-eval evaluates where the
 #: published file is that split (ARC's file is the dev split; lm-eval scores ARC's test split).
-TASK_SPLIT: dict[str, str] = {
-    "arc_easy": "validation",
-    "arc_challenge": "validation",
-    "hellaswag": "validation",
-    "winogrande": "validation",
-    "boolq": "validation",
-    "openbookqa": "test",
-    "piqa": "validation",
-}
+TASK_SPLIT: dict[str, str] = {**dict.fromkeys(TASK_FILES, "validation"), "openbookqa": "test"}
 
 
 def check_files(task: str, data_dir: str | os.PathLike[str]) -> list[Path]:
@@ -77,21 +69,15 @@ def _labels(path: Path) -> list[str]:
 
 def _arc_style(paths: list[Path], stem_key: str) -> list[dict[str, Any]]:
     # ARC and OpenBookQA publish choices as a list of {text, label}; lm-eval's hub copies as {"text", "label"} lists.
-    docs = []
-    for row in _jsonl(paths[0]):
-        choices = row["question"]["choices"]
-        docs.append(
-            {
-                "id": row["id"],
-                stem_key: row["question"]["stem"],
-                "choices": {
-                    "text": [c["text"] for c in choices],
-                    "label": [c["label"] for c in choices],
-                },
-                "answerKey": row["answerKey"],
-            }
-        )
-    return docs
+    return [
+        {
+            "id": row["id"],
+            stem_key: row["question"]["stem"],
+            "choices": {key: [c[key] for c in row["question"]["choices"]] for key in ("text", "label")},
+            "answerKey": row["answerKey"],
+        }
+        for row in _jsonl(paths[0])
+    ]
 
 
 def _piqa(paths: list[Path]) -> list[dict[str, Any]]:
