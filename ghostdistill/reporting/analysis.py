@@ -72,17 +72,10 @@ def plot_analysis(report: dict, path: Path) -> None:
                 an = rows.get(view, {}).get("anatomy")
                 if isinstance(an, dict):
                     axes[1].semilogy(an["singular_values"], label=f"{view} {g}", linewidth=1)
-        for ax, title in zip(
-            axes[::2],
-            (
-                "antisymmetric share of M",
-                "held-out alignment error e (hatched: first position)",
-            ),
-        ):
-            ax.set_xticks(
-                [i + width * (len(views) - 1) / 2 for i in range(len(gaps))],
-                [f"gap {g}" for g in gaps],
-            )
+        ticks = [i + width * (len(views) - 1) / 2 for i in range(len(gaps))]
+        titles = ("antisymmetric share of M", "held-out alignment error e (hatched: first position)")
+        for ax, title in zip(axes[::2], titles):
+            ax.set_xticks(ticks, [f"gap {g}" for g in gaps])
             ax.set_title(title, fontsize=9)
         axes[0].set_ylim(0, 1)
         axes[0].legend(fontsize=7)

@@ -27,11 +27,17 @@ def chat_sources(report: dict) -> list[str]:
     ]
 
 
+def _sources(report: dict) -> list[str]:
+    """The evaluation sources, in order (every view has the same)."""
+    views = report.get("views") or {}
+    return list(next(iter(views.values()))["metrics"]) if views else []
+
+
 def markdown_table(report: dict) -> str:
     """Per view: parameters, and per source perplexity, KL and top-1; a chat source shows KL, top-1 and the
     shared prefix instead (its perplexity is that of the dense model's own answers: in results.json)."""
     views: dict = report.get("views", {})
-    sources = list(next(iter(views.values()))["metrics"]) if views else []
+    sources = _sources(report)
     chat = chat_sources(report)
     head = ["view", "params (M)"]
     for s in sources:
@@ -241,7 +247,7 @@ def _phase_cell(name: str, phase: dict) -> str:
 def plot(report: dict, path: Path) -> None:
     """Perplexity per view on each text source (`write_report` plots only a report that has one)."""
     views = report["views"]
-    sources = [s for s in next(iter(views.values()))["metrics"] if s not in chat_sources(report)]
+    sources = [s for s in _sources(report) if s not in chat_sources(report)]
     with figure(path, figsize=(1.6 + 1.3 * len(views) * max(1, len(sources)) / 2, 3.6)) as (fig, ax):
         width = 0.8 / len(sources)
         for j, s in enumerate(sources):
@@ -258,16 +264,11 @@ def plot(report: dict, path: Path) -> None:
 def plot_training(report: dict, path: Path) -> None:
     history = report["distill"]["history"]
     views = [k for k in history[0] if k not in ("step", "ranks_in_sync")]
+    steps = [h["step"] for h in history]
     with figure(path, 1, 2, figsize=(10, 3.6)) as (fig, axes):
         for metric, ax in zip(("kl", "ppl"), axes):
             for view in views:
-                ax.plot(
-                    [h["step"] for h in history],
-                    [h[view][metric] for h in history],
-                    marker="o",
-                    markersize=3,
-                    label=view,
-                )
+                ax.plot(steps, [h[view][metric] for h in history], marker="o", markersize=3, label=view)
             ax.set_xlabel("optimizer step")
             ax.set_ylabel("validation " + ("KL(teacher ‖ student)" if metric == "kl" else "perplexity"))
             ax.legend(fontsize=8)
@@ -300,19 +301,15 @@ def write_report(run_dir: Path, report: RunReport | dict) -> list[Path]:
     paths = [run_dir / "results.json", run_dir / "results.md"]
     atomic_write_json(paths[0], report)
     atomic_write_text(paths[1], render_markdown(report))
-    if report.get("views") and len(chat_sources(report)) < len(next(iter(report["views"].values()))["metrics"]):
-        paths.append(run_dir / "results.png")
-        plot(report, paths[-1])
-    if any("repaired_kl" in row for row in report.get("plan", {}).get("candidates", {}).values()):
-        paths.append(run_dir / "plan.png")
-        plot_plan(report, paths[-1])
-    if report.get("analysis", {}).get("gaps"):
-        paths.append(run_dir / "analysis.png")
-        plot_analysis(report, paths[-1])
-    if report.get("distill", {}).get("history"):
-        paths.append(run_dir / "training.png")
-        plot_training(report, paths[-1])
-    if report.get("distill", {}).get("curve"):
-        paths.append(run_dir / "curve.png")
-        plot_curve(report, paths[-1])
+    figures = {
+        "results.png": (plot, len(chat_sources(report)) < len(_sources(report))),
+        "plan.png": (plot_plan, any("repaired_kl" in r for r in report.get("plan", {}).get("candidates", {}).values())),
+        "analysis.png": (plot_analysis, report.get("analysis", {}).get("gaps")),
+        "training.png": (plot_training, report.get("distill", {}).get("history")),
+        "curve.png": (plot_curve, report.get("distill", {}).get("curve")),
+    }
+    for name, (draw, wanted) in figures.items():
+        if wanted:
+            paths.append(run_dir / name)
+            draw(report, paths[-1])
     return paths
