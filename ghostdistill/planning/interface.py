@@ -160,22 +160,20 @@ class PlanConfig:
                     f"{self.criterion!r}{', with explicit plan.layers' if self.layers is not None else ''}): "
                     f"remove plan.{key}"
                 )
-        if self.greedy_from is not None and self.criterion != "repair_greedy":
-            raise ValueError(
-                f"plan.greedy_from names a repair_greedy run to take steps from, and plan.criterion is "
-                f"{self.criterion!r}: set plan.criterion repair_greedy or remove plan.greedy_from"
-            )
-
+        for key, what in (
+            ("greedy_from", "names a repair_greedy run to take steps from"),
+            ("greedy_start", "is where a repair_greedy search starts"),
+        ):
+            if getattr(self, key) is not None and self.criterion != "repair_greedy":
+                raise ValueError(
+                    f"plan.{key} {what}, and plan.criterion is {self.criterion!r}: set plan.criterion repair_greedy "
+                    f"or remove plan.{key}"
+                )
         if self.greedy_start is not None:
             self._validate_greedy_start()
 
     def _validate_greedy_start(self) -> None:
         start = self.greedy_start
-        if self.criterion != "repair_greedy":
-            raise ValueError(
-                f"plan.greedy_start {start} is where a repair_greedy search starts, and plan.criterion is "
-                f"{self.criterion!r}: set plan.criterion repair_greedy or remove plan.greedy_start"
-            )
         if self.greedy_from is not None:
             raise ValueError(
                 "plan.greedy_start and plan.greedy_from both say where the search starts; keep one of them"
