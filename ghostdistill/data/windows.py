@@ -133,8 +133,7 @@ def generate_windows(
         torch.manual_seed(seed)
         if keep.state is not None:
             set_rng_state(keep.state, device)
-        for lo in bar(range(len(out) * batch_size, num_samples, batch_size), f"generating {what} text"):
-            n = min(batch_size, num_samples - lo)
+        for n in bar(sizes[len(out) :], f"generating {what} text"):
             prompt = torch.full((n, 1), start, dtype=torch.long, device=device)
             seqs = model.generate(
                 prompt,
