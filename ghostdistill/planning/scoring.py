@@ -45,14 +45,13 @@ class SelectionScorer:
     distributions with the dense one chunk by chunk (`evaluation.metrics.score_hidden`), so no candidate's
     [batch, seq, vocab] tensor is ever held."""
 
-    def __init__(
-        self, model: nn.Module, batches: Sequence[Batch], chunk: int | None = None, starts: Sequence[int] = ()
-    ) -> None:
+    def __init__(self, model: nn.Module, batches: Sequence[Batch], starts: Sequence[int] = ()) -> None:
         if not batches:
             raise ValueError("the selection windows are empty")
         self.model = model
         self.inputs = [model_inputs(model, b) for b in batches]
-        self.chunk = tokens_per_chunk(model.get_output_embeddings().weight.shape[0], chunk)
+        vocab = model.get_output_embeddings().weight.shape[0]
+        self.chunk = tokens_per_chunk(vocab)
         # Each start i and i − 1: a view with an MLP map acts inside block i − 1 (`_first_block`).
         self.starts = sorted({j for i in starts if i > 0 for j in (int(i), int(i) - 1) if j > 0})
         stack = decoder_stack(model)
@@ -72,7 +71,6 @@ class SelectionScorer:
                     else:
                         self.prefix[b][point] = stream
         self.tokens = sum(int(next_token_targets(ids, mask)[1].sum()) for ids, mask in self.inputs)
-        vocab = model.get_output_embeddings().weight.shape[0]
         self.dense_logp: list[list[torch.Tensor]] | None = None
         if self.tokens * vocab * 4 <= DENSE_LOGP_BYTES:
             head = output_head(model)
