@@ -187,7 +187,6 @@ def evaluate_zeroshot(
     data_dir: str | os.PathLike[str] | None = None,
     limit: int | None = None,
     batch_size: int = 8,
-    max_length: int | None = None,
     log_samples: bool = False,
 ) -> ZeroShotResults:
     """Zero-shot accuracy of ``model`` (the object itself, hooks and all) on ``tasks``.
@@ -201,7 +200,6 @@ def evaluate_zeroshot(
             the Hugging Face hub.
         limit: score only the first ``limit`` documents of each task.
         batch_size: lm-eval batch size.
-        max_length: context length in tokens; ``None`` takes it from the model config.
         log_samples: keep lm-eval's per-document records (``result.samples``).
 
     Returns:
@@ -232,12 +230,7 @@ def evaluate_zeroshot(
     from lm_eval.models.huggingface import HFLM
 
     with _quiet_lm_eval(), _preserve_state(model):
-        lm = HFLM(
-            pretrained=model,
-            tokenizer=tokenizer,
-            batch_size=batch_size,
-            max_length=max_length,
-        )
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
         raw = lm_eval.simple_evaluate(
             model=lm,
             tasks=lm_eval_names,
