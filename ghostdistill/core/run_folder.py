@@ -17,6 +17,7 @@ it again: a refused run leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -149,19 +150,10 @@ def hold_run_folder(folder: str | os.PathLike, what: str, advice: str, take: boo
             yield
     except BaseException:
         if made is not None and folder.is_dir() and set(os.listdir(folder)) <= _DISPOSABLE:
-            _remove_made(folder, made)
+            for name in _DISPOSABLE:
+                (folder / name).unlink(missing_ok=True)
+            chain = [folder, *folder.parents]
+            with contextlib.suppress(OSError):  # the folder, then its parents up to `made` while each is empty
+                for path in chain[: chain.index(made) + 1]:
+                    path.rmdir()
         raise
-
-
-def _remove_made(folder: Path, made: Path) -> None:
-    """`folder`'s disposable files, then `folder` and its parents up to `made` while each is empty."""
-    for name in _DISPOSABLE:
-        (folder / name).unlink(missing_ok=True)
-    while True:
-        try:
-            folder.rmdir()
-        except OSError:
-            return
-        if folder == made:
-            return
-        folder = folder.parent

@@ -170,14 +170,14 @@ class PrunedModel:
         own = self.blocks[view] if view in self.blocks else {}
         slots, table = list(self._slots.get(view, ())), dict(self.modules_own[view]) if view in self.modules_own else {}
         with self.use(DENSE):
-            layers_path = self._path(self.stack.layers) + "."
+            layers_path = next(n for n, m in self.model.named_modules(remove_duplicate=False) if m is self.stack.layers)
             for path, module in modules.items():
                 parent_path, _, attr = path.rpartition(".")
                 parent = self.model.get_submodule(parent_path) if parent_path else self.model
                 original = getattr(parent, attr, None)
                 if not isinstance(original, nn.Module):
                     raise ValueError(f"substitute_modules: {path!r} is not a module of {type(self.model).__name__}")
-                block = int(path[len(layers_path) :].split(".")[0]) if path.startswith(layers_path) else None
+                block = int(path[len(layers_path) + 1 :].split(".")[0]) if path.startswith(layers_path + ".") else None
                 if block is not None and (block in self.plan.removed or str(block) in own):
                     raise ValueError(
                         f"substitute_modules: {path!r} is in block {block}, which {view!r} does not run from the "
@@ -190,12 +190,6 @@ class PrunedModel:
         self.modules_own[view] = nn.ModuleDict(table)
         self._slots[view] = slots
         self.set_view(self.view, self.skip)
-
-    def _path(self, module: nn.Module) -> str:
-        for name, m in self.model.named_modules(remove_duplicate=False):
-            if m is module:
-                return name
-        raise ValueError(f"{type(module).__name__} is not a submodule of {type(self.model).__name__}")
 
     def _repair(self, table: nn.ModuleDict, gap: Gap) -> GhostOperator | None:
         """The current view's entry of `table` (its operators or its MLP maps) at `gap`; None where it has none."""
