@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -162,10 +162,8 @@ def check_writable(folder: str | os.PathLike, what: str, fix: str = "choose anot
         raise PermissionError(f"{what} {folder} cannot be written: {where}: {err.strerror or err}; {fix}") from None
     finally:
         for path in reversed(made):
-            try:
+            with suppress(OSError):
                 path.rmdir()
-            except OSError:
-                pass
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -27,7 +27,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 
 try:
@@ -151,10 +151,8 @@ def hold(path: str | os.PathLike, what: str, advice: str = "") -> Iterator[None]
         yield
     finally:
         _HELD.pop(key, None)
-        try:
+        with suppress(OSError):
             path.unlink()  # while still locked: a waiting opener sees a new file (`_acquire` checks)
-        except OSError:
-            pass
         os.close(fd)
 
 

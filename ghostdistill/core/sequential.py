@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 
 import torch
@@ -83,9 +84,8 @@ def capture(model: nn.Module, stack: DecoderStack, batches: Sequence[Batch]) -> 
             calls: list = []
             stack.set_layers([_Recorder(i, n - 1, calls) for i in range(n)])
             try:
-                decoder_of(model)(input_ids=ids, attention_mask=mask, use_cache=False)
-            except _StopForward:
-                pass
+                with suppress(_StopForward):
+                    decoder_of(model)(input_ids=ids, attention_mask=mask, use_cache=False)
             finally:
                 setattr(stack.owner, stack.attr, layers)
             if len(calls) != n:
