@@ -47,7 +47,8 @@ def load_frontier_spec(path: str | Mapping) -> dict:
             )
         depths = list(range(ends[0], ends[1] + 1))
     # A bool is an int to Python (`true` would run as n = 1): refused like any other non-integer.
-    if not isinstance(depths, list) or not depths or not all(_depth(d) for d in depths):
+    integers = isinstance(depths, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in depths)
+    if not integers or not depths or min(depths) < 1:
         raise ValueError(
             f"frontier file {path}: num_layers {spec['num_layers']!r} must name depths: integers >= 1 (or "
             "{first: a, last: b})"
@@ -65,10 +66,6 @@ def load_frontier_spec(path: str | Mapping) -> dict:
     if "students" in spec:
         spec["students"] = _check_students(path, spec["students"])
     return spec
-
-
-def _depth(d) -> bool:
-    return isinstance(d, int) and not isinstance(d, bool) and d >= 1
 
 
 def _check_greedy(path: str, spec: dict) -> dict | None:
