@@ -174,24 +174,18 @@ def read_docs(task: str, data_dir: str | os.PathLike[str]) -> list[dict[str, Any
     return _READERS[task](check_files(task, data_dir))
 
 
-def build_dataset(task: str, data_dir: str | os.PathLike[str] | None) -> datasets.DatasetDict:
-    """Return ``task``'s documents as a one-split ``DatasetDict`` for lm-eval."""
-    if data_dir is None:
-        raise ValueError(
-            f"offline task {TASK_PREFIX}{task} needs a data folder: pass data_dir to "
-            "evaluate_zeroshot (or metadata={'data_dir': ...} to lm-eval's TaskManager)"
-        )
-    # Imported here so that listing tasks and checking files stays cheap.
-    import datasets
-
-    # from_list keeps everything in memory: nothing is written to the HF cache.
-    return datasets.DatasetDict({TASK_SPLIT[task]: datasets.Dataset.from_list(read_docs(task, data_dir))})
-
-
 def _loader(task: str) -> Callable[..., datasets.DatasetDict]:
     def load(data_dir: str | os.PathLike[str] | None = None, **_: Any) -> datasets.DatasetDict:
         # lm-eval passes every metadata key (version, config_source, ...); only data_dir matters.
-        return build_dataset(task, data_dir)
+        if data_dir is None:
+            raise ValueError(
+                f"offline task {TASK_PREFIX}{task} needs a data folder: pass data_dir to "
+                "evaluate_zeroshot (or metadata={'data_dir': ...} to lm-eval's TaskManager)"
+            )
+        import datasets  # here, so that listing tasks and checking files stays cheap
+
+        # from_list keeps everything in memory: nothing is written to the HF cache.
+        return datasets.DatasetDict({TASK_SPLIT[task]: datasets.Dataset.from_list(read_docs(task, data_dir))})
 
     load.__name__ = f"load_{task}"
     load.__doc__ = f"lm-eval ``custom_dataset`` for {TASK_PREFIX}{task}."
