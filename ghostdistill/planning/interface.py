@@ -137,21 +137,17 @@ class PlanConfig:
             twice = sorted({i for i in self.layers if self.layers.count(i) > 1})
             if twice:
                 raise ValueError(f"plan.layers {self.layers} lists layer(s) {twice} twice; each layer can go once")
-        if self.num_layers is not None and self.num_layers < 1:
-            raise ValueError(
-                f"plan.num_layers must be >= 1 (how many layers the criterion removes), got {self.num_layers}"
-            )
+        counts = {
+            "num_layers": "how many layers the criterion removes",
+            "criterion_samples": "or null for all windows",
+            "repair_chunk": "or null: every candidate at once",
+        }
+        for key, what in counts.items():
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ValueError(f"plan.{key} must be >= 1 ({what}), got {getattr(self, key)}")
         if self.keep_first < 0 or self.keep_last < 0:
             raise ValueError(
                 f"plan.keep_first and plan.keep_last must be >= 0, got {self.keep_first} and {self.keep_last}"
-            )
-        if self.criterion_samples is not None and self.criterion_samples < 1:
-            raise ValueError(
-                f"plan.criterion_samples must be >= 1 (or null for all windows), got {self.criterion_samples}"
-            )
-        if self.repair_chunk is not None and self.repair_chunk < 1:
-            raise ValueError(
-                f"plan.repair_chunk must be >= 1 (or null: every candidate at once), got {self.repair_chunk}"
             )
         for key in REPAIR_KEYS:
             if getattr(self, key) is not None and not self.repair_aware():
