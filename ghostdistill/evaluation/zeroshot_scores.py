@@ -51,12 +51,8 @@ def summarize(raw: dict[str, Any], order: Sequence[str]) -> ZeroShotResults:
     for name, metrics in raw["results"].items():
         if name in groups:
             continue  # group rows repeat their subtasks' numbers
-        row: dict[str, float] = {}
-        for metric in METRICS:
-            value = metrics.get(f"{metric},none")
-            # lm-eval reports "N/A" for a stderr it could not compute.
-            if isinstance(value, (int, float)):
-                row[metric] = float(value)
+        # lm-eval reports "N/A" for a stderr it could not compute.
+        row = {m: float(v) for m in METRICS if isinstance(v := metrics.get(f"{m},none"), (int, float))}
         if "acc" not in row:
             log.warning("task %s reports no acc; left out of the summary", name)
             continue
