@@ -98,7 +98,6 @@ class RunData:
     ) -> torch.Tensor:
         """Self-generated windows, read from `cache` when it is there, else made batch by batch (an interrupted
         run resumes) and kept there; seeded: every rank samples the same text, rank 0 keeps it."""
-
         size = batch_size or self.batch_size
         return self.made_by_dense(
             cache,
