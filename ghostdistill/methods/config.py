@@ -18,7 +18,6 @@ from .interface import (
     FLAT_DEFAULTS,
     Collector,
     GapFit,
-    Method,
     RecoveryConfig,
     get_method,
     method_keys,
@@ -57,16 +56,6 @@ def identity_fit(cfg: RecoveryConfig, hidden_size: int) -> GapFit:
     return get_method(cfg.method).identity(cfg.method_config(), hidden_size)
 
 
-def _parts(method: Method, name: str, recovery: list[RecoveryConfig] | None) -> tuple[str, ...] | None:
-    """The parts of `method`'s statistics that its entries of `recovery` read, or None for all of them
-    (no `recovery`, no entry of the method, or a method that cannot size its collector)."""
-    cfgs = [c.method_config() for c in recovery or () if c.method == name]
-    parts = method.parts(cfgs) if cfgs else None
-    if parts is None:
-        return None
-    return None if set(parts) == set(method.all_parts) else tuple(parts)
-
-
 def make_collectors(
     methods: set[str],
     hidden_size: int,
@@ -79,12 +68,12 @@ def make_collectors(
     With `recovery` (the run's entries), a method that can (one declaring `parts(cfgs)` and `all_parts`, and
     taking `parts=` in `collector`) holds only what its entries' fits read (`statistics_layout`); without it,
     every collector holds everything (any entry of the method can be fitted from it)."""
+    layout = statistics_layout(methods, recovery)
     out = {}
     for name in sorted(methods):
-        method = get_method(name)
-        parts = _parts(method, name, recovery)
-        sized = {} if parts is None else {"parts": parts}  # a method that cannot size its collector takes no `parts`
-        collector = method.collector(hidden_size, device, **sized)
+        # A method that cannot size its collector takes no `parts`.
+        sized = {"parts": tuple(layout[name])} if name in layout else {}
+        collector = get_method(name).collector(hidden_size, device, **sized)
         if collector is not None:
             out[name] = collector
     return out
@@ -92,12 +81,15 @@ def make_collectors(
 
 def statistics_layout(methods: set[str], recovery: list[RecoveryConfig] | None) -> dict[str, list[str]]:
     """The collectors `make_collectors(methods, ..., recovery)` sizes below everything, with the parts they
-    hold (empty: every collector holds everything, the layout without `recovery`). What a saved state's
+    hold: those its entries of `recovery` read, where the method can say (`Method.parts`) and that is not all
+    of them (empty: every collector holds everything, the layout without `recovery`). What a saved state's
     fingerprint must name so that a state of one layout is never resumed into another."""
     out = {}
     for name in sorted(methods):
-        parts = _parts(get_method(name), name, recovery)
-        if parts is not None:
+        method = get_method(name)
+        cfgs = [c.method_config() for c in recovery or () if c.method == name]
+        parts = method.parts(cfgs) if cfgs else None
+        if parts is not None and set(parts) != set(method.all_parts):
             out[name] = list(parts)
     return out
 

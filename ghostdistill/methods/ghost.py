@@ -99,7 +99,7 @@ class GhostStatistics:
         post_norm = (x + d).norm(dim=-1)
         kinds = {k.rsplit("_", 1)[0] for k in self.groups}
         weights = {
-            "plain": lambda: None,
+            "plain": lambda: torch.ones_like(post_norm),
             "weighted": lambda: 1.0 / torch.maximum(x.norm(dim=-1), post_norm).clamp_min(1e-12),
             "normed": lambda: 1.0 / post_norm.clamp_min(1e-12),
         }
@@ -111,17 +111,14 @@ class GhostStatistics:
                 key = f"{kind}_{group}"
                 if key not in self.xtx:
                     continue
-                xs, ds = x[rows], d[rows]
-                if weight is not None:
-                    w = weight[rows].unsqueeze(1)
-                    xs, ds = xs * w, ds * w
+                w = weight[rows].unsqueeze(1)
+                xs, ds = x[rows] * w, d[rows] * w  # exact for `plain` (w = 1)
                 self.xtx[key] += xs.T @ xs
                 self.xtd[key] += xs.T @ ds
                 # Weighted first moments: Σ w²·x = Σ (w·x)·w.
-                w1 = torch.ones(len(xs), 1, dtype=xs.dtype, device=xs.device) if weight is None else w
-                self.xsum[key] += (xs * w1).sum(0)
-                self.dsum[key] += (ds * w1).sum(0)
-                self.scalars[key] += torch.stack([(w1 * w1).sum(), (ds * ds).sum()])
+                self.xsum[key] += (xs * w).sum(0)
+                self.dsum[key] += (ds * w).sum(0)
+                self.scalars[key] += torch.stack([(w * w).sum(), (ds * ds).sum()])
         self.first_delta_sum += d[is_first].sum(0)
         massive = post_norm > self.MASSIVE_RATIO * post_norm.median()
         self.counts.regular += int((~is_first).sum())

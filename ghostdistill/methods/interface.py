@@ -3,10 +3,8 @@
 A method is a `Method` subclass with its own config class, a `MethodConfig` dataclass whose fields are the
 keys its fit reads (types, defaults, documented under ``Args:``), registered together by
 ``register(MyMethod())`` with ``MyMethod.config = MyConfig`` (peft's pattern: one config class and one model
-class per method). A recovery entry of a config file (`RecoveryConfig`) stays one flat mapping,
-``{name: g, method: ghost, fit: plain}``, whose keys are read through its method's config class (nothing shared
-is rebuilt when a method registers), and an entry is turned into its method's config
-(`RecoveryConfig.method_config`) before a fit reads it.
+class per method). A recovery entry of a config file stays one flat mapping (`RecoveryConfig`), turned into its
+method's config (`RecoveryConfig.method_config`) before a fit reads it.
 
 What a method is, each member with a default on `Method` (a method overrides what it does differently):
 
