@@ -131,9 +131,13 @@ def cached_token_losses(
     """Per-token loss [N] against the teacher's cached top-k (log-probabilities [N, k] at `cfg.temperature`,
     token ids [N, k], log tail mass [N]): the k + 1 outcome KL of the module docstring."""
     logp, index, log_tail = (t.to(student_logits.device) for t in teacher)
-    if cfg.top_k is not None and cfg.top_k < logp.shape[-1]:
-        return _cached_renormalised(student_logits, logp[:, : cfg.top_k], index[:, : cfg.top_k], targets, cfg)
     tau = cfg.temperature
+    if cfg.top_k is not None and cfg.top_k < logp.shape[-1]:
+        # `token_losses`' renormalised top-k: renormalising log-probabilities over the top k gives what
+        # renormalising the logits does.
+        s_on_t = F.log_softmax(student_logits.float() / tau, dim=-1).gather(-1, index[:, : cfg.top_k])
+        kd = _kd(s_on_t, F.log_softmax(logp[:, : cfg.top_k].float(), dim=-1), True, cfg)
+        return _with_ce(kd * tau**2, student_logits, targets, cfg)
     z = student_logits.float() / tau
     log_z = torch.logsumexp(z, dim=-1)
     s = z.gather(-1, index) - log_z[:, None]
@@ -156,15 +160,6 @@ def cached_token_losses(
         losses.append(lumped(s, t, s_tail, t_tail))
     kd = sum(losses) / len(losses) * tau**2
     return _with_ce(kd, student_logits, targets, cfg)
-
-
-def _cached_renormalised(student_logits, logp, index, targets, cfg: LossConfig) -> torch.Tensor:
-    """`token_losses` with `top_k` from cached log-probabilities: renormalising log-probabilities over the top
-    k gives what renormalising the logits does."""
-    tau = cfg.temperature
-    s_on_t = F.log_softmax(student_logits.float() / tau, dim=-1).gather(-1, index)
-    t = F.log_softmax(logp.float(), dim=-1)
-    return _with_ce(_kd(s_on_t, t, True, cfg) * tau**2, student_logits, targets, cfg)
 
 
 def _kd(s_on_t: torch.Tensor, t: torch.Tensor, renormalise: bool, cfg: LossConfig) -> torch.Tensor:

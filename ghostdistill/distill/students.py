@@ -2,15 +2,11 @@
 
 Each student (`DistillConfig.specs`: ``<method>_ft`` for each of `distill.methods`, plus every entry of
 `distill.students`) is a view that starts as a copy of its method's fitted view (its operators and MLP maps
-copied; the training-free view keeps the frozen originals), and each part it trains (`distill.train`: one
-registered `Part` each, `distill.parts`) makes its own copies or adapters and names its parameters:
-``operators`` (what the method's `student_operator` gives: rotation trains the scaled rotations around its
-fit, so the student still folds), ``lora`` (a peft adapter named after the view, active only while that view
-runs: every other view, the teacher first, runs with adapters off, so its output is bit for bit the base
-model's), ``blocks``, ``tail`` ("Reassessing Layer Pruning", arXiv 2411.15558) and ``norms``.
-
-Every student's copies are its own, so two students of one method with different recipes train
-independently, and the teacher and the training-free views keep the originals.
+copied), and each part it trains (`distill.train`: one registered `Part` each, the table of `distill.parts`)
+makes its own copies or adapters and names its parameters. Every student's copies are its own, so two
+students of one method with different recipes train independently, and the teacher and the training-free
+views keep the originals; a ``lora`` adapter is active only while its view runs, so every other view, the
+teacher first, computes bit for bit the base model's output.
 
 The teacher is the dense view: frozen, eval mode, no gradients. A student whose blocks before block i
 compute what the teacher's do (nothing trains there: i is its first gap, or the first block it trains)
