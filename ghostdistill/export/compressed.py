@@ -3,12 +3,8 @@ compressed-tensors format that vLLM loads as it is (`LLM(model=folder)`; the sch
 
     export <run> --views rotation_anchored --format compressed-tensors --schemes W8A8 W4A16
 
-writes ``<dir>/<view>.<scheme>/`` per view and scheme. The schemes (recipes in `compressed_oneshot`):
-
-- ``W8A8``: int8 weights (per output channel) and int8 activations (per token, dynamic): SmoothQuant, then GPTQ;
-- ``W4A16``: int4 weights in groups (GPTQ), activations in the model's dtype;
-- ``W4A16-AWQ``: int4 asymmetric weights in groups, AWQ's activation-aware scales;
-- ``W8A16``: int8 weights in groups (GPTQ).
+writes ``<dir>/<view>.<scheme>/`` per view and scheme: ``W8A8``, ``W4A16``, ``W4A16-AWQ`` or ``W8A16`` (what each
+quantizes, and how: `compressed_oneshot`).
 
 **Calibration is the run's own.** GPTQ's Hessians (X·Xᵀ of each linear's input), SmoothQuant's and AWQ's
 activation ranges come from the windows the repair was fitted on (`RunData.calibration_ids`: the same tokens,
@@ -104,12 +100,10 @@ def quantize_python(given: str | os.PathLike | None = None) -> Path:
     )
 
 
-def quantize_folder(
-    python: Path, folder: Path, ids: Path, scheme: str, out: Path, failed_log: Path, group_size: int = 0, log=print
-) -> None:
-    """`compressed_oneshot.py` under `python` on one folder. On failure its output goes to `failed_log` and the
-    error's last line into the message."""
-    command = [str(python), compressed_oneshot.__file__, str(folder), str(ids), scheme, str(out), str(group_size)]
+def quantize_folder(python: Path, folder: Path, ids: Path, scheme: str, out: Path, failed_log: Path, log=print) -> None:
+    """`compressed_oneshot.py` under `python` on one folder (its default group size: `compressed_oneshot`). On
+    failure its output goes to `failed_log` and the error's last line into the message."""
+    command = [str(python), compressed_oneshot.__file__, str(folder), str(ids), scheme, str(out)]
     # PYTHONPATH cleared: the other environment must not import this one's packages.
     env = {**os.environ, "PYTHONPATH": "", "TOKENIZERS_PARALLELISM": "false"}
     log(f"quantizing {folder.name} as {scheme} with llm-compressor ({python})")
@@ -121,19 +115,11 @@ def quantize_folder(
 
 
 def write_compressed(
-    view: ViewExport,
-    root: Path,
-    schemes: Sequence[str],
-    python: Path,
-    *,
-    overwrite: bool = False,
-    group_size: int = 0,
-    log=print,
+    view: ViewExport, root: Path, schemes: Sequence[str], python: Path, *, overwrite: bool = False, log=print
 ) -> list[Path]:
     """A prepared view (`writer.prepare`) quantized with each of `schemes` under `root`; returns the folders, in
-    `schemes`' order. `group_size` 0: 128 or the largest half of it that divides every linear's input width
-    (`compressed_oneshot`). The view's float folder and the calibration ids (`view.calibration()`) are written
-    once to a temporary folder beside the targets and removed at the end."""
+    `schemes`' order. The view's float folder and the calibration ids (`view.calibration()`) are written once to a
+    temporary folder beside the targets and removed at the end."""
     root = Path(root)
     paths = [compressed_path(root, view.view, s) for s in schemes]
     if not view.write:
@@ -153,7 +139,7 @@ def write_compressed(
         for scheme, target in zip(schemes, paths):
             with staged_folder(target, f"export of view {view.view} as {scheme} to {target}") as out:
                 log_path = target.with_name(f"{target.name}.log")
-                quantize_folder(python, source, ids, scheme, out, log_path, group_size, log)
+                quantize_folder(python, source, ids, scheme, out, log_path, log)
                 _provenance(out, source, scheme, calibration_ids.shape)
     finally:
         shutil.rmtree(work, ignore_errors=True)

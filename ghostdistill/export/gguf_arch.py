@@ -137,18 +137,12 @@ def gguf_tensors(parts, config) -> TensorStream:
     return TensorStream(shapes, arrays)
 
 
-def _rope(config) -> tuple[float | None, dict]:
-    """(rope base, linear scaling parameters or {}) of the full-attention layers."""
+def rope_of(config, layer_type: str = "full_attention") -> tuple:
+    """(rope type, base, factor) of a block of `layer_type`: per type (Gemma 3) or one for all."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    params = dict(params.get("full_attention", params))
+    params = dict(params.get(layer_type, params))
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    kind = params.get("rope_type", params.get("type")) or "default"
-    if kind not in ("default", "linear"):
-        raise ValueError(
-            f"rope_type {kind!r} is not written by ghostdistill's GGUF writer (valid: default, linear): convert "
-            "the Hugging Face folder with llama.cpp's convert_hf_to_gguf.py"
-        )
-    return theta, params if kind == "linear" else {}
+    return params.get("rope_type", params.get("type")) or "default", theta, params.get("factor")
 
 
 def sliding_pattern(config) -> list[bool] | None:
@@ -186,12 +180,17 @@ def add_hparams(writer: gguf.GGUFWriter, config, file_type: int) -> None:
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(n_head)
     writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or n_head)
-    theta, scaling = _rope(config)
+    kind, theta, factor = rope_of(config)
+    if kind not in ("default", "linear"):
+        raise ValueError(
+            f"rope_type {kind!r} is not written by ghostdistill's GGUF writer (valid: default, linear): convert "
+            "the Hugging Face folder with llama.cpp's convert_hf_to_gguf.py"
+        )
     if theta is not None:
         writer.add_rope_freq_base(float(theta))
-    if scaling:
+    if kind == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(scaling["factor"]))
+        writer.add_rope_scaling_factor(float(factor))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)

@@ -42,7 +42,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from .gguf_arch import add_hparams, family
+from .gguf_arch import add_hparams, family, rope_of
 from .gguf_vocab import add_vocab, copy_vocab
 
 READER = "transformers (gguf_file=)"
@@ -109,14 +109,6 @@ def transformers_config(view):
             raise
 
 
-def _rope(config, layer_type: str) -> tuple:
-    """(rope type, base, factor) of a block of `layer_type`: per type (Gemma 3) or one for all."""
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    params = dict(params.get(layer_type, params))
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    return params.get("rope_type", params.get("type")) or "default", theta, params.get("factor")
-
-
 def layer_types(config) -> list[str]:
     """Each block's attention: ``sliding_attention`` where a window applies, else ``full_attention``."""
     n = config.num_hidden_layers
@@ -143,7 +135,7 @@ def settings(config) -> dict:
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
         layer_types=types,
         sliding_window=getattr(config, "sliding_window", None) if "sliding_attention" in types else None,
-        rope=[_rope(config, t) for t in types],
+        rope=[rope_of(config, t) for t in types],
         query_pre_attn_scalar=getattr(config, "query_pre_attn_scalar", None),
         final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
         attn_logit_softcapping=getattr(config, "attn_logit_softcapping", None),

@@ -1,7 +1,7 @@
 """One view of a pruned model as a `transformers` model in memory: the model that `export_view`'s folder
 loads as, without the folder.
 
-It is built from what the folder is written from (`parts.view_state`: the state dict and config, the
+It is built from what the folder is written from (`writer.prepare`: the state dict and config, the
 view's maps folded into the weights for a method that folds), by `from_pretrained` with that state dict, so
 it is the same class, config and tensors as `from_pretrained(<exported folder>)` gives:
 
@@ -24,8 +24,7 @@ from torch import nn
 
 from ..core.modeling_ghostdistill import GhostPrunedForCausalLM
 from ..core.views import PrunedModel
-from .parts import view_state
-from .writer import view_info
+from .writer import prepare
 
 
 def view_model(pruned: PrunedModel, view: str, *, method: str | None, info: dict | None = None) -> nn.Module:
@@ -36,7 +35,8 @@ def view_model(pruned: PrunedModel, view: str, *, method: str | None, info: dict
     if view not in pruned.views:
         raise ValueError(f"view {view!r} is not a view of this model: the views are {pruned.views}")
     with pruned.use(view) as model:
-        state, config, kind = view_state(pruned, view, method, view_info(pruned, view, method, info))
+        prepared = prepare(pruned, view, method, info=info)
+        state, config, kind = prepared.state, prepared.config, prepared.kind
         generation = copy.deepcopy(getattr(model, "generation_config", None))
         cls = GhostPrunedForCausalLM if kind == "operators" else type(model)
     shown = hf_logging.is_progress_bar_enabled()

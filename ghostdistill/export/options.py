@@ -2,10 +2,7 @@
 `overwrite`, the formats and their options: the `export` section of a `fit` config and the `export <run>`
 command's options), `check_options` (the formats, their options and tools), `check_ignored` (an option the
 export would ignore, refused), `holding_targets` (every target's lock for the whole export) and `provenance`
-(what config.json and the model card record of a view).
-
-The run's side (the view names of a run, its targets, writing its views from memory or from its folder) is
-`pipeline.export` and `pipeline.reload`: they need a `RunConfig`, which lives above this package.
+(what config.json and the model card record of a view). The run's side is `pipeline.export` and `pipeline.reload`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ shapes, and a `load()` that makes them (the block brought onto the device, `core
 where the view changes it: LoRA merged, a scaled rotation folded). The Hugging Face writer writes one
 safetensors shard per part (`save_parts`) and the GGUF writer quantises one part at a time, so no more than a
 part (one block, or the embedding) is ever in memory beside the model: what export does with weights that live
-off the device (`model.model.offload`). A model held in memory takes all parts at once (`view_state`), the
+off the device (`model.model.offload`). A model held in memory takes all parts at once (`ViewExport.state`), the
 same tensors, written as before.
 
 Parts follow the model's own state-dict order (the embedding, the blocks, the final norm, the head), so a file
@@ -57,12 +57,6 @@ class Part:
 
     names: dict[str, tuple[int, ...]]
     load: Callable[[], dict[str, torch.Tensor]]
-
-
-def view_state(pruned: PrunedModel, view: str, method: str | None, info: dict):
-    """(state dict, config, kind) of the current view, every part made; kind is ``operators`` or ``plain``."""
-    parts, config, kind = view_parts(pruned, view, method, info)
-    return {k: v for part in parts for k, v in part.load().items()}, config, kind
 
 
 def view_parts(pruned: PrunedModel, view: str, method: str | None, info: dict) -> tuple[list[Part], object, str]:
@@ -189,12 +183,8 @@ def _merge_and_unwrap(block: nn.Module, view: str) -> None:
 def _clean(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Plain parameter names: peft's wrapped `base_layer` renamed back, adapter tensors dropped (merged
     into their base where the view uses them)."""
-    out = {}
-    for name, tensor in state.items():
-        if any(f".{part}." in f".{name}." for part in _ADAPTER_PARTS):
-            continue
-        out[name.replace(".base_layer.", ".")] = tensor
-    return out
+    adapter = lambda name: any(f".{part}." in f".{name}." for part in _ADAPTER_PARTS)  # noqa: E731
+    return {name.replace(".base_layer.", "."): t for name, t in state.items() if not adapter(name)}
 
 
 def save_parts(parts: list[Part], folder: Path, drop: set[str] = frozenset()) -> None:

@@ -32,6 +32,7 @@ asking for a k-quant is refused before anything loads, naming the command that b
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import tempfile
@@ -162,8 +163,6 @@ def threads() -> int:
 
 def llama_tokens(tools: dict[str, Path], model: Path, text: Path) -> list[int]:
     """llama.cpp's token ids of a text file as llama-imatrix reads it (BOS added where the model asks for it)."""
-    import json
-
     cmd = [tools["llama-tokenize"], "-m", model, "-f", text, "--ids", "--no-escape", "--log-disable"]
     out = run_tool(cmd, "llama-tokenize").stdout
     return json.loads(next(line for line in out.splitlines() if line.startswith("[")))
@@ -198,13 +197,6 @@ def compute_imatrix(
     )
 
 
-def quantize(tools: dict[str, Path], source: Path, target: Path, gguf_type: str, imatrix: Path | None) -> None:
-    """`llama-quantize [--imatrix M] source target TYPE`, written beside `target` and renamed into place."""
-    with atomic_path(target) as tmp:
-        cmd = [tools["llama-quantize"]] + (["--imatrix", imatrix] if imatrix is not None else [])
-        run_tool(cmd + [source, tmp, gguf_type, threads()], f"llama-quantize {gguf_type}")
-
-
 def quantize_view(
     f32: Path,
     targets: dict[str, Path],
@@ -214,7 +206,8 @@ def quantize_view(
     imatrix: bool = True,
     log=print,
 ) -> None:
-    """Write each of `targets` (type -> path) from the view's F32 file with llama-quantize; with `imatrix`, one
+    """Write each of `targets` (type -> path) from the view's F32 file with llama-quantize (`llama-quantize
+    [--imatrix M] source target TYPE`, written beside the target and renamed into place); with `imatrix`, one
     importance matrix over `calibration()` (the run's windows) serves every type."""
     tools = find_tools(tools=needed_tools(imatrix))
     with tempfile.TemporaryDirectory(dir=f32.parent, prefix=".imatrix-") as tmp:
@@ -223,5 +216,7 @@ def quantize_view(
             matrix = Path(tmp) / "imatrix.gguf"
             compute_imatrix(tools, f32, tokenizer, calibration(), matrix, log)
         for gguf_type, target in targets.items():
-            quantize(tools, f32, target, gguf_type, matrix)
+            with atomic_path(target) as tmp:
+                cmd = [tools["llama-quantize"]] + (["--imatrix", matrix] if matrix is not None else [])
+                run_tool(cmd + [f32, tmp, gguf_type, threads()], f"llama-quantize {gguf_type}")
             log(f"llama-quantize {gguf_type}{' with the importance matrix' if matrix else ''}: {target}")

@@ -23,8 +23,8 @@ from conftest import GEMMA, TINY_FAMILIES, fit_all, tiny_config, tiny_model
 from ghostdistill.core.plan import PruningPlan
 from ghostdistill.export.gguf import export_gguf, gguf_path, read_gguf
 from ghostdistill.export.gguf_arch import add_hparams, permute
-from ghostdistill.export.parts import view_state
 from ghostdistill.export.quantize import BUILD, check_quantize, find_tools, imatrix_text
+from ghostdistill.export.writer import prepare
 from ghostdistill.methods import RecoveryConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,7 +86,8 @@ def test_each_family_writes_its_architecture_and_the_views_weights(fitted, view,
     names = gguf.get_tensor_name_map(_arch(arch), len(KEPT))
     # The exported folder's weights (the folds applied; test_writer.py holds them to the view's logits).
     with pm.use(view):
-        state, config, _ = view_state(pm, view, method, {})
+        prepared = prepare(pm, view, method)
+        state, config = prepared.state, prepared.config
     for name, value in state.items():
         new = names.get_name(name, try_suffixes=(".weight", ".bias"))
         np.testing.assert_allclose(_undo(family, new, tensors[new], config), value.float().numpy(), atol=1e-6)
