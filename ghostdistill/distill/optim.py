@@ -24,14 +24,12 @@ from .students import StudentParams
 
 def param_groups(params: dict[str, StudentParams], cfg: DistillConfig) -> list[dict]:
     """One group per (student, part), at that student's learning rate for the part (`Part.lr_key`)."""
-    groups = []
-    for view, p in params.items():
-        s = cfg.recipe(view)
-        for kind, tensors in p.items():
-            if tensors:
-                groups.append(
-                    {"params": tensors, "lr": get_part(kind).lr(s), "name": f"{view}/{kind}", "student": view}
-                )
+    groups = [
+        {"params": tensors, "lr": get_part(kind).lr(cfg.recipe(view)), "name": f"{view}/{kind}", "student": view}
+        for view, p in params.items()
+        for kind, tensors in p.items()
+        if tensors
+    ]
     if not groups:
         raise ValueError("distillation has nothing to train: check distill.methods, distill.students and their train")
     return groups
