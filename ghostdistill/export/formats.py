@@ -4,12 +4,10 @@ A format checks its options and the views it is asked for before any work (`chec
 of view it `takes`, known from their method: those that ship stock are ``plain``, the others keep
 ``operators``), names what it writes (`targets`, each a ``folder`` or a ``file``: `target`), says what a common reader would
 make of a view's files other than the view (`notes`: GGUF read by transformers' `gguf_file=`, `gguf_header`) and
-writes one view prepared once for every format (`write`, a `writer.ViewExport`). Shipped: ``hf``, the folder `<dir>/<view>`
-(`writer`; every kind); ``gguf``, `<dir>/<view>.<type>.gguf` per `gguf_types` for llama.cpp (`gguf`, the
-k-quants by `quantize` with an `imatrix`; plain views); ``compressed-tensors``, `<dir>/<view>.<scheme>` per
-`schemes` for vLLM (`compressed`, llm-compressor at `quantize_python`; every kind). A format of one's own may
-declare `options` (a dataclass of its keys, given as `export.format_options: {<name>: {...}}`, read by
-`options_of`).
+writes one view prepared once for every format (`write`, a `writer.ViewExport`). Shipped (what each writes:
+`ExportOptions.format`): ``hf`` (`writer`; every kind), ``gguf`` (`gguf`, the k-quants by `quantize`; plain views)
+and ``compressed-tensors`` (`compressed`; every kind). A format of one's own may declare `options` (a dataclass
+of its keys, given as `export.format_options: {<name>: {...}}`, read by `options_of`).
 """
 
 from __future__ import annotations

@@ -156,18 +156,6 @@ def sliding_pattern(config) -> list[bool] | None:
     return [t == "sliding_attention" for t in types]
 
 
-def _check_gemma_scale(config, n_head: int, head_dim: int) -> None:
-    # llama.cpp: 1/√(n_embd/n_head) for 62 blocks (Gemma 3 27B), else 1/√head_dim (src/models/gemma3.cpp).
-    scalar = getattr(config, "query_pre_attn_scalar", head_dim)
-    llama_cpp = config.hidden_size / n_head if config.num_hidden_layers == 62 else head_dim
-    if abs(float(scalar) - float(llama_cpp)) > 1e-6:
-        raise ValueError(
-            f"query_pre_attn_scalar {scalar} is not the {llama_cpp:g} llama.cpp's gemma3 graph scales by for "
-            f"{config.num_hidden_layers} blocks: its file would compute another model; serve the Hugging Face "
-            "folder with vLLM"
-        )
-
-
 def add_hparams(writer: gguf.GGUFWriter, config, file_type: int) -> None:
     """The hyper-parameters the converter writes for the family (module docstring), with the pruned block count,
     and the file type (`general.file_type`)."""
@@ -199,7 +187,15 @@ def add_hparams(writer: gguf.GGUFWriter, config, file_type: int) -> None:
         writer.add_vocab_size(config.vocab_size)
         writer.add_rope_dimension_count(head_dim)
     if fam.arch == gguf.MODEL_ARCH.GEMMA3:
-        _check_gemma_scale(config, n_head, head_dim)
+        # llama.cpp: 1/√(n_embd/n_head) for 62 blocks (Gemma 3 27B), else 1/√head_dim (src/models/gemma3.cpp).
+        scalar = getattr(config, "query_pre_attn_scalar", head_dim)
+        llama_cpp = hidden / n_head if config.num_hidden_layers == 62 else head_dim
+        if abs(float(scalar) - float(llama_cpp)) > 1e-6:
+            raise ValueError(
+                f"query_pre_attn_scalar {scalar} is not the {llama_cpp:g} llama.cpp's gemma3 graph scales by for "
+                f"{config.num_hidden_layers} blocks: its file would compute another model; serve the Hugging Face "
+                "folder with vLLM"
+            )
         if getattr(config, "attn_logit_softcapping", None):
             raise ValueError("attn_logit_softcapping is not in llama.cpp's gemma3 graph: serve the folder with vLLM")
         if getattr(config, "final_logit_softcapping", None):
