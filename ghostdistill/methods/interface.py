@@ -274,10 +274,9 @@ _METHODS: Registry[Method] = Registry("recovery method", "recovery method", Meth
 registered, get_method = _METHODS.names, _METHODS.get
 
 
-def _check_config(method: Method) -> dict[str, Any]:
-    """The config class's keys and their types, refused when the class is not a `MethodConfig` dataclass,
-    a key has no default, or is a word the entry uses itself, or another registered method declares it with
-    another type."""
+def _check_config(method: Method) -> None:
+    """Refuse the config class when it is not a `MethodConfig` dataclass, a key has no default, or is a word
+    the entry uses itself, or another registered method declares it with another type."""
     config = method.config
     where = f"method {method.name!r} ({origin(method)})"
     if not (isinstance(config, type) and issubclass(config, MethodConfig) and dataclasses.is_dataclass(config)):
@@ -300,7 +299,6 @@ def _check_config(method: Method) -> dict[str, Any]:
                 f"{where}: key {clash[0]!r} is {keys[clash[0]]} here and {theirs[clash[0]]} in method {other.name!r} "
                 f"({origin(other)}); one key, one type: name it differently"
             )
-    return keys
 
 
 def register(method: Method) -> Method:
