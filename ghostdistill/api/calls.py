@@ -35,7 +35,6 @@ from .options import (
     model_source,
     text_source,
     user_errors,
-    whole_numbers,
 )
 
 
@@ -72,14 +71,9 @@ def repair(
     Both generate and share the kept weights with `model` (no copy). A model object is put in eval mode and
     frozen. Errors: `GhostdistillError`, with `fit`'s one-line message, before any work.
     """
-    opts = Options.of(options, "repair")
-    whole_numbers("repair", num_layers=num_layers)
-    with user_errors(), console(opts), _folder(opts) as folder:
-        recovery = _recovery(method)
-        with _direct(
-            model, tokenizer, opts, folder, num_layers, [recovery], evaluate=False, calibration=calibration
-        ) as run:
-            return run_view_model(run.pruned, run.report.to_dict(), run.cfg, recovery.name, opts.seed)
+    opts = Options.of(options, "repair", num_layers=num_layers)
+    with _training_free(model, tokenizer, opts, num_layers, method, calibration) as run:
+        return run_view_model(run.pruned, run.report.to_dict(), run.cfg, run.cfg.recovery[0].name, opts.seed)
 
 
 def plan(
@@ -101,14 +95,9 @@ def plan(
     calibration of the chosen plan too (with a `workdir`, `repair` on the same settings resumes from it).
     Arguments as `repair`'s.
     """
-    opts = Options.of({**options, "criterion": criterion}, "plan")
-    whole_numbers("plan", num_layers=num_layers)
-    with user_errors(), console(opts), _folder(opts) as folder:
-        recovery = _recovery(method)
-        with _direct(
-            model, tokenizer, opts, folder, num_layers, [recovery], evaluate=False, calibration=calibration
-        ) as run:
-            return run.pruned.plan
+    opts = Options.of({**options, "criterion": criterion}, "plan", num_layers=num_layers)
+    with _training_free(model, tokenizer, opts, num_layers, method, calibration) as run:
+        return run.pruned.plan
 
 
 def evaluate(
@@ -137,8 +126,7 @@ def evaluate(
     Returns the run's results, as `fit`'s results.json holds them:
     ``results["views"]["ghost"]["metrics"][<source>]`` has ``ppl``, ``kl``, ``top1`` and ``tokens``.
     """
-    opts = Options.of(options, "evaluate")
-    whole_numbers("evaluate", num_layers=num_layers, eval_seq_len=eval_seq_len, max_windows=max_windows)
+    opts = Options.of(options, "evaluate", num_layers=num_layers, eval_seq_len=eval_seq_len, max_windows=max_windows)
     with user_errors(), console(opts), _folder(opts) as folder:
         recovery = [_recovery(m) for m in ([methods] if isinstance(methods, (str, RecoveryConfig)) else methods)]
         sources = EvaluationData().sources if texts is None else evaluation_sources(texts, opts, folder)
@@ -190,18 +178,16 @@ def distill_student(
     """
     from ..lit.trainer import check_trainer_options, fit_run
 
-    opts = Options.of(options, "distill_student")
-    whole_numbers("distill_student", num_layers=num_layers, steps=steps, train_samples=train_samples)
+    opts = Options.of(options, "distill_student", num_layers=num_layers, steps=steps, train_samples=train_samples)
     if steps < 1:
         raise GhostdistillError(f"steps {steps}: distillation takes at least one step; repair() is training-free")
     with user_errors(), console(opts), _folder(opts) as folder:
         check_trainer_options(trainer or {})
         recovery = _recovery(method)
         recipe = recipe if recipe is not None else DistillConfig(methods=[recovery.name])
+        source = None if train is None else text_source(train, "train", opts, folder)
         data = dict(
-            train=TrainData(source=None, num_samples=train_samples, seq_len=opts.seq_len, seed=opts.seed)
-            if train is None
-            else TrainData(text_source(train, "train", opts, folder), train_samples, opts.seq_len, opts.seed),
+            train=TrainData(source, train_samples, opts.seq_len, opts.seed),
             validation=ValidationData(
                 source=None if validation is None else text_source(validation, "validation", opts, folder),
                 seq_len=opts.seq_len,
@@ -210,17 +196,14 @@ def distill_student(
                 sources=[] if texts is None else evaluation_sources(texts, opts, folder), seq_len=opts.seq_len
             ),
         )
-        model_cfg, obj = model_source(model, opts)
-        cfg = _config(model_cfg, opts, folder, num_layers, [recovery], calibration, distill=recipe, **data)
-        run = Run(cfg, model=obj, tokenizer=tokenizer, progress=bar(opts), log=log(opts))
         device = torch.device(opts.device).type if opts.device is not None else "auto"
         settings = {"accelerator": {"cuda": "gpu"}.get(device, device), **(trainer or {})}
-        try:
+        with _run(
+            model, tokenizer, opts, folder, num_layers, [recovery], calibration=calibration, distill=recipe, **data
+        ) as run:
             root, resume = Path(opts.workdir or folder), "last" if opts.workdir is not None else None
             fit_run(run, root, max_steps=steps, progress=opts.progress, seed=opts.seed, ckpt_path=resume, **settings)
             return run_view_model(run.pruned, run.report.to_dict(), run.cfg, recipe.views()[0], opts.seed)
-        finally:
-            _release(run)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -277,22 +260,34 @@ def _config(
 
 @contextmanager
 def _direct(model, tokenizer, opts: Options, folder: Path, num_layers: int, recovery, *, evaluate: bool, **config):
-    """A training-free run of these settings (`Run.execute`); the source model is left as it was given."""
+    """A training-free run of these settings (`Run.execute`)."""
+    with _run(model, tokenizer, opts, folder, num_layers, recovery, **config) as run:
+        # A model given by name goes where `fit`'s accelerator: auto puts it; a model object stays where it is.
+        device = fit_device() if opts.device is None and run.llm is None else opts.device
+        yield run.execute(Path(opts.workdir) if opts.workdir is not None else None, device=device, evaluate=evaluate)
+
+
+@contextmanager
+def _training_free(model, tokenizer, opts: Options, num_layers: int, method, calibration) -> Iterator[Run]:
+    """`repair`'s and `plan`'s run: `method`'s training-free run, nothing evaluated, a user's mistake one line."""
+    with user_errors(), console(opts), _folder(opts) as folder:
+        recovery = [_recovery(method)]
+        with _direct(
+            model, tokenizer, opts, folder, num_layers, recovery, evaluate=False, calibration=calibration
+        ) as run:
+            yield run
+
+
+@contextmanager
+def _run(model, tokenizer, opts: Options, folder: Path, num_layers: int, recovery, **config) -> Iterator[Run]:
+    """The `Run` of these settings (`_config`); afterwards the dense model as it was given: every block in place,
+    no view's hooks."""
     model_cfg, obj = model_source(model, opts)
     cfg = _config(model_cfg, opts, folder, num_layers, recovery, **config)
-    device = opts.device
-    if device is None and obj is None:
-        device = fit_device()  # `fit`'s accelerator: auto
     run = Run(cfg, model=obj, tokenizer=tokenizer, progress=bar(opts), log=log(opts))
     try:
-        run_dir = Path(opts.workdir) if opts.workdir is not None else None
-        yield run.execute(run_dir, device=device, evaluate=evaluate)
+        yield run
     finally:
-        _release(run)
-
-
-def _release(run: Run) -> None:
-    """The dense model back as it was: every block in place, no view's hooks."""
-    if run.pruned is not None:
-        run.pruned.set_view(DENSE)
-        run.pruned.remove_hooks()
+        if run.pruned is not None:
+            run.pruned.set_view(DENSE)
+            run.pruned.remove_hooks()

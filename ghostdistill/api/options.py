@@ -74,7 +74,8 @@ class Options:
     verbose: bool = True
 
     @classmethod
-    def of(cls, options: Mapping, who: str) -> Options:
+    def of(cls, options: Mapping, who: str, **counts) -> Options:
+        """The options of `who`'s call, each checked, then its own `counts` (`whole_numbers`)."""
         known = [f.name for f in fields(cls)]
         unknown = [k for k in options if k not in known]
         if unknown:
@@ -83,6 +84,7 @@ class Options:
         whole_numbers(who, **{k: getattr(opts, k) for k in ("num_samples", "seq_len", "seed", "batch_size")})
         for i in opts.layers or []:
             whole_numbers(who, layers=i)
+        whole_numbers(who, **counts)
         return opts
 
 
@@ -186,7 +188,12 @@ def text_source(value, what: str, opts: Options, folder: Path, name: str | None 
     if isinstance(value, (str, os.PathLike)):
         return TextSource(source=str(value), name=name, text_field=opts.text_field)
     if isinstance(value, Sequence) and value and all(is_conversation(t) for t in value):
-        return chat_source(value, what, folder, name)
+        # A chat source (`data.sources.ChatSettings`: rendered through the tokenizer's chat template), written as
+        # JSON lines ``{"messages": [...]}``, named by their content as texts are.
+        records = [{"messages": [dict(m) for m in conversation]} for conversation in value]
+        digest = hashlib.sha256("\n".join(json.dumps(r) for r in records).encode()).hexdigest()[:16]
+        path = records_file(folder / f"{what}-chat-{digest}.jsonl", records)
+        return TextSource(source=str(path), name=name or what, chat=ChatSettings())
     texts = in_memory_texts(value, what, opts.text_field)
     digest = hashlib.sha256()
     for text in texts:
@@ -231,16 +238,6 @@ def in_memory_texts(value, what: str, text_field: str) -> list[str]:
 def is_conversation(value) -> bool:
     """A list of chat messages: ``[{"role": ..., "content": ...}, ...]``."""
     return isinstance(value, Sequence) and bool(value) and all(isinstance(m, Mapping) and "role" in m for m in value)
-
-
-def chat_source(value: Sequence, what: str, folder: Path, name: str | None) -> TextSource:
-    """Conversations (lists of messages) as a run's chat source (`data.sources.ChatSettings`: rendered through
-    the tokenizer's chat template): written as JSON lines ``{"messages": [...]}`` to `folder`, named by their
-    content as `text_source` names texts."""
-    records = [{"messages": [dict(m) for m in conversation]} for conversation in value]
-    digest = hashlib.sha256("\n".join(json.dumps(r) for r in records).encode()).hexdigest()[:16]
-    path = records_file(folder / f"{what}-chat-{digest}.jsonl", records)
-    return TextSource(source=str(path), name=name or what, chat=ChatSettings())
 
 
 def evaluation_sources(texts, opts: Options, folder: Path) -> list[TextSource]:
