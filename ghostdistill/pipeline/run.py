@@ -91,7 +91,6 @@ class Run(Phases, DistillPhases):
         self.tokenizer = load_tokenizer(cfg.model) if tokenizer is None else padded(tokenizer)
         self.report = RunReport(model=asdict(cfg.model))
         self.llm: torch.nn.Module | None = None if model is None else model.eval().requires_grad_(False)
-        self.executor: Executor | None = None if model is None else executor_of(self.llm)  # how passes run
         self.run_dir: Path | None = None
         self.data: RunData | None = None
         self.key: str | None = None  # the calibration statistics' fingerprint
@@ -116,14 +115,17 @@ class Run(Phases, DistillPhases):
                 else:
                     self.llm = load_sharded(self.cfg.model, mesh, device)
                 self.llm.requires_grad_(False)
-                self.executor = executor_of(self.llm)
         return self.llm
 
     @property
+    def executor(self) -> Executor:
+        """How the phases' passes run on the model as it is held now (`core.executor`)."""
+        return executor_of(self.llm)
+
+    @property
     def sharded(self) -> bool:
-        """Whether the model's blocks are sharded (FSDP2): every rank then joins every forward and every
-        export, where one process would do the work alone."""
-        return self.executor is not None and self.executor.mode == "sharded"
+        """Whether the model's blocks are sharded (FSDP2): every rank then joins every forward and export."""
+        return self.llm is not None and self.executor.mode == "sharded"
 
     def setup(self, run_dir: Path | None = None, *, distilling: bool = False, checks: bool = True) -> RunData:
         """Load the model, bind the data to its tokenizer and dense model (windows are made on first use)
