@@ -62,8 +62,7 @@ from .train import BestSteps, DistillPhases
 
 
 def fit_device(accelerator: str | None = "auto") -> str:
-    """The device a single-process `fit` with this `trainer.accelerator` runs on (the GPU for auto, gpu and cuda
-    when torch sees one): where a run outside the Trainer is put (`Run.execute`'s callers, `frontier`'s pass)."""
+    """Where a run outside the Trainer is put: the GPU for accelerator auto, gpu and cuda when torch sees one."""
     return "cuda" if str(accelerator or "auto") in ("auto", "gpu", "cuda") and torch.cuda.is_available() else "cpu"
 
 
