@@ -36,8 +36,7 @@ class LastCheckpoint(Callback):
     with the batches the stopped run had not finished, as an uninterrupted run takes them."""
 
     def __init__(self, dirpath: Path, every_n_train_steps: int) -> None:
-        if every_n_train_steps < 1:
-            raise ValueError(f"every_n_train_steps must be >= 1, got {every_n_train_steps}")
+        # `every_n_train_steps` >= 1: `distill.checkpoint_every` (>= 0, `DistillConfig.validate`) or the step count.
         self.path = Path(dirpath) / LAST
         self.every = every_n_train_steps
         self._saved_step: int | None = None
