@@ -58,6 +58,11 @@ class Executor:
     def __init__(self, mode: str = "memory") -> None:
         self.mode = mode
 
+    def passes(self, batches: Sequence[Batch], start: int = 0) -> list[tuple[int, list[Batch]]]:
+        """The batches as this executor's passes go through them: (index of the first, batches); one each here,
+        so that a phase may checkpoint its sums between passes."""
+        return [(start + i, [b]) for i, b in enumerate(batches)]
+
     @property
     def streamed(self) -> bool:
         """Whether the weights are never whole on one device (export reads them part by part)."""
@@ -122,6 +127,10 @@ class Offloaded(Executor):
     """Every batch through one block before the next, each block brought onto the device once per pass."""
 
     blockwise = True
+
+    def passes(self, batches, start=0):
+        """Every batch in one pass: its sums are complete only at its end."""
+        return [(start, list(batches))] if len(batches) else []
 
     def dense_points(self, model, stack, batches, points, mlp_blocks=(), progress=None, desc="block by block"):
         """As `Executor.dense_points`, in one block-by-block pass over all `batches`: nothing is held beyond

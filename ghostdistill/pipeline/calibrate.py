@@ -106,18 +106,17 @@ def collect_statistics(
         for collectors in stats.values():
             sum_collectors(collectors, dist.reduce)
         tokens = int(dist.reduce(torch.tensor(tokens, dtype=torch.float64, device=device)).item())
-    elif executor_of(llm).blockwise and done < len(batches):
-        # Block by block: every batch through one block before the next, so the sums are complete only at
-        # the end (checkpointed then, not every `checkpoint_every` batches). The plan is saved first, with no
-        # batch done: a pass cut short costs its statistics, not the plan (`offloaded_stop`).
-        if checkpoint and done == 0:
-            checkpoint(stats, 0, 0)
-        tokens += accumulate(llm, pruned.stack, plan.gaps, batches[done:], stats, first_batch=done, progress=progress)
     else:
-        for i in progress(range(done, len(batches)), "calibration statistics"):
-            tokens += accumulate(llm, pruned.stack, plan.gaps, [batches[i]], stats, first_batch=i)
-            if checkpoint and checkpoint_every and (i + 1) % checkpoint_every == 0 and i + 1 < len(batches):
-                checkpoint(stats, i + 1, tokens)
+        executor = executor_of(llm)
+        if executor.blockwise and checkpoint and done == 0 < len(batches):
+            # One pass over every batch, its sums complete only at the end: the plan is saved first, with no
+            # batch done, so a pass cut short costs its statistics, not the plan (`offloaded_stop`).
+            checkpoint(stats, 0, 0)
+        for first, part in progress(executor.passes(batches[done:], done), "calibration statistics"):
+            tokens += accumulate(llm, pruned.stack, plan.gaps, part, stats, first_batch=first, progress=progress)
+            end = first + len(part)
+            if checkpoint and checkpoint_every and end % checkpoint_every == 0 and end < len(batches):
+                checkpoint(stats, end, tokens)
     if checkpoint:
         checkpoint(stats, len(batches), tokens)
     return stats, tokens
