@@ -98,8 +98,8 @@ def held_out_alignment(
     pairs = [(g.start, g.stop) for g in gaps]
     with pruned.use(DENSE):
         reached = executor_of(model).dense_points(model, stack, batches, gap_points(gaps), mlp_blocks)
-        for windows, start, stop, before, after, mlp in gap_pairs(reached, pairs):
-            gap = next(g for g in gaps if (g.start, g.stop) == (start, stop))
+        for windows, k, before, after, mlp in gap_pairs(reached, pairs):
+            gap, start = gaps[k], gaps[k].start
             for b, (mask, first) in enumerate(zip(windows.masks, windows.first)):
                 for view, op, mlp_map in _repairs(pruned, views, gap.key):
                     x_hat = before[b]

@@ -54,8 +54,8 @@ def accumulate(
     pairs = [(g.start, g.stop) for g in gaps]
     desc = "calibration statistics, block by block"
     reached = executor_of(model).dense_points(model, stack, batches, points, mlp_blocks, progress, desc)
-    for windows, start, stop, before, after, mlp in gap_pairs(_finite(reached, batches, first_batch, model), pairs):
-        gap = next(g for g in gaps if (g.start, g.stop) == (start, stop))
+    for windows, k, before, after, mlp in gap_pairs(_finite(reached, batches, first_batch, model), pairs):
+        gap, start = gaps[k], gaps[k].start
         for b, (mask, first) in enumerate(zip(windows.masks, windows.first)):
             batch = batches[windows.offset + b]
             if not counted(batch):  # a padding batch: run (sharded blocks gather in lockstep), not counted
@@ -65,7 +65,7 @@ def accumulate(
                 where = f"calibration batch {first_batch + windows.offset + b}"
                 check_finite(out, mask, where, f"the MLP output of block {start - 1}", model)
             summed = counted_tokens(batch, mask)
-            tokens += int(summed.sum()) if gap is gaps[0] else 0
+            tokens += int(summed.sum()) if k == 0 else 0
             for collector in stats[gap.key].values():
                 collector.update(GapTaps(before[b], after[b], summed, first, out))
     return tokens

@@ -175,7 +175,7 @@ class Offloaded(Executor):
 
 
 def executor_of(model: nn.Module) -> Executor:
-    """The executor of `model` as it was loaded (`core.model.load_model`)."""
+    """The executor of `model` as it is held now: offloaded (`core.offload`), FSDP2-sharded, or in memory."""
     if is_offloaded(model):
         return Offloaded("offloaded")
     return Executor("sharded" if is_sharded(model) else "memory")
@@ -183,12 +183,13 @@ def executor_of(model: nn.Module) -> Executor:
 
 def gap_pairs(
     reached: Iterable[Reached], pairs: Sequence[tuple[int, int]]
-) -> Iterator[tuple[Windows, int, int, list[torch.Tensor], list[torch.Tensor], dict[int, list[torch.Tensor]]]]:
-    """(windows, i, j, streams entering i, streams entering j, MLP outputs) for every pair (i, j) of `pairs`
+) -> Iterator[tuple[Windows, int, list[torch.Tensor], list[torch.Tensor], dict[int, list[torch.Tensor]]]]:
+    """(windows, k, streams entering i, streams entering j, MLP outputs) for the k-th pair (i, j) of `pairs`
     once `reached` arrives at j; a stream is held only while a pair still needs it."""
     held: dict[int, list[torch.Tensor]] = {}
     for windows, point, streams, mlp in reached:
         held[point] = streams
-        for i, j in (pair for pair in pairs if pair[1] == point):
-            yield windows, i, j, held[i], streams, mlp
+        for k, (i, j) in enumerate(pairs):
+            if j == point:
+                yield windows, k, held[i], streams, mlp
         held = {p: s for p, s in held.items() if any(i == p and j > point for i, j in pairs)}

@@ -36,13 +36,14 @@ def _mean_similarity(
     cos_sum, ang_sum = dict.fromkeys(starts, 0.0), dict.fromkeys(starts, 0.0)
     count = 0
     reached = executor_of(model).dense_points(model, stack, batches, {p for pair in pairs for p in pair})
-    for windows, i, _, before, after, _ in gap_pairs(reached, pairs):
+    for windows, k, before, after, _ in gap_pairs(reached, pairs):
+        i = starts[k]
         for a, b, mask in zip(before, after, windows.masks):
             select = mask.bool()
             if last_token_only:
                 select = torch.zeros_like(select)
                 select[torch.arange(mask.shape[0], device=mask.device), mask.sum(1) - 1] = True
-            count += int(select.sum()) if i == starts[0] else 0
+            count += int(select.sum()) if k == 0 else 0
             cos = _token_cosine(a, b)[select].double()
             cos_sum[i] += float(cos.sum())
             ang_sum[i] += float((torch.arccos(cos.clamp(-1, 1)) / math.pi).sum())

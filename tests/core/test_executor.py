@@ -52,10 +52,9 @@ def test_gap_pairs_hold_a_stream_only_while_a_pair_needs_it():
     batches = random_batches(2, batch=2, seq=8)
     ref = [model(b["input_ids"], output_hidden_states=True).hidden_states for b in batches]
     for ex in executors(model):
-        seen = []
-        for windows, i, j, before, after, _ in gap_pairs(
-            ex.dense_points(model, stack, batches, [1, 3, 5]), [(1, 3), (3, 5)]
-        ):
+        seen, pairs = [], [(1, 3), (3, 5)]
+        for windows, k, before, after, _ in gap_pairs(ex.dense_points(model, stack, batches, [1, 3, 5]), pairs):
+            i, j = pairs[k]
             for b, (x, y) in enumerate(zip(before, after)):
                 seen.append((windows.offset + b, i, j))
                 torch.testing.assert_close(x, ref[windows.offset + b][i])
