@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .capture import residual_streams
-from .head import final_hidden
+from .head import decoder_of, final_hidden
 from .model import DecoderStack, model_inputs
 from .offload import is_offloaded
 from .sequential import Progress, Stream, Windows, advance, capture, final_states, view_stream
@@ -111,15 +111,25 @@ class Executor:
             yield Windows([ids], [mask], [], [first], [], offset=index), taps, outs, seconds
 
     @torch.no_grad()
-    def view_finals(self, pruned, batches: Sequence[Batch], views: Sequence[str]) -> Iterator[Finals]:
+    def view_finals(
+        self, pruned, batches: Sequence[Batch], views: Sequence[str], starts=None, prefix=None
+    ) -> Iterator[Finals]:
         """Every view's final hidden states (after its final norm, what its decoder returns), per pass:
-        (windows, view → per-batch states)."""
+        (windows, view → per-batch states). `starts[view]`, where given, is the block the view starts at from
+        `prefix[b][block]`, the dense stream entering it for batch b (the blocks before it are the dense ones)."""
         for index, batch in enumerate(batches):
             ids, mask = model_inputs(pruned.model, batch)
             hidden = {}
             for view in views:
-                with pruned.use(view) as model:
-                    hidden[view] = [final_hidden(model, ids, mask)]
+                first = (starts or {}).get(view)
+                with pruned.use(view, skip=first or 0) as model:
+                    if first is None:
+                        hidden[view] = [final_hidden(model, ids, mask)]
+                    else:
+                        out = decoder_of(model)(
+                            inputs_embeds=prefix[index][first], attention_mask=mask, use_cache=False
+                        )
+                        hidden[view] = [out.last_hidden_state]
             yield Windows([ids], [mask], [], [], [], offset=index), hidden
 
 
@@ -159,7 +169,7 @@ class Offloaded(Executor):
         yield windows, [t[p] for t, p in zip(taps, stops)], mlp, seconds
 
     @torch.no_grad()
-    def view_finals(self, pruned, batches, views):
+    def view_finals(self, pruned, batches, views, starts=None, prefix=None):
         """As `Executor.view_finals`, every view advancing together block by block; the batches cut into
         passes that hold at most `PASS_BYTES` of final hidden states (each pass reads the weights once)."""
         model = pruned.model
@@ -170,7 +180,14 @@ class Offloaded(Executor):
             with pruned.use(DENSE):
                 windows = capture(model, pruned.stack, batches[lo : lo + size])
             windows.offset = lo
-            states = final_states([view_stream(pruned, v, windows) for v in views], windows)
+            firsts = [(starts or {}).get(v) for v in views]
+            streams = [
+                view_stream(pruned, v, windows)
+                if at is None
+                else view_stream(pruned, v, windows, at, [p[at] for p in prefix[lo : lo + len(windows.ids)]])
+                for v, at in zip(views, firsts)
+            ]
+            states = final_states(streams, windows)
             yield windows, dict(zip(views, states))
 
 

@@ -98,25 +98,26 @@ def collect_statistics(
             for name, s in collectors.items():
                 stats[key][name].load_state_dict(to_device(s, device))
         done, tokens = saved.batches_done, saved.tokens
-    if dist.world > 1 and done < len(batches):
-        for i, batch in enumerate(
-            progress(even_shard(batches, dist.rank, dist.world), f"calibration statistics (rank {dist.rank})")
-        ):
-            tokens += accumulate(llm, pruned.stack, plan.gaps, [batch], stats, first_batch=dist.rank + i * dist.world)
-        for collectors in stats.values():
-            sum_collectors(collectors, dist.reduce)
-        tokens = int(dist.reduce(torch.tensor(tokens, dtype=torch.float64, device=device)).item())
+    executor = executor_of(llm)
+    if dist.world > 1:  # this rank's share, one batch a pass, each named by its calibration index
+        mine = even_shard(batches, dist.rank, dist.world) if done < len(batches) else []
+        parts = [(dist.rank + i * dist.world, [batch]) for i, batch in enumerate(mine)]
     else:
-        executor = executor_of(llm)
-        if executor.blockwise and checkpoint and done == 0 < len(batches):
+        parts = executor.passes(batches[done:], done)
+        if executor.blockwise and checkpoint and parts and done == 0:
             # One pass over every batch, its sums complete only at the end: the plan is saved first, with no
             # batch done, so a pass cut short costs its statistics, not the plan (`offloaded_stop`).
             checkpoint(stats, 0, 0)
-        for first, part in progress(executor.passes(batches[done:], done), "calibration statistics"):
-            tokens += accumulate(llm, pruned.stack, plan.gaps, part, stats, first_batch=first, progress=progress)
-            end = first + len(part)
-            if checkpoint and checkpoint_every and end % checkpoint_every == 0 and end < len(batches):
-                checkpoint(stats, end, tokens)
+    rank = f" (rank {dist.rank})" if dist.world > 1 else ""
+    for first, part in progress(parts, f"calibration statistics{rank}"):
+        tokens += accumulate(llm, pruned.stack, plan.gaps, part, stats, first_batch=first, progress=progress)
+        end = first + len(part)
+        if dist.world == 1 and checkpoint and checkpoint_every and end % checkpoint_every == 0 and end < len(batches):
+            checkpoint(stats, end, tokens)
+    if dist.world > 1 and done < len(batches):  # the ranks' sums added: every rank solves from all batches
+        for collectors in stats.values():
+            sum_collectors(collectors, dist.reduce)
+        tokens = int(dist.reduce(torch.tensor(tokens, dtype=torch.float64, device=device)).item())
     if checkpoint:
         checkpoint(stats, len(batches), tokens)
     return stats, tokens

@@ -4,27 +4,27 @@ A candidate whose first gap starts at block i runs the dense model's blocks 0 �
 dense pass also keeps the residual stream entering each candidate start and a candidate's forward starts
 there (`PrunedModel.use(view, skip=i)` with the stream as input embeddings): only the blocks after the
 gap run. A view that also changes the block before the gap (ReplaceMe's map on its MLP output) starts one
-block earlier, at the stream entering block i − 1, which the dense pass keeps too. The shortcut is checked once against a full forward and turned off (with a warning) for a
-family that transforms its input embeddings, as the distillation students' shared prefix is.
+block earlier, at the stream entering block i − 1, which the dense pass keeps too. The shortcut is checked
+once against a full forward and turned off (with a warning) for a family that transforms its input
+embeddings, as the distillation students' shared prefix is.
 
-The dense pass is the model's executor's (`core.executor`). With the weights offloaded each candidate's views
-also run block by block over all the selection windows at once (`core.sequential`; they advance together
-from the candidate's start, each block and the head brought onto the device once), and score the same to the bit.
+Both passes are the model's executor's (`core.executor`: `dense_points`, then `view_finals` from the kept
+streams): a forward per window batch, or with the weights offloaded every view advancing block by block over
+all the windows together, each block and the head brought onto the device once; both score the same to the bit.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 
 from ..core.executor import executor_of
-from ..core.head import decoder_of, final_hidden, output_head, tokens_per_chunk
+from ..core.head import output_head, tokens_per_chunk
 from ..core.model import decoder_stack, model_inputs
 from ..core.offload import onloaded
-from ..core.sequential import final_states, view_stream
 from ..core.views import DENSE, PrunedModel
 from ..evaluation.metrics import next_token_targets, reference_log_probs, score_hidden
 
@@ -59,12 +59,11 @@ class SelectionScorer:
             raise TypeError(f"cannot find the final norm of {type(model).__name__}: its candidates cannot be scored")
         self.dense: list[torch.Tensor] = []
         self.prefix: list[dict[int, torch.Tensor]] = [{} for _ in batches]
+        self.batches = list(batches)
         executor = executor_of(model)
-        self.windows = None  # the captured windows, which a block-by-block executor's candidates start from
         with torch.no_grad(), onloaded(stack.norm):
             n = len(stack.layers)
             for windows, point, streams, _ in executor.dense_points(model, stack, batches, [*self.starts, n]):
-                self.windows = windows if executor.blockwise else None
                 for b, stream in enumerate(streams, start=windows.offset):
                     if point == n:
                         self.dense.append(stack.norm(stream)[:, :-1])
@@ -83,18 +82,6 @@ class SelectionScorer:
         self.skip = bool(self.starts)  # until the first check says otherwise
         self._checked = False
 
-    def _views_blockwise(self, pruned: PrunedModel, views: Sequence[str], start: int | None) -> dict[str, list]:
-        """Every view's final hidden states on every window, advanced together from the candidate's start."""
-        streams = []
-        for view in views:
-            first = self._first_block(pruned, view, start) if start is not None else None
-            if first is None or first not in self.prefix[0]:
-                streams.append(view_stream(pruned, view, self.windows))
-            else:  # every block before the candidate's first gap is kept: view positions are dense indices there
-                hidden = [prefix[first] for prefix in self.prefix]
-                streams.append(view_stream(pruned, view, self.windows, first, hidden))
-        return {v: [h[:, :-1] for h in states] for v, states in zip(views, final_states(streams, self.windows))}
-
     @staticmethod
     def _first_block(pruned: PrunedModel, view: str, start: int) -> int:
         """The first block `view` runs differently from the dense model, for a candidate whose first gap
@@ -102,19 +89,18 @@ class SelectionScorer:
         else the first block after the gap (entered by the dense stream at `start`)."""
         return start - 1 if view in pruned.mlp_maps and len(pruned.mlp_maps[view]) else start
 
-    def _hidden(self, pruned: PrunedModel, view: str, b: int, start: int | None) -> torch.Tensor:
-        ids, mask = self.inputs[b]
-        if start is not None:
-            start = self._first_block(pruned, view, start)
-        if start is None or not self.skip or start not in self.prefix[b]:
-            with pruned.use(view) as model:
-                return final_hidden(model, ids, mask)[:, :-1]
-        with pruned.use(view, skip=start) as model:
-            out = decoder_of(model)(inputs_embeds=self.prefix[b][start], attention_mask=mask, use_cache=False)
-        return out.last_hidden_state[:, :-1]
+    def _finals(self, pruned: PrunedModel, views: Sequence[str], start: int | None, batches=None) -> Iterator:
+        """The views' final hidden states per pass of the executor, each view started at the candidate's first
+        block where that stream was kept (`start` None: every view from its embeddings)."""
+        starts = {}
+        if start is not None and self.skip:
+            starts = {v: f for v in views if (f := self._first_block(pruned, v, start)) in self.prefix[0]}
+        batches = self.batches if batches is None else batches
+        return executor_of(self.model).view_finals(pruned, batches, views, starts, self.prefix)
 
     def _check(self, pruned: PrunedModel, view: str, start: int) -> None:
-        full, short = self._hidden(pruned, view, 0, None), self._hidden(pruned, view, 0, start)
+        (_, full), (_, short) = (next(self._finals(pruned, [view], s, self.batches[:1])) for s in (None, start))
+        full, short = full[view][0], short[view][0]
         tol = 1e-4 if full.dtype == torch.float32 else 2e-2
         if not torch.allclose(full.float(), short.float(), atol=tol, rtol=tol):
             warnings.warn(
@@ -129,25 +115,22 @@ class SelectionScorer:
     def score(self, pruned: PrunedModel, views: Sequence[str], start: int | None = None) -> dict[str, dict[str, float]]:
         """Per view: mean KL(dense ‖ view) in nats and top-1 agreement over the selection tokens. `start`:
         the first removed block of the candidate (its forward starts there when that stream was kept)."""
-        blockwise = self._views_blockwise(pruned, views, start) if self.windows is not None else None
-        if blockwise is None and start is not None and self.skip and not self._checked and start in self.prefix[0]:
+        if start is not None and self.skip and not self._checked and start in self.prefix[0]:
             self._check(pruned, views[0], start)
         head = output_head(self.model)
         sums = {v: [0.0, 0.0] for v in views}
         with onloaded(self.model.get_output_embeddings()):
-            for b, dense in enumerate(self.dense):
-                targets, valid = next_token_targets(*self.inputs[b])
-                kept = self.dense_logp[b] if self.dense_logp is not None else None
-                hidden = {
-                    DENSE: dense,
-                    **{v: blockwise[v][b] if blockwise else self._hidden(pruned, v, b, start) for v in views},
-                }
-                scores = score_hidden(
-                    hidden, head, targets, valid, reference=DENSE, chunk=self.chunk, reference_logp=kept
-                )
-                for view in views:
-                    sums[view][0] += float(scores[view].kl.double().sum())
-                    sums[view][1] += float(scores[view].top1.double().sum())
+            for windows, finals in self._finals(pruned, views, start):
+                for b, states in enumerate(zip(*(finals[v] for v in views)), start=windows.offset):
+                    targets, valid = next_token_targets(*self.inputs[b])
+                    kept = self.dense_logp[b] if self.dense_logp is not None else None
+                    hidden = {DENSE: self.dense[b], **{v: h[:, :-1] for v, h in zip(views, states)}}
+                    scores = score_hidden(
+                        hidden, head, targets, valid, reference=DENSE, chunk=self.chunk, reference_logp=kept
+                    )
+                    for view in views:
+                        sums[view][0] += float(scores[view].kl.double().sum())
+                        sums[view][1] += float(scores[view].top1.double().sum())
         self.forwards += len(views)
         n = max(self.tokens, 1)
         return {v: {"kl": kl / n, "top1": top1 / n} for v, (kl, top1) in sums.items()}
