@@ -94,6 +94,30 @@ def test_view_points_and_view_finals_are_the_same_to_the_bit():
         torch.testing.assert_close(finals[False][(1, PRUNED)], m.model(batches[1]["input_ids"]).last_hidden_state)
 
 
+@torch.no_grad()
+def test_view_finals_from_a_kept_dense_stream_are_the_full_forwards_and_the_same_to_the_bit():
+    model = tiny_model("llama", num_layers=6)
+    pruned = PrunedModel(model, PruningPlan.from_layers([2, 3], 6))
+    batches = random_batches(2, batch=2, seq=16, seed=3)
+    stack = decoder_stack(model)
+    prefix = [{2: s[0]} for _, _, s, _ in Executor().dense_points(model, stack, batches, [2])]
+    started = {}
+    for ex in executors(model):  # the pruned view from the dense stream entering its block 2 (the gap's start)
+        started[ex.blockwise] = [
+            h[PRUNED][0] for _, h in ex.view_finals(pruned, batches[:1], [PRUNED], {PRUNED: 2}, prefix)
+        ]
+        started[ex.blockwise] += [
+            h[PRUNED][0] for _, h in ex.view_finals(pruned, batches[1:], [PRUNED], {PRUNED: 2}, prefix[1:])
+        ]
+    full = [h[PRUNED][0] for _, h in Executor().view_finals(pruned, batches, [PRUNED])]
+    for b in range(2):
+        assert torch.equal(started[False][b], started[True][b]), b
+        torch.testing.assert_close(started[False][b], full[b])
+    for ex in executors(model):  # the kept stream is what the view starts from, not the embeddings
+        moved = next(ex.view_finals(pruned, batches[:1], [PRUNED], {PRUNED: 2}, [{2: prefix[0][2] + 1}]))[1]
+        assert not torch.allclose(moved[PRUNED][0], full[0])
+
+
 def test_the_executor_of_a_model_follows_how_it_was_loaded():
     model = tiny_model("llama", num_layers=2)
     assert executor_of(model).mode == "memory" and not executor_of(model).streamed
