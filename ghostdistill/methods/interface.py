@@ -271,7 +271,7 @@ def method_keys(method: Method) -> dict[str, Any]:
 
 
 _METHODS: Registry[Method] = Registry("recovery method", "recovery method", Method)
-registered, get_method = _METHODS.names, _METHODS.get
+registered, get_method, unregister = _METHODS.names, _METHODS.get, _METHODS.unregister
 
 
 def _check_config(method: Method) -> None:
@@ -306,10 +306,6 @@ def register(method: Method) -> Method:
     if isinstance(method, Method):
         _check_config(method)
     return _METHODS.register(method)
-
-
-def unregister(name: str) -> None:
-    _METHODS.unregister(name)
 
 
 def ships_stock(method: str | None) -> bool:
