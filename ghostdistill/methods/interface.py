@@ -10,10 +10,9 @@ What a method is, each member with a default on `Method` (a method overrides wha
 
 1. `collector(hidden_size, device)`: its statistics for one gap (fixed-size float64 sums fed `GapTaps` batch
    by batch, saved and restored for resumable runs; by default a `statistics` class's), or None (it reads
-   nothing). `all_parts` and
-   `parts(cfgs)` name the parts of them the fits of `cfgs` read, for a `collector(..., parts=...)` that holds
-   only those (`make_collectors(..., recovery=...)`); `needs_mlp`: its taps carry the MLP output of the block
-   before the gap;
+   nothing). `all_parts` and `parts(cfgs)` name the parts of them the fits of `cfgs` read, for a
+   `collector(..., parts=...)` that holds only those (`make_collectors(..., recovery=...)`); `needs_mlp`: its
+   taps carry the MLP output of the block before the gap;
 2. `fit(cfg, gap, stats, hidden_size)`: the gap solved (float64) into a `GapFit`, a `GhostOperator` on the
    residual stream entering the next surviving block and/or a map on the MLP output of the block before the
    gap; `cfg` is an instance of its `config`;
