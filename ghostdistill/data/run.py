@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +21,7 @@ from torch import nn
 
 from ..core.io import Resumable, atomic_torch_save, json_digest, partial_path
 from .answers import ChatWindows
-from .config import (
-    DISJOINT,
-    DataConfig,
-    section_settings,
-)
+from .config import DISJOINT, DataConfig, section_settings
 from .run_chat import chat_windows, check_chat_sources, evaluation_sources, score_source, statistics_masks
 from .sources import GENERATE, TextSource
 from .windows import calibration_windows, disjoint_windows, evaluation_windows, generate_windows, shared_ngrams
@@ -221,14 +218,6 @@ class RunData:
             else:
                 ids = evaluation_windows(self.tokenizer, sel.source, sel.seq_len, sel.num_windows)
                 self._check_disjoint("selection", sel.source, ids)
-                if _same_text(sel.source, cal.source):
-                    hits = shared_ngrams(ids, self.calibration_ids())
-                    if hits:
-                        raise ValueError(
-                            f"{len(hits)} selection windows of {sel.source.source!r} overlap the calibration "
-                            "windows (the same text): take them from other documents (first_document / "
-                            "max_documents) or another source"
-                        )
             self._selection = ids
         return self._selection
 
@@ -262,17 +251,22 @@ class RunData:
             self.val_ids()
 
     def _check_disjoint(self, what: str, src: TextSource, ids: torch.Tensor) -> None:
-        """Windows for training or validation must share no 32-token run with an evaluation window of the
-        same text (same file or hub data set); a clear error names both and how to separate them."""
-        for ev in self.cfg.evaluation.sources:
-            if _same_text(src, ev):
-                hits = shared_ngrams(ids, self.eval_ids(ev))
-                if hits:
-                    raise ValueError(
-                        f"{len(hits)} {what} windows of {src.source!r} overlap the evaluation windows of "
-                        f"{ev.label!r} (the same text): take them from other documents (first_document / "
-                        "max_documents) or another source"
-                    )
+        """Windows for training, validation or selection must share no 32-token run with an evaluation window of
+        the same text (same file or hub data set), nor selection windows with a calibration window; a clear error
+        names both and how to separate them."""
+        against = {
+            f"the evaluation windows of {ev.label!r}": (ev, partial(self.eval_ids, ev))
+            for ev in self.cfg.evaluation.sources
+        }
+        if what == "selection":
+            against["the calibration windows"] = (self.cfg.calibration.source, self.calibration_ids)
+        for whose, (other, windows) in against.items():
+            hits = shared_ngrams(ids, windows()) if _same_text(src, other) else []
+            if hits:
+                raise ValueError(
+                    f"{len(hits)} {what} windows of {src.source!r} overlap {whose} (the same text): take them from "
+                    "other documents (first_document / max_documents) or another source"
+                )
 
     def summary(self) -> dict:
         """What the evaluation read (and, after distillation, what training and validation read)."""

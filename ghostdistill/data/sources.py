@@ -114,13 +114,7 @@ class TextSource:
         return Path(self.source).name.split(".")[0]
 
     def describe(self) -> dict:
-        out = {
-            "source": self.source,
-            "split": self.split,
-            "first_document": self.first_document,
-            "max_documents": self.max_documents,
-            "join": self.join,
-        }
+        out = {k: getattr(self, k) for k in ("source", "split", "first_document", "max_documents", "join")}
         if self.chat is not None:
             out["chat"] = asdict(self.chat)
         if self.records is not None:
@@ -137,9 +131,9 @@ def validate_source(src: TextSource, where: str = "data source", *, for_eval: bo
         )
     if src.records is not None and not src.records:
         raise ValueError(f"{where}: records is an empty list; give documents or conversations, or leave it null")
+    path = Path(src.source).expanduser()
     if src.chat is not None:
         src.chat.validate(where, for_eval=for_eval)
-        path = Path(src.source).expanduser()
         if src.records is not None or src.source == GENERATE or path.is_dir():
             return
         named = any(s in path.suffixes for s in (*CHAT_SUFFIXES, ".gz", ".txt", ".raw"))
@@ -153,7 +147,6 @@ def validate_source(src: TextSource, where: str = "data source", *, for_eval: bo
         return
     if src.source in HUB_SOURCES or src.source == GENERATE or src.records is not None:
         return
-    path = Path(src.source).expanduser()
     if not any(s in path.suffixes for s in LOCAL_SUFFIXES):
         raise ValueError(
             f"text source {src.source!r} is neither a hub name ({', '.join(HUB_SOURCES)}), {GENERATE!r}, "

@@ -25,9 +25,8 @@ read is rejected (`validate_recovery`):
 | `replaceme`       | `Solved`                | solver (ridge), ridge (1e-4), order (sequential)                  |
 | `magnitude`, `rotation`, `rotation_through`, `rotation_anchored` | `Ordered` | order (sequential)      |
 
-Not every method can be right on every model family: a method says why not in its class
-(`Method.supports(cfg, family)`, the family's block layout in `family.py`), and a run refuses such an entry
-before calibration (`check_family`; the table method × family is in docs/reliability.md).
+Not every method can be right on every model family: `family.py` (the table method × family is in
+docs/reliability.md).
 
 The package's one public entry point is this module (`ghostdistill.methods`): the interface, the
 configuration and the registry (`interface.py`), and what a run does with them (`config.py`). Method

@@ -104,8 +104,7 @@ FT_SUFFIX = "_ft"  # `distill.ft_view`: the fine-tuned view of recovery `x` is `
 
 
 def validate_recovery(configs: list[RecoveryConfig]) -> None:
-    """Names unique and usable as view names; every method registered, setting only keys it reads, with
-    values of their types; and the method's config's own checks (`MethodConfig.validate`)."""
+    """Names unique, and every entry as `check_entry` checks it."""
     names = [c.name for c in configs]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:

@@ -138,11 +138,9 @@ class GhostStatistics:
             )
         return keys
 
-    def normal_equations(self, weighted: bool | str, include_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(Σ w² x xᵀ, Σ w² x dᵀ) over the chosen groups; `weighted` is a weighting name, or a bool for
-        `weighted` / `plain`."""
-        kind = weighted if isinstance(weighted, str) else ("weighted" if weighted else "plain")
-        keys = self.group_keys(kind, include_first)
+    def normal_equations(self, weighting: str, include_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Σ w² x xᵀ, Σ w² x dᵀ) over the chosen groups."""
+        keys = self.group_keys(weighting, include_first)
         return sum(self.xtx[k] for k in keys).clone(), sum(self.xtd[k] for k in keys).clone()
 
     def moments(self, weighting: str, include_first: bool) -> tuple[torch.Tensor, torch.Tensor, float, float]:

@@ -1,13 +1,8 @@
 """Orthonormal Hadamard matrices for LinearPatch-style channel rotations.
 
-LinearPatch repairs a pruned layer gap with a symmetric operator
-``W = H diag(s) H^T``: channels are rotated by a Hadamard matrix ``H`` before
-the per-channel scale ``s`` is applied and rotated back afterwards.  A plain
-per-channel scale is dominated by a handful of massive-activation (outlier)
-channels; ``H`` mixes every channel into every other with equal weight
-``±1/sqrt(n)``, so that outlier energy is spread evenly and ``s`` can fit the
-bulk of the channels.  Because ``H`` is orthonormal, ``W`` stays symmetric and
-its eigenvalues are exactly ``s``.
+Why LinearPatch's ``W = H diag(s) H^T`` rotates by ``H``: `methods.linearpatch`.
+Every entry of ``H`` is ``±1/sqrt(n)``; ``H`` is orthonormal, so ``W`` is
+symmetric with eigenvalues exactly ``s``.
 
 Hadamard matrices exist only for orders 1, 2 and multiples of 4, and no
 construction is known for every multiple of 4.  This module builds them from

@@ -10,10 +10,9 @@ What a method is, each member with a default on `Method` (a method overrides wha
 
 1. `collector(hidden_size, device)`: its statistics for one gap (fixed-size float64 sums fed `GapTaps` batch
    by batch, saved and restored for resumable runs; by default a `statistics` class's), or None (it reads
-   nothing). `all_parts` and
-   `parts(cfgs)` name the parts of them the fits of `cfgs` read, for a `collector(..., parts=...)` that holds
-   only those (`make_collectors(..., recovery=...)`); `needs_mlp`: its taps carry the MLP output of the block
-   before the gap;
+   nothing). `all_parts` and `parts(cfgs)` name the parts of them the fits of `cfgs` read, for a
+   `collector(..., parts=...)` that holds only those (`make_collectors(..., recovery=...)`); `needs_mlp`: its
+   taps carry the MLP output of the block before the gap;
 2. `fit(cfg, gap, stats, hidden_size)`: the gap solved (float64) into a `GapFit`, a `GhostOperator` on the
    residual stream entering the next surviving block and/or a map on the MLP output of the block before the
    gap; `cfg` is an instance of its `config`;
@@ -271,7 +270,7 @@ def method_keys(method: Method) -> dict[str, Any]:
 
 
 _METHODS: Registry[Method] = Registry("recovery method", "recovery method", Method)
-registered, get_method = _METHODS.names, _METHODS.get
+registered, get_method, unregister = _METHODS.names, _METHODS.get, _METHODS.unregister
 
 
 def _check_config(method: Method) -> None:
@@ -306,10 +305,6 @@ def register(method: Method) -> Method:
     if isinstance(method, Method):
         _check_config(method)
     return _METHODS.register(method)
-
-
-def unregister(name: str) -> None:
-    _METHODS.unregister(name)
 
 
 def ships_stock(method: str | None) -> bool:

@@ -123,23 +123,20 @@ class _Rotation(GhostCollectorMixin):
     def parts(self, cfgs: Iterable[Ordered]) -> tuple[str, ...]:
         return self.all_parts
 
-    def solve(self, xtx: torch.Tensor, xty: torch.Tensor, stats: GhostStatistics) -> tuple[float, torch.Tensor]:
-        """(c, Q) from A = Σ w² xᵀx and M = Σ w² xᵀy: the free Procrustes (`rotation_anchored` constrains it)."""
-        return procrustes(xtx, xty)
-
     def fit(self, cfg: Ordered, gap: Gap, stats: GhostStatistics, hidden_size: int) -> GapFit:
         tokens = stats.counts.regular + (stats.counts.first if self.through else 0)
         if tokens == 0:
             raise ValueError(f"gap {gap.key}: no calibration tokens to fit on")
         xtx, xtd = stats.normal_equations("weighted", include_first=self.through)
         try:
-            c, q = self.solve(xtx, xtx + xtd, stats)
+            # (c, Q) from A = Σ w² xᵀx and M = Σ w² xᵀy: the free Procrustes, or fixing the anchor u (u·Q = u).
+            anchor = self.anchor(stats)
+            c, q = procrustes(xtx, xtx + xtd) if anchor is None else anchored_procrustes(xtx, xtx + xtd, anchor)
         except ValueError as err:
             raise ValueError(f"gap {gap.key}: {err}") from None
         eye = torch.eye(hidden_size, dtype=torch.float64, device=q.device)
         op = self.identity(cfg, hidden_size).operator
         op.load_solution(c * q - eye, None if self.through else stats.first_shift())
-        anchor = self.anchor(stats)
         if anchor is not None:
             # What a student keeps fixed when it trains this rotation (`student_operator`); not saved: a
             # resumed run solves the operators again from the statistics.
@@ -192,9 +189,6 @@ class RotationAnchored(RotationThrough):
 
     name = "rotation_anchored"
     card = "rotation_anchored: W = c·Q at each gap, Q fixing the first position's massive direction, folded"
-
-    def solve(self, xtx: torch.Tensor, xty: torch.Tensor, stats: GhostStatistics) -> tuple[float, torch.Tensor]:
-        return anchored_procrustes(xtx, xty, first_direction(stats))
 
     def anchor(self, stats: GhostStatistics) -> torch.Tensor:
         return first_direction(stats)

@@ -33,9 +33,8 @@ Ineffectiveness of the Deeper Layers"). Per-block criteria score each block on i
   Language Models with Comparison of Retraining Methods"): the perplexity of the model without block i,
   and the first-order Taylor importance sum |W * dL/dW| over the block's weights.
 
-All similarity criteria compare hidden vectors along the channel axis, per token, with padding masked,
-and are accumulated over batches (one forward pass, every candidate block at once). `keep_first` and
-`keep_last` protect the first and last blocks from every criterion.
+How the similarity criteria compare the stream: `similarity.py`. `keep_first` and `keep_last` protect the
+first and last blocks from every criterion.
 
 The repair-aware criteria
 -------------------------
@@ -54,10 +53,8 @@ residual is not the score: the last blocks change the stream most yet are the ea
 that change, and their repaired perplexity is the worst. Nothing is pre-filtered by a pre-repair score
 either: on some families the best-repaired block has near-zero cosine similarity.
 
-- `repair.repair_plan` (``criterion: repair``): every contiguous run of `num_layers` blocks. Its gap's
-  inputs, X_pre entering block i and X_post entering block i+n, are both block inputs of the dense model,
-  so one dense pass collects every candidate's statistics (statistics are sums over tokens); in chunks of
-  `repair_chunk` candidates when they do not fit in memory at once.
+- `repair.repair_plan` (``criterion: repair``): every contiguous run of `num_layers` blocks, their statistics
+  from one dense pass (or one per chunk of `repair_chunk` candidates; why one pass serves them all: `fitting`).
 - `greedy.repair_greedy_plan` (``criterion: repair_greedy``): one block at a time, any block.
 - `fitting.RepairFitter`: the statistics and fits with their caches; `scoring.SelectionScorer`: the KL.
 

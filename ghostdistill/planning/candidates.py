@@ -77,12 +77,6 @@ def first_windows(batches: Iterable[Batch], limit: int | None) -> Iterator[Batch
             return
 
 
-def lowest(scores: dict[int, float], n: int) -> list[int]:
-    """The `n` blocks of lowest score, in order. Ties (several identity blocks score exactly alike) go to the
-    earlier block, deterministically."""
-    return sorted(sorted(scores, key=lambda i: (scores[i], i))[:n])
-
-
 @dataclass(frozen=True)
 class PerBlock(Criterion):
     """A criterion that scores every removable block on its own (`score(model, stack, batches, blocks)`:
@@ -102,7 +96,8 @@ class PerBlock(Criterion):
             batches = first_windows(batches, cfg.criterion_samples)
         per_block = self.score(inputs.model, inputs.stack, batches, blocks)
         return PruningPlan.from_layers(
-            lowest(per_block, n),
+            # The `n` lowest, in order; ties (identity blocks score exactly alike) go to the earlier block.
+            sorted(sorted(per_block, key=lambda i: (per_block[i], i))[:n]),
             num_layers,
             # The criterion already kept the protected blocks; from_layers only has to accept edges it may take.
             allow_edges=keep_first == 0 or keep_last == 0,

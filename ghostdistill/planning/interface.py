@@ -165,11 +165,9 @@ class PlanConfig:
                     f"plan.{key} {what}, and plan.criterion is {self.criterion!r}: set plan.criterion repair_greedy "
                     f"or remove plan.{key}"
                 )
-        if self.greedy_start is not None:
-            self._validate_greedy_start()
-
-    def _validate_greedy_start(self) -> None:
         start = self.greedy_start
+        if start is None:
+            return
         if self.greedy_from is not None:
             raise ValueError(
                 "plan.greedy_start and plan.greedy_from both say where the search starts; keep one of them"

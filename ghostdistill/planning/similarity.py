@@ -20,11 +20,6 @@ from .candidates import PerBlock, candidate_starts, protected_edges
 from .interface import Batch, Criterion, PlanConfig, PlanInputs, register
 
 
-def _token_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Cosine similarity along the channel axis for every token, computed in float32."""
-    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1, eps=1e-8)
-
-
 @torch.no_grad()
 def _mean_similarity(
     model: nn.Module, stack: DecoderStack, batches: Iterable[Batch], pairs: list[tuple[int, int]], last_token_only=False
@@ -44,7 +39,7 @@ def _mean_similarity(
                 select = torch.zeros_like(select)
                 select[torch.arange(mask.shape[0], device=mask.device), mask.sum(1) - 1] = True
             count += int(select.sum()) if k == 0 else 0
-            cos = _token_cosine(a, b)[select].double()
+            cos = torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1, eps=1e-8)[select].double()
             cos_sum[i] += float(cos.sum())
             ang_sum[i] += float((torch.arccos(cos.clamp(-1, 1)) / math.pi).sum())
     if count == 0:
