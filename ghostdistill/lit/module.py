@@ -28,7 +28,7 @@ from ..distill.optim import clip_per_student, make_optimizer
 from ..distill.parallel import average_replicated_grads, ranks_agree, shard_for_fsdp2, shard_mesh
 from ..methods import RecoveryConfig
 from ..pipeline.calibrate import Dist
-from ..pipeline.config import NO_DISTILL_METHODS, EvalConfig, RunConfig
+from ..pipeline.config import EvalConfig, RunConfig
 from ..pipeline.run import Run
 from ..pipeline.train import BestSteps, check_checkpoint_keys, checkpoint_extras
 from ..planning import PlanConfig
@@ -140,8 +140,6 @@ class GhostDistill(LightningModule):
         return self
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        if not self.distilling or self.run.students is None:
-            raise RuntimeError(NO_DISTILL_METHODS)
         start = time.perf_counter()
         losses = self.run.distill_step(batch)
         for view, loss in losses.items():

@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
-from dataclasses import fields
 from pathlib import Path
 
 from lightning.pytorch import Callback, Trainer, seed_everything
@@ -92,7 +91,9 @@ def fit_and_test(trainer: Trainer, module: GhostDistill, data: GhostDataModule, 
     advice = "wait for it to finish, or choose another trainer.default_root_dir"
     with hold_run_folder(root, f"ghostdistill fit into {root}", advice, trainer.is_global_zero):
         if trainer.max_steps != 0:
-            # weights_only (Lightning >= 2.6): tensors and plain data only (`lit.checkpoint.resolve_ckpt_path`).
+            # `resolve_ckpt_path` checks that `last` loads with weights_only, for older Lightning too; Lightning
+            # >= 2.6 loads it so: tensors and plain data only.
+            ckpt_path = resolve_ckpt_path(ckpt_path, root, trainer.is_global_zero)
             safe = {"weights_only": True} if "weights_only" in inspect.signature(trainer.fit).parameters else {}
             trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, **safe)
         if data.cfg.evaluation.sources:
@@ -118,11 +119,9 @@ def fit_run(
     if seed is not None:
         seed_everything(seed, verbose=False)
     module = GhostDistill.from_run(run)
-    data = GhostDataModule(**{f.name: getattr(run.cfg.data, f.name) for f in fields(run.cfg.data)})
+    data = GhostDataModule(**vars(run.cfg.data))
     options = {**TRAINER_DEFAULTS, "enable_progress_bar": progress, **trainer_options}
     options.update(default_root_dir=str(root), max_steps=max_steps)
     callbacks = run_callbacks([Calibration(progress=progress)], root, max_steps, run.cfg.distill.checkpoint_every)
-    trainer = Trainer(callbacks=callbacks, **options)
-    ckpt = resolve_ckpt_path(ckpt_path, Path(root), trainer.is_global_zero) if max_steps else None
-    fit_and_test(trainer, module, data, ckpt)
+    fit_and_test(Trainer(callbacks=callbacks, **options), module, data, ckpt_path)
     return run
