@@ -86,11 +86,8 @@ def check_accelerator(accelerator, devices) -> None:
     model's tokenizer, and is a traceback: "No supported gpu backend found!")."""
     import torch
 
-    available = {
-        "cuda": torch.cuda.is_available(),
-        "mps": torch.backends.mps.is_available(),
-    }
-    available["gpu"] = available["cuda"] or available["mps"]
+    cuda, mps = torch.cuda.is_available(), torch.backends.mps.is_available()
+    available = {"cuda": cuda, "mps": mps, "gpu": cuda or mps}
     if isinstance(accelerator, str) and not available.get(accelerator, True):
         raise RuntimeError(
             f"trainer.accelerator {accelerator!r} (trainer.devices {devices}) asks for GPUs, and this machine has none "
