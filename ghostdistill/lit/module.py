@@ -171,10 +171,10 @@ class GhostDistill(LightningModule):
         self.budget_curve()
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
-        self.run.start_step()
+        self.run.begin("step")  # an optimizer step: forward, backward, update
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        self.run.end_step(self.global_step, batch["input_ids"].numel())
+        self.run.end("step", step=self.global_step, tokens=batch["input_ids"].numel())
         every = self.cfg.distill.val_every
         if every and self.global_step % every == 0:
             self.validate_students()

@@ -23,20 +23,15 @@ from .checkpoint import LastCheckpoint, resolve_ckpt_path
 from .datamodule import GhostDataModule
 from .module import GhostDistill
 
-
-def quiet_console() -> None:
-    """A run's console shows the plan, progress, the result table and where files went, not library chatter:
-    Lightning's advertising tip, a deprecation inside Lightning's own pytree helper, and LightningCLI's note on
-    `args` (calls of `main` from Python pass their own arguments on purpose)."""
-    # rank_zero_info logs through this logger (a filter on a logger sees only its own records).
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
-        lambda record: not str(record.msg).startswith("💡 Tip")
-    )
-    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
-
-
-quiet_console()
+# A run's console shows the plan, progress, the result table and where files went, not library chatter:
+# Lightning's advertising tip, a deprecation inside Lightning's own pytree helper, and LightningCLI's note on
+# `args` (calls of `main` from Python pass their own arguments on purpose). rank_zero_info logs through the
+# logger filtered here (a filter on a logger sees only its own records).
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+    lambda record: not str(record.msg).startswith("💡 Tip")
+)
+warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 # `fit`'s trainer defaults (what the config file does not set): no logger, Lightning's own checkpoints and
 # summary off (`LastCheckpoint` writes ours), no sanity validation, one device.
