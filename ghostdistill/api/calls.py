@@ -1,7 +1,6 @@
-"""The API's functions: each builds a typed `RunConfig` from its arguments (`options`) and runs the phases
-`fit` runs (`pipeline.run.Run.execute`; with distillation, `lit.trainer.fit_run`: `fit`'s Trainer),
-then hands back what the caller asked for: a `transformers` model of one view (`pipeline.export.run_view_model`:
-the model its exported folder loads as), the plan, or the results.
+"""The API's functions, each a run of `fit`'s phases as the package docstring says, handing back what the caller
+asked for: a `transformers` model of one view (`pipeline.export.run_view_model`: the model its exported folder
+loads as), the plan, or the results.
 """
 
 from __future__ import annotations
