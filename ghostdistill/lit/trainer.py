@@ -50,11 +50,7 @@ def run_callbacks(extra: list[Callback], root: Path, max_steps: int | None, chec
     """`extra` (the calibration, an export) with the report: the export after it, so that a failed export never
     costs the results; and with steps to take, `<root>/checkpoints/last.ckpt` every `checkpoint_every` steps
     (0: at the end only)."""
-    callbacks = [
-        *(c for c in extra if not isinstance(c, Export)),
-        Report(),
-        *(c for c in extra if isinstance(c, Export)),
-    ]
+    callbacks = sorted([*extra, Report()], key=lambda c: isinstance(c, Export))  # stable: the rest keep their order
     if max_steps and max_steps > 0:
         callbacks.append(LastCheckpoint(Path(root) / "checkpoints", checkpoint_every or max_steps))
     return callbacks
