@@ -13,8 +13,8 @@ import yaml
 from shipped_configs import SHIPPED, raw
 from tiny_run import tiny_run_args
 
+from ghostdistill.calibration.state import STATE_FILE
 from ghostdistill.cli import main
-from ghostdistill.lit.callbacks import Calibration
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_CONFIGS = SHIPPED
@@ -192,7 +192,7 @@ def test_interrupted_calibration_resumes(tiny_dir, text_files, tmp_path, monkeyp
             "null",
         )
     )
-    reference = torch.load(full / Calibration.STATE_FILE, weights_only=False)
+    reference = torch.load(full / STATE_FILE, weights_only=False)
 
     real = callbacks.accumulate
     calls = {"n": 0}
@@ -218,7 +218,7 @@ def test_interrupted_calibration_resumes(tiny_dir, text_files, tmp_path, monkeyp
     monkeypatch.setattr(callbacks, "accumulate", dying)
     with pytest.raises((KeyboardInterrupt, SystemExit)):  # Lightning turns Ctrl-C into exit(1)
         main(args)
-    partial = torch.load(run / Calibration.STATE_FILE, weights_only=False)
+    partial = torch.load(run / STATE_FILE, weights_only=False)
     assert partial["batches_done"] == 2
     assert not (run / "results.json").exists()
 
@@ -226,7 +226,7 @@ def test_interrupted_calibration_resumes(tiny_dir, text_files, tmp_path, monkeyp
     monkeypatch.setattr(callbacks, "accumulate", lambda *a, **k: seen.append(1) or real(*a, **k))
     main(args)
     assert len(seen) == 2  # 4 batches in all, 2 of them done before the interruption
-    resumed = torch.load(run / Calibration.STATE_FILE, weights_only=False)
+    resumed = torch.load(run / STATE_FILE, weights_only=False)
     for group, ref in reference["stats"]["2-3"]["ghost"]["xtx"].items():
         torch.testing.assert_close(resumed["stats"]["2-3"]["ghost"]["xtx"][group], ref)
     assert json.loads((run / "results.json").read_text())["views"]["ghost"]
@@ -247,15 +247,15 @@ def test_statistics_of_an_older_version_are_collected_again(tiny_dir, text_files
         "[ghost]",
     )
     main(args)
-    state = torch.load(run / Calibration.STATE_FILE, weights_only=False)
+    state = torch.load(run / STATE_FILE, weights_only=False)
     fresh = state["stats"]["2-3"]["ghost"]["xtx"]["plain_rest"].clone()
     old = state["stats"]["2-3"]["ghost"]
     for key in ("xsum", "dsum", "scalars"):
         old.pop(key)
     old["xtx"] = {k: v * 0 for k, v in old["xtx"].items() if not k.startswith("normed")}
-    torch.save(state, run / Calibration.STATE_FILE)
+    torch.save(state, run / STATE_FILE)
     main(args)
-    again = torch.load(run / Calibration.STATE_FILE, weights_only=False)["stats"]["2-3"]["ghost"]
+    again = torch.load(run / STATE_FILE, weights_only=False)["stats"]["2-3"]["ghost"]
     torch.testing.assert_close(again["xtx"]["plain_rest"], fresh)
     assert set(again["xsum"]) == set(again["xtx"])
 

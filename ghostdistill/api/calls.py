@@ -1,7 +1,6 @@
-"""The API's functions: each builds a typed `RunConfig` from its arguments (`options`) and runs the phases
-`fit` runs (`pipeline.run.Run.execute`; with distillation, `lit.trainer.fit_run`: `fit`'s Trainer),
-then hands back what the caller asked for: a `transformers` model of one view (`pipeline.export.run_view_model`:
-the model its exported folder loads as), the plan, or the results.
+"""The API's functions, each a run of `fit`'s phases as the package docstring says, handing back what the caller
+asked for: a `transformers` model of one view (`pipeline.export.run_view_model`: the model its exported folder
+loads as), the plan, or the results.
 """
 
 from __future__ import annotations
@@ -9,6 +8,7 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -28,7 +28,6 @@ from ..planning import PlanConfig
 from ..reporting.results import markdown_table
 from .options import (
     Options,
-    bar,
     console,
     evaluation_sources,
     log,
@@ -282,9 +281,11 @@ def _training_free(model, tokenizer, opts: Options, num_layers: int, method, cal
 def _run(model, tokenizer, opts: Options, folder: Path, num_layers: int, recovery, **config) -> Iterator[Run]:
     """The `Run` of these settings (`_config`); afterwards the dense model as it was given: every block in place,
     no view's hooks."""
+    from tqdm.auto import tqdm
+
     model_cfg, obj = model_source(model, opts)
     cfg = _config(model_cfg, opts, folder, num_layers, recovery, **config)
-    run = Run(cfg, model=obj, tokenizer=tokenizer, progress=bar(opts), log=log(opts))
+    run = Run(cfg, model=obj, tokenizer=tokenizer, progress=partial(tqdm, disable=not opts.progress), log=log(opts))
     try:
         yield run
     finally:

@@ -146,13 +146,6 @@ def console(opts: Options) -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def bar(opts: Options):
-    """The runs' `(items, desc)` progress wrapper: tqdm.auto's bar, or none."""
-    from tqdm.auto import tqdm
-
-    return lambda items, desc: tqdm(items, desc=desc, disable=not opts.progress)
-
-
 def log(opts: Options):
     return print if opts.verbose else lambda message: None
 

@@ -13,7 +13,6 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from tqdm.auto import tqdm
 
-from ..calibration.state import STATE_FILE
 from ..distill.config import DistillConfig
 from ..distill.interface import get_part
 from ..export.formats import format_keys
@@ -34,8 +33,6 @@ class Calibration(Callback):
         checkpoint_every: batches between statistics checkpoints (0: only at the end).
         progress: show progress bars.
     """
-
-    STATE_FILE = STATE_FILE
 
     def __init__(self, checkpoint_every: int = 8, progress: bool = True) -> None:
         if checkpoint_every < 0:
@@ -163,9 +160,6 @@ class Export(Callback):
         # Rank 0 writes, and alone tries the folders (ranks probing one new folder at once race).
         root = self.root(trainer) if trainer.is_global_zero else None
         check_export(cfg, self.options, root, flag="export.overwrite: true", key="export.views")
-
-    def setup(self, trainer: Trainer, pl_module: GhostDistill, stage: str) -> None:
-        check_before_run(trainer, pl_module)  # done already when `Calibration` runs: the same checks again
 
     def on_test_end(self, trainer: Trainer, pl_module: GhostDistill) -> None:
         # A sharded model's blocks are gathered from every rank: all of them export, rank 0 writes.

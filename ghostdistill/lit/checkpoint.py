@@ -3,9 +3,7 @@
 
 The module keeps only trainable tensors and plain data in it (`GhostDistill.on_save_checkpoint`), so it
 loads with `weights_only=True`: resuming from, or exporting, a run folder someone sent you runs none of
-their code. The run's `config.yaml` is the other half of that promise: `export` refuses one that asks for
-the model's own code unless the user passes `--trust-remote-code`, and never imports the trainer classes
-it names (`pipeline.trust`; held by `tests/pipeline/test_trust.py`).
+their code. The run's `config.yaml` is the other half of that promise: `pipeline.trust`.
 """
 
 from __future__ import annotations

@@ -126,12 +126,11 @@ class GhostDataModule(LightningDataModule):
 
     def test_dataloader(self) -> list[DataLoader]:
         trainer = self.trainer
-        world = trainer.world_size if trainer is not None else 1
         loaders = []
         for src in self.data.eval_sources:
             windows = _Windows(self.data.eval_windows(src))
             # Lightning keeps a DistributedSampler it is given: ours pads without counting windows twice.
-            sampler = EvenShares(windows, world, trainer.global_rank) if world > 1 else None
+            sampler = EvenShares(windows, trainer.world_size, trainer.global_rank) if trainer.world_size > 1 else None
             loaders.append(
                 DataLoader(windows, batch_size=self.batch_size, num_workers=self.cfg.num_workers, sampler=sampler)
             )

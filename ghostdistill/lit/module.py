@@ -28,7 +28,7 @@ from ..distill.optim import clip_per_student, make_optimizer
 from ..distill.parallel import average_replicated_grads, ranks_agree, shard_for_fsdp2, shard_mesh
 from ..methods import RecoveryConfig
 from ..pipeline.calibrate import Dist
-from ..pipeline.config import NO_DISTILL_METHODS, EvalConfig, RunConfig
+from ..pipeline.config import EvalConfig, RunConfig
 from ..pipeline.run import Run
 from ..pipeline.train import BestSteps, check_checkpoint_keys, checkpoint_extras
 from ..planning import PlanConfig
@@ -140,8 +140,6 @@ class GhostDistill(LightningModule):
         return self
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        if not self.distilling or self.run.students is None:
-            raise RuntimeError(NO_DISTILL_METHODS)
         start = time.perf_counter()
         losses = self.run.distill_step(batch)
         for view, loss in losses.items():
@@ -173,10 +171,10 @@ class GhostDistill(LightningModule):
         self.budget_curve()
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
-        self.run.start_step()
+        self.run.begin("step")  # an optimizer step: forward, backward, update
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        self.run.end_step(self.global_step, batch["input_ids"].numel())
+        self.run.end("step", step=self.global_step, tokens=batch["input_ids"].numel())
         every = self.cfg.distill.val_every
         if every and self.global_step % every == 0:
             self.validate_students()

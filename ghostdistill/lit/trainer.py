@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
-from dataclasses import fields
 from pathlib import Path
 
 from lightning.pytorch import Callback, Trainer, seed_everything
@@ -24,20 +23,15 @@ from .checkpoint import LastCheckpoint, resolve_ckpt_path
 from .datamodule import GhostDataModule
 from .module import GhostDistill
 
-
-def quiet_console() -> None:
-    """A run's console shows the plan, progress, the result table and where files went, not library chatter:
-    Lightning's advertising tip, a deprecation inside Lightning's own pytree helper, and LightningCLI's note on
-    `args` (calls of `main` from Python pass their own arguments on purpose)."""
-    # rank_zero_info logs through this logger (a filter on a logger sees only its own records).
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
-        lambda record: not str(record.msg).startswith("💡 Tip")
-    )
-    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
-
-
-quiet_console()
+# A run's console shows the plan, progress, the result table and where files went, not library chatter:
+# Lightning's advertising tip, a deprecation inside Lightning's own pytree helper, and LightningCLI's note on
+# `args` (calls of `main` from Python pass their own arguments on purpose). rank_zero_info logs through the
+# logger filtered here (a filter on a logger sees only its own records).
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+    lambda record: not str(record.msg).startswith("💡 Tip")
+)
+warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 # `fit`'s trainer defaults (what the config file does not set): no logger, Lightning's own checkpoints and
 # summary off (`LastCheckpoint` writes ours), no sanity validation, one device.
@@ -56,11 +50,7 @@ def run_callbacks(extra: list[Callback], root: Path, max_steps: int | None, chec
     """`extra` (the calibration, an export) with the report: the export after it, so that a failed export never
     costs the results; and with steps to take, `<root>/checkpoints/last.ckpt` every `checkpoint_every` steps
     (0: at the end only)."""
-    callbacks = [
-        *(c for c in extra if not isinstance(c, Export)),
-        Report(),
-        *(c for c in extra if isinstance(c, Export)),
-    ]
+    callbacks = sorted([*extra, Report()], key=lambda c: isinstance(c, Export))  # stable: the rest keep their order
     if max_steps and max_steps > 0:
         callbacks.append(LastCheckpoint(Path(root) / "checkpoints", checkpoint_every or max_steps))
     return callbacks
@@ -92,7 +82,9 @@ def fit_and_test(trainer: Trainer, module: GhostDistill, data: GhostDataModule, 
     advice = "wait for it to finish, or choose another trainer.default_root_dir"
     with hold_run_folder(root, f"ghostdistill fit into {root}", advice, trainer.is_global_zero):
         if trainer.max_steps != 0:
-            # weights_only (Lightning >= 2.6): tensors and plain data only (`lit.checkpoint.resolve_ckpt_path`).
+            # `resolve_ckpt_path` checks that `last` loads with weights_only, for older Lightning too; Lightning
+            # >= 2.6 loads it so: tensors and plain data only.
+            ckpt_path = resolve_ckpt_path(ckpt_path, root, trainer.is_global_zero)
             safe = {"weights_only": True} if "weights_only" in inspect.signature(trainer.fit).parameters else {}
             trainer.fit(module, datamodule=data, ckpt_path=ckpt_path, **safe)
         if data.cfg.evaluation.sources:
@@ -118,11 +110,9 @@ def fit_run(
     if seed is not None:
         seed_everything(seed, verbose=False)
     module = GhostDistill.from_run(run)
-    data = GhostDataModule(**{f.name: getattr(run.cfg.data, f.name) for f in fields(run.cfg.data)})
+    data = GhostDataModule(**vars(run.cfg.data))
     options = {**TRAINER_DEFAULTS, "enable_progress_bar": progress, **trainer_options}
     options.update(default_root_dir=str(root), max_steps=max_steps)
     callbacks = run_callbacks([Calibration(progress=progress)], root, max_steps, run.cfg.distill.checkpoint_every)
-    trainer = Trainer(callbacks=callbacks, **options)
-    ckpt = resolve_ckpt_path(ckpt_path, Path(root), trainer.is_global_zero) if max_steps else None
-    fit_and_test(trainer, module, data, ckpt)
+    fit_and_test(Trainer(callbacks=callbacks, **options), module, data, ckpt_path)
     return run

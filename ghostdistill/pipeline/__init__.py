@@ -6,6 +6,5 @@
 `calibrate` (plan → statistics, resumable → every method's fit), `train` (the students, their steps, validation
 and the budget curve), `evaluate` (scores, analyses, zero-shot), `export` (views in their formats; a finished
 run folder rebuilt: `reload`). `phases` times each phase for the run's observers and results.json's `phases`;
-the Lightning layer (`ghostdistill.lit`) calls the same phases from its hooks and owns the loop, the devices
-and the checkpoints; `tests/test_phases.py` runs them without it.
+who calls the phases, from Lightning's hooks or without a Trainer: `run`'s docstring.
 """

@@ -6,9 +6,7 @@ files, compressed-tensors folders), from memory or from a finished run folder.
     reload.export_run(run_dir, cfg, options)                     a run folder, without a Trainer
     run_view_model(pruned, report, cfg, view)                    one view in memory, as its folder loads
 
-`export.options.ExportOptions` are the views, the folder, `overwrite`, the formats and their options
-(`gguf_types`, `imatrix`, `schemes`, `quantize_python`), the same keys for the `Export` callback and the
-`export` command; what needs no run is checked there, what needs this run's config here.
+What an export is asked (`export.options.ExportOptions`) is checked there without a run, and here with its config.
 A llama-quantize type (`export.quantize`) takes an importance matrix over the run's calibration windows
 (`imatrix`, on by default), and so does compressed-tensors' calibration; the tools each format needs are
 checked before anything loads.

@@ -32,7 +32,7 @@ frontier reuses its contiguous depths, and adding a view to `greedy.views` reuse
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -60,12 +60,7 @@ GREEDY = "greedy"
 
 
 def frontier_point(
-    cfg: RunConfig,
-    llm: nn.Module,
-    data: RunData,
-    n: int,
-    criteria: Iterable[str] = FRONTIER_CRITERIA,
-    progress: Callable[[Iterable, str], Iterable] = lambda it, desc: it,
+    cfg: RunConfig, llm: nn.Module, data: RunData, n: int, criteria: Iterable[str] = FRONTIER_CRITERIA
 ) -> dict:
     """One depth of the frontier: rows of (criterion, view) with the plan, the selection KL and the
     evaluation metrics, the candidates' table and the costs (the criteria are the frontier file's, checked
@@ -75,14 +70,7 @@ def frontier_point(
     plan_cfg = replace(cfg.plan, layers=None, num_layers=n, criterion="repair", repair_method=None)
     start = time.perf_counter()
     runs = score_runs(
-        plan_cfg,
-        cfg.recovery,
-        llm,
-        stack,
-        data.calibration_batches(),
-        data.selection_batches(),
-        progress,
-        keep_fits=True,
+        plan_cfg, cfg.recovery, llm, stack, data.calibration_batches(), data.selection_batches(), keep_fits=True
     )
     planning_s = time.perf_counter() - start
     views = [PRUNED, *(r.name for r in cfg.recovery)]
@@ -162,13 +150,7 @@ def greedy_starts(rows: list[dict], views: Iterable[str]) -> dict[str, list[int]
 
 
 def greedy_rows(
-    cfg: RunConfig,
-    llm: nn.Module,
-    data: RunData,
-    n: int,
-    starts: dict[str, list[int]],
-    criterion_samples: int | None,
-    progress: Callable[[Iterable, str], Iterable] = lambda it, desc: it,
+    cfg: RunConfig, llm: nn.Module, data: RunData, n: int, starts: dict[str, list[int]], criterion_samples: int | None
 ) -> dict:
     """Depth n's ``greedy`` rows: per view of `starts` (its previous depth's plan), ``repair_greedy`` from that
     plan to n blocks with the view's recovery entry, its candidates fitted on the first `criterion_samples`
@@ -191,10 +173,10 @@ def greedy_rows(
             greedy_start=sorted(start_blocks), greedy_from=None, criterion_samples=samples,
         )  # fmt: skip
         t0 = time.perf_counter()
-        inputs = PlanInputs(llm, stack, list(first_windows(batches, samples)), progress, selection=selection)
+        inputs = PlanInputs(llm, stack, list(first_windows(batches, samples)), selection=selection)
         plan = repair_greedy_plan(plan_cfg, entry, inputs)
         t1 = time.perf_counter()
-        fitter = RepairFitter(llm, [entry], batches, progress)
+        fitter = RepairFitter(llm, [entry], batches)
         fitter.collect_dense(fitter.needed(plan), f"greedy n={n} ({view}): the chosen plan's statistics")
         pruned = fitter.repaired(plan)
         try:
@@ -246,8 +228,6 @@ def run_frontier(
     root: Path,
     depths: list[int],
     criteria: Iterable[str] = FRONTIER_CRITERIA,
-    progress: Callable[[Iterable, str], Iterable] = lambda it, desc: it,
-    log: Callable[[str], None] = print,
     greedy: dict | None = None,
 ) -> list[dict]:
     """Every depth of `depths`, each saved as it finishes and skipped when saved before with the same
@@ -266,10 +246,10 @@ def run_frontier(
     points: list[dict] = []
     for n in depths:
         path = Path(root) / "points" / f"n_{n:02d}.json"
-        point = _saved(path, settings, f"frontier n={n}", log, n)
+        point = _saved(path, settings, f"frontier n={n}", n)
         if point is None:
-            log(f"frontier n={n}: planning and evaluating")
-            point = {"settings": settings, **frontier_point(cfg, llm, data, n, contiguous, progress)}
+            print(f"frontier n={n}: planning and evaluating")
+            point = {"settings": settings, **frontier_point(cfg, llm, data, n, contiguous)}
             atomic_write_json(path, point)
         if views and points:
             starts = greedy_starts(points[-1]["rows"], views)
@@ -278,10 +258,10 @@ def run_frontier(
                 # One file per view: adding a view to `greedy.views` reuses the others' searches.
                 extra = {**settings, "greedy_criterion_samples": greedy["criterion_samples"], "start": start}
                 gpath = Path(root) / "points" / f"n_{n:02d}_greedy_{view}.json"
-                found[view] = _saved(gpath, extra, f"frontier n={n} greedy {view}", log, n)
+                found[view] = _saved(gpath, extra, f"frontier n={n} greedy {view}", n)
                 if found[view] is None:
-                    log(f"frontier n={n}: greedy {view} from its plan of n={points[-1]['n']}, {start}")
-                    rows = greedy_rows(cfg, llm, data, n, {view: start}, greedy["criterion_samples"], progress)
+                    print(f"frontier n={n}: greedy {view} from its plan of n={points[-1]['n']}, {start}")
+                    rows = greedy_rows(cfg, llm, data, n, {view: start}, greedy["criterion_samples"])
                     found[view] = {"settings": extra, **rows}
                     atomic_write_json(gpath, found[view])
             point = {
@@ -293,7 +273,7 @@ def run_frontier(
     return points
 
 
-def _saved(path: Path, settings: dict, what: str, log: Callable[[str], None], n: int) -> dict | None:
+def _saved(path: Path, settings: dict, what: str, n: int) -> dict | None:
     """The point of depth `n` saved at `path` when it is whole (`point_problem`) and was computed with
     `settings`, else None, saying why: a file that is unreadable, edited into another shape or of other
     settings is computed again (and replaced), never read as it is."""
@@ -302,7 +282,7 @@ def _saved(path: Path, settings: dict, what: str, log: Callable[[str], None], n:
     saved, why = read_point(path, n)
     why = why or stale_point(saved, settings)
     if why is None:
-        log(f"{what}: done before ({path})")
+        print(f"{what}: done before ({path})")
         return saved
-    log(f"{what}: {path} {why}; computing it again")
+    print(f"{what}: {path} {why}; computing it again")
     return None

@@ -64,9 +64,7 @@ class LoadedRun:
     run: object = None  # the `pipeline.run.Run` it was rebuilt by
 
 
-def load_run(
-    run: Path, cfg: RunConfig, views: list[str] = (), log: Callable[[str], None] = print, observers=()
-) -> LoadedRun:
+def load_run(run: Path, cfg: RunConfig, views: list[str] = (), log: Callable[[str], None] = print) -> LoadedRun:
     """Rebuild the run in `run` (configured by `cfg`, its config.yaml) without a Trainer, as a
     `pipeline.run.Run`: the model, the operators re-solved from the saved statistics, and the students of
     any `_ft` view in `views`."""
@@ -76,7 +74,7 @@ def load_run(
             raise FileNotFoundError(f"{path} is missing: export reads a finished run folder (run `fit` first)")
     check_view_names(cfg, list(views), str(run), "--views")
     report = read_mapping(results, "results file")
-    loaded = Run(cfg, log=log, observers=list(observers))
+    loaded = Run(cfg, log=log)
     loaded.setup(run, checks=False)
     loaded.calibrate(saved_only=True)
     if set(views) & set(cfg.distill.views()):
@@ -84,15 +82,7 @@ def load_run(
     return LoadedRun(loaded.pruned, loaded.tokenizer, loaded.data, report, loaded)
 
 
-def export_run(
-    run: Path,
-    cfg: RunConfig,
-    options: ExportOptions,
-    *,
-    seed: int | None = None,
-    log: Callable[[str], None] = print,
-    observers=(),
-) -> list[Path]:
+def export_run(run: Path, cfg: RunConfig, options: ExportOptions, *, seed: int | None = None) -> list[Path]:
     """Export `options.views` of the finished run in `run` (configured by `cfg`, its config.yaml) without a
     Trainer. Bad view names, formats, schemes and targets, and missing llama.cpp tools or llm-compressor's
     environment, fail before the model loads (`check_export`)."""
@@ -100,6 +90,6 @@ def export_run(
     check_export(cfg, options, root, where=str(run), key="--views")
     # Held from before the model loads: a second export of these targets is refused at once, not after its load.
     with holding_targets(root, options):
-        loaded = load_run(run, cfg, options.views, log, observers)
+        loaded = load_run(run, cfg, options.views)
         loaded.run.seed = seed
         return loaded.run.export(options, root, report=loaded.report)

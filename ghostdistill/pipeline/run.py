@@ -20,10 +20,7 @@ callbacks call `prepare` before the loop and `finish` after the test loop, nothi
 Why one object: the state a run builds (model, views, students, report) used to travel through
 attributes of the LightningModule and the callbacks, and the order of the phases was implicit in
 Lightning's hook order; here both are written down once.
-
-Every phase reports its seconds and peak memory (`core.measure.PeakMemory`) to the run's observers
-(`PhaseObserver`; `observe(...)` adds process-wide ones, how scripts time a `fit` they start through the
-CLI) and to results.json's `phases`.
+Every phase is timed for the run's observers and results.json's `phases` (`pipeline.phases`).
 """
 
 from __future__ import annotations

@@ -255,8 +255,8 @@ def check_checkpoint_keys(saved: set[str], trainable: set[str]) -> None:
 class DistillPhases:
     """The distillation phases of a `pipeline.run.Run` (its state: `cfg`, `pruned`, `data`, `students`, `tracker`,
     `report`; its `phase` timer and `log`), in the order the loop calls them: `build_students` once (from
-    `Run.prepare`), then per step `start_step`, `distill_step`, `end_step`, with `validate` and `curve` when due,
-    and `end_distillation` after the last step."""
+    `Run.prepare`), then per step `distill_step` (the loop times each step as the phase ``step``), with `validate`
+    and `curve` when due, and `end_distillation` after the last step."""
 
     def build_students(self, check: bool = True):
         """The students, each from its method's closed form (before any optimizer exists)."""
@@ -269,13 +269,6 @@ class DistillPhases:
 
     def distill_step(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return distill_step(self.students, batch)
-
-    def start_step(self) -> None:
-        """An optimizer step begins (the loop's: forward, backward, update); `end_step` when it is done."""
-        self.begin("step")
-
-    def end_step(self, step: int, tokens: int) -> None:
-        self.end("step", step=step, tokens=tokens)
 
     def validate(self, step: int, *, dist: Dist = Dist(), sync_check=None) -> dict | None:
         """Validate the students at `step` (once per step; None without validation windows)."""

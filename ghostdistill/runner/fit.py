@@ -18,7 +18,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from ..core.run_folder import check_run_folder
 from ..distill.parallel import tensor_parallel_refusal
 from ..lit.callbacks import Calibration, Export
-from ..lit.checkpoint import resolve_ckpt_path
 from ..lit.datamodule import GhostDataModule
 from ..lit.interrupts import terminate_on_sigterm
 from ..lit.module import GhostDistill
@@ -87,11 +86,8 @@ def check_accelerator(accelerator, devices) -> None:
     model's tokenizer, and is a traceback: "No supported gpu backend found!")."""
     import torch
 
-    available = {
-        "cuda": torch.cuda.is_available(),
-        "mps": torch.backends.mps.is_available(),
-    }
-    available["gpu"] = available["cuda"] or available["mps"]
+    cuda, mps = torch.cuda.is_available(), torch.backends.mps.is_available()
+    available = {"cuda": cuda, "mps": mps, "gpu": cuda or mps}
     if isinstance(accelerator, str) and not available.get(accelerator, True):
         raise RuntimeError(
             f"trainer.accelerator {accelerator!r} (trainer.devices {devices}) asks for GPUs, and this machine has none "
@@ -229,9 +225,6 @@ class _ParseOnly(GhostDistillCLI):
     def instantiate_classes(self) -> None:
         pass
 
-    def after_instantiate_classes(self) -> None:
-        pass
-
 
 def settings_of(cli: GhostDistillCLI) -> dict:
     """The settings that decide a run's results (`pipeline.settings.result_settings`) of a parsed `fit`."""
@@ -252,11 +245,5 @@ def run_fit(args: list[str] | dict) -> GhostDistillCLI:
         trainer, model, data = cli.trainer, cli.model, cli.datamodule
         model.run.report.settings = settings_of(cli)  # results.json: what compare checks before reusing it
         model.run.seed = cli.config.get("seed_everything")  # what the exports record
-        ckpt = None
-        if trainer.max_steps != 0:
-            # `resolve_ckpt_path` checks that `last` loads with weights_only, for older Lightning too.
-            ckpt = resolve_ckpt_path(
-                cli.config.get("ckpt_path"), Path(trainer.default_root_dir), trainer.is_global_zero
-            )
-        fit_and_test(trainer, model, data, ckpt)
+        fit_and_test(trainer, model, data, cli.config.get("ckpt_path"))
         return cli

@@ -10,9 +10,8 @@ import pytest
 import torch
 from tiny_run import tiny_run_args
 
-from ghostdistill.calibration.state import STATE_FORMAT, load_state
+from ghostdistill.calibration.state import STATE_FILE, STATE_FORMAT, load_state
 from ghostdistill.cli import main
-from ghostdistill.lit.callbacks import Calibration
 from ghostdistill.lit.checkpoint import checkpoint_problem
 from ghostdistill.methods import make_collectors
 
@@ -46,7 +45,7 @@ def test_same_config_and_seed_give_bit_identical_operators_and_bad_states_are_re
     for key in first:
         assert torch.equal(first[key], second[key]), f"{key} differs between two runs of the same config"
 
-    state = tmp_path / "a" / Calibration.STATE_FILE
+    state = tmp_path / "a" / STATE_FILE
     good = state.read_bytes()
     for label, damage in [
         ("truncated", lambda: state.write_bytes(good[: len(good) // 2])),
@@ -61,7 +60,7 @@ def test_same_config_and_seed_give_bit_identical_operators_and_bad_states_are_re
     ]:
         state.write_bytes(good)
         damage()
-        with pytest.warns(UserWarning, match=rf"{Calibration.STATE_FILE} .*calibrating from scratch"):
+        with pytest.warns(UserWarning, match=rf"{STATE_FILE} .*calibrating from scratch"):
             again = _operators(main(_args(tiny_dir, text_files, tmp_path / "a")))
         for key in first:
             assert torch.equal(first[key], again[key]), f"{label}: {key}"
