@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .capture import residual_streams
-from .head import decoder_of, final_hidden
+from .head import final_hidden
 from .model import DecoderStack, model_inputs
 from .offload import is_offloaded
 from .sequential import Progress, Stream, Windows, advance, capture, final_states, view_stream
@@ -123,13 +123,8 @@ class Executor:
             for view in views:
                 first = (starts or {}).get(view)
                 with pruned.use(view, skip=first or 0) as model:
-                    if first is None:
-                        hidden[view] = [final_hidden(model, ids, mask)]
-                    else:
-                        out = decoder_of(model)(
-                            inputs_embeds=prefix[index][first], attention_mask=mask, use_cache=False
-                        )
-                        hidden[view] = [out.last_hidden_state]
+                    embeds = None if first is None else prefix[index][first]
+                    hidden[view] = [final_hidden(model, ids, mask, embeds)]
             yield Windows([ids], [mask], [], [], [], offset=index), hidden
 
 

@@ -31,9 +31,13 @@ def decoder_of(model: nn.Module) -> nn.Module:
     return decoder
 
 
-def final_hidden(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The final hidden states [batch, seq, C] (after the final norm), without computing any logits."""
-    return decoder_of(model)(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+def final_hidden(
+    model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None, embeds: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The final hidden states [batch, seq, C] (after the final norm), without computing any logits; from
+    `embeds`, where given, in place of the embeddings of `ids` (the stream entering the model's first block)."""
+    inputs = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
+    return decoder_of(model)(**inputs, attention_mask=mask, use_cache=False).last_hidden_state
 
 
 def output_head(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:

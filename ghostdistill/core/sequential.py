@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -127,13 +128,11 @@ def _output(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _recording(store: list, stop: bool = False):
-    def hook(module, args, kwargs):
-        store.append(args[0] if args else kwargs["hidden_states"])
-        if stop:
-            raise _StopForward
-
-    return hook
+def _record(store: list, stop: bool, module, args, kwargs) -> None:
+    """A block's forward pre-hook (bound by `partial`): its input into `store`; `stop`: then stop the forward."""
+    store.append(args[0] if args else kwargs["hidden_states"])
+    if stop:
+        raise _StopForward
 
 
 @torch.no_grad()
@@ -145,7 +144,7 @@ def _run(stream: Stream, windows: Windows, tap: list | None, mlp: list | None, p
         stream.pruned.set_view(stream.view)
     handles = []
     if tap is not None:
-        handles.append(block.register_forward_pre_hook(_recording(tap, stop=peek), with_kwargs=True))
+        handles.append(block.register_forward_pre_hook(partial(_record, tap, peek), with_kwargs=True))
     if mlp is not None:
         handles.append(mlp_module(block).register_forward_hook(lambda _module, _args, out: mlp.append(_output(out))))
     start = time.perf_counter()
