@@ -10,8 +10,7 @@ Every tap is checked to be finite before it reaches a sum: one inf or NaN (a flo
 broken weights) would turn every operator into NaN silently, so the run stops at once naming the batch
 and the block whose input it was.
 
-How the batches go through the blocks is the model's executor's choice (`core.executor`): a full forward
-per batch, or (weights offloaded) all batches through one block before the next. Either way a gap's
+How the batches go through the blocks is the model's executor's choice (`core.executor`); either way a gap's
 collectors are fed, batch after batch, once the pass reaches its end, so the sums are the same to the bit.
 """
 

@@ -15,9 +15,8 @@ the model's executor (`executor_of`) decides how the windows go through the bloc
 
 The points of one pass come in ascending order, and each arrives with the MLP outputs the pass has gone
 through, so a consumer written once (keep the stream at a gap's start, use it when its end arrives) is right
-under every executor. A block computes exactly what it computes inside the model's forward (the same inputs,
-the same shapes), so the numbers are the same to the bit whichever executor runs them
-(tests/core/test_executor.py, tests/core/test_offload.py).
+under every executor, and the numbers are the same to the bit whichever executor runs them (why: `core.sequential`;
+tests/core/test_executor.py, tests/core/test_offload.py).
 
 Whole-pass executors (`blockwise`) finish a phase's sums only at the end of their single pass: a phase
 checkpoints them then, and defers per-batch work until all batches are there (`Run.score_batch`).

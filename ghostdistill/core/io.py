@@ -76,10 +76,8 @@ def no_space(err: BaseException, folder: Path) -> bool:
     if any(t in text for t in _NO_SPACE_TEXT):
         return True
     if isinstance(err, RuntimeError) and any(t in text for t in _TORCH_WRITE_FAILED):
-        try:
+        with suppress(OSError):
             return shutil.disk_usage(_mount_of(folder)).free < _NEARLY_FULL
-        except OSError:
-            return False
     return False
 
 

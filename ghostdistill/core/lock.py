@@ -101,12 +101,9 @@ def _acquire(path: Path) -> int | None:
                 if record and alive(record) and record.get("pid") != os.getpid():
                     os.close(fd)
                     return None
-            try:
-                same = os.fstat(fd).st_ino == os.stat(path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                return fd
+            with suppress(FileNotFoundError):
+                if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                    return fd
             os.close(fd)  # the file was removed by its last holder between our open and our lock: again
         except BaseException:
             os.close(fd)
