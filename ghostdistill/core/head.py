@@ -68,12 +68,9 @@ CHUNK_ELEMENTS = 2**25
 
 def tokens_per_chunk(vocab_size: int, chunk: int | None = None) -> int:
     """`chunk` when given; otherwise as many tokens as keep one chunk's logits at `CHUNK_ELEMENTS` values
-    (1,024 tokens at a 32k vocabulary, 128 at 262k), so memory does not grow with the vocabulary."""
+    (1,024 tokens at a 32k vocabulary, 128 at 262k), so memory does not grow with the vocabulary. A given chunk
+    is checked where it is set (`evaluation.logit_chunk`) and where it is used (`token_chunks`)."""
     if chunk is not None:
-        if chunk < 1:
-            raise ValueError(
-                f"chunk must be a positive number of tokens (or null: sized by the vocabulary), got {chunk}"
-            )
         return chunk
     return max(1, CHUNK_ELEMENTS // max(1, vocab_size))
 

@@ -62,11 +62,6 @@ def alive(record: dict) -> bool:
     return True
 
 
-def describe(record: dict) -> str:
-    what = f" ({record['what']})" if record.get("what") else ""
-    return f"process {record.get('pid')} on {record.get('host')} since {record.get('since')}{what}"
-
-
 def _read(source: int | Path) -> dict:
     """The record in a lock file (from its open descriptor or its path) or a marker; {} where none reads."""
     try:
@@ -135,9 +130,11 @@ def hold(path: str | os.PathLike, what: str, advice: str = "") -> Iterator[None]
             "choose a folder you can write"
         ) from None
     if fd is None:
-        holder = _read(path)
+        record = _read(path)
+        what = f" ({record['what']})" if record.get("what") else ""
+        holder = f"process {record.get('pid')} on {record.get('host')} since {record.get('since')}{what}"
         raise PlaceInUse(
-            f"{path.parent} is in use by {describe(holder) if holder else 'another process'} (lock {path}); "
+            f"{path.parent} is in use by {holder if record else 'another process'} (lock {path}); "
             + (advice or "wait for it to finish")
         )
     os.ftruncate(fd, 0)
