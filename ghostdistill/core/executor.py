@@ -174,13 +174,8 @@ class Offloaded(Executor):
             with pruned.use(DENSE):
                 windows = capture(model, pruned.stack, batches[lo : lo + size])
             windows.offset = lo
-            firsts = [(starts or {}).get(v) for v in views]
-            streams = [
-                view_stream(pruned, v, windows)
-                if at is None
-                else view_stream(pruned, v, windows, at, [p[at] for p in prefix[lo : lo + len(windows.ids)]])
-                for v, at in zip(views, firsts)
-            ]
+            part = (prefix or [])[lo : lo + len(windows.ids)]  # the kept dense streams of this pass's batches
+            streams = [view_stream(pruned, v, windows, (starts or {}).get(v), part) for v in views]
             states = final_states(streams, windows)
             yield windows, dict(zip(views, states))
 

@@ -90,10 +90,8 @@ def disk_space(what: str, folder: str | os.PathLike, needed: dict | None = None)
     folder = Path(folder)
     try:
         yield needed
-    except NoSpaceError:
-        raise
     except Exception as err:
-        if not no_space(err, folder):
+        if isinstance(err, NoSpaceError) or not no_space(err, folder):  # an inner block's own: as it is
             raise
         mount = _mount_of(folder)
         try:

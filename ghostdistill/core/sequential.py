@@ -113,15 +113,14 @@ class Stream:
     seconds: float = 0.0
 
 
-def view_stream(pruned, view: str, windows: Windows, at: int = 0, hidden: list[torch.Tensor] | None = None) -> Stream:
-    """The stream of `view` of `pruned` (a `core.views.PrunedModel`), entering its block `at` with `hidden`
-    (default the windows at block 0)."""
+def view_stream(pruned, view: str, windows: Windows, at: int | None = None, prefix: Sequence[dict] = ()) -> Stream:
+    """The stream of `view` of `pruned` (a `core.views.PrunedModel`): the windows at block 0, or, with `at`,
+    entering its block `at` with `prefix[b][at]` for batch b of the windows."""
     indices = range(pruned.plan.num_layers) if view == DENSE else pruned.plan.kept
     with pruned.use(view):
         blocks = list(zip(indices, pruned.stack.layers))
-    if hidden is None and at != 0:
-        raise ValueError(f"a stream entering block {at} needs its activations there")
-    return Stream(view, blocks, list(windows.hidden if hidden is None else hidden), at, pruned)
+    hidden = windows.hidden if at is None else [p[at] for p in prefix]
+    return Stream(view, blocks, list(hidden), at or 0, pruned)
 
 
 def _output(out) -> torch.Tensor:
