@@ -34,11 +34,10 @@ from .capture import residual_streams
 from .head import final_hidden
 from .model import DecoderStack, model_inputs
 from .offload import is_offloaded
-from .sequential import Progress, Stream, Windows, advance, capture, final_states, view_stream
+from .sequential import Batch, Progress, Stream, Windows, advance, capture, final_states, view_stream
 from .sharded import is_sharded
 from .views import DENSE
 
-Batch = dict[str, torch.Tensor]
 # The most bytes of final hidden states one block-by-block evaluation pass holds (each pass reads the weights once).
 PASS_BYTES = 4 * 2**30
 # (windows of the pass, block boundary, per-batch streams there, block → per-batch MLP outputs so far)
