@@ -258,11 +258,9 @@ class Resumable:
         self.items: list = []
         self.state: Any = None
         if self.path is not None and self.path.is_file():
-            try:
+            with suppress(Exception):  # unreadable or from another version: made again
                 saved = torch.load(self.path, weights_only=True)
                 self.items, self.state = list(saved["items"]), saved["state"]
-            except Exception:  # noqa: BLE001 - unreadable or from another version: made again
-                self.items, self.state = [], None
 
     def add(self, item: Any, state: Any = None) -> None:
         self.items.append(item)

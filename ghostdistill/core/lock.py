@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - not on POSIX: the body alone decides
     fcntl = None
 
 MARKER = ".ghostdistill-tmp"
-_HELD: dict[str, int] = {}  # lock path -> how many times this process holds it (reentrant)
+_HELD: set[str] = set()  # the lock paths this process holds (an inner `hold` of one of them is a no-op)
 
 
 class PlaceInUse(RuntimeError):
@@ -112,12 +112,8 @@ def hold(path: str | os.PathLike, what: str, advice: str = "") -> Iterator[None]
     one can do. The lock file is removed on release."""
     path = Path(path)
     key = str(path.resolve())
-    if key in _HELD:
-        _HELD[key] += 1
-        try:
-            yield
-        finally:
-            _HELD[key] -= 1
+    if key in _HELD:  # reentrant: the outermost hold releases it
+        yield
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -140,11 +136,11 @@ def hold(path: str | os.PathLike, what: str, advice: str = "") -> Iterator[None]
     os.ftruncate(fd, 0)
     os.lseek(fd, 0, os.SEEK_SET)
     os.write(fd, (json.dumps({**who(), "what": what}) + "\n").encode())
-    _HELD[key] = 1
+    _HELD.add(key)
     try:
         yield
     finally:
-        _HELD.pop(key, None)
+        _HELD.discard(key)
         with suppress(OSError):
             path.unlink()  # while still locked: a waiting opener sees a new file (`_acquire` checks)
         os.close(fd)
