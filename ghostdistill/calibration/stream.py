@@ -96,10 +96,8 @@ def accumulate_students(
     """
     kept = pruned.plan.kept
     student_point = kept.index(gap.stop) if gap.stop < pruned.plan.num_layers else len(kept)
-    mlp_blocks = {
-        view: [kept.index(gap.start - 1)] if gap.start > 0 and needs_mlp(c) else [] for view, c in collectors.items()
-    }
-    runs = [(DENSE, gap.stop, []), *((view, student_point, mlp_blocks[view]) for view in collectors)]
+    before = [kept.index(gap.start - 1)] if gap.start > 0 else []  # the block before the gap, in the student
+    runs = [(DENSE, gap.stop, []), *((v, student_point, before if needs_mlp(c) else []) for v, c in collectors.items())]
     seconds = dict.fromkeys([DENSE, *collectors], 0.0)
     batches = batches if isinstance(batches, list) else list(batches)
     desc = f"student statistics for gap {gap.key}, block by block"
