@@ -150,11 +150,8 @@ def _run(stream: Stream, windows: Windows, tap: list | None, mlp: list | None, p
     try:
         for b, hidden in enumerate(stream.hidden):
             args, kwargs = windows.calls[b][index]
-            try:
-                out = _output(block(hidden, *args, **kwargs))
-            except _StopForward:
-                continue
-            stream.hidden[b] = out
+            with suppress(_StopForward):  # a peek: the hook took the input and stopped the block
+                stream.hidden[b] = _output(block(hidden, *args, **kwargs))
     finally:
         for h in handles:
             h.remove()
