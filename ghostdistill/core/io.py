@@ -60,9 +60,7 @@ def human_bytes(n: int | float) -> str:
 
 def _mount_of(path: Path) -> Path:
     path = path.resolve()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    while not os.path.ismount(path) and path != path.parent:
+    while not os.path.ismount(path) and path != path.parent:  # a path that does not exist is no mount either
         path = path.parent
     return path
 
@@ -94,10 +92,9 @@ def disk_space(what: str, folder: str | os.PathLike, needed: dict | None = None)
         if isinstance(err, NoSpaceError) or not no_space(err, folder):  # an inner block's own: as it is
             raise
         mount = _mount_of(folder)
-        try:
+        free = "unknown"
+        with suppress(OSError):
             free = human_bytes(shutil.disk_usage(mount).free)
-        except OSError:
-            free = "unknown"
         size = needed.get("bytes")
         need = f"; it needs about {human_bytes(size)}" if size else ""
         full = NoSpaceError(
