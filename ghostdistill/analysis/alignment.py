@@ -65,11 +65,8 @@ class AlignmentErrors:
         return (self.err[group] / self.base[group]) ** 0.5
 
     def summary(self) -> dict:
-        return {
-            "held_out_other": self.ratio("other"),
-            "held_out_first": self.ratio("first"),
-            "held_out_tokens": dict(self.tokens),
-        }
+        """`held_out_<group>`: e per group; `held_out_tokens`: the token counts."""
+        return {**{f"held_out_{g}": self.ratio(g) for g in GROUPS}, "held_out_tokens": dict(self.tokens)}
 
 
 def _repairs(pruned: PrunedModel, views: list[str], key: str) -> Iterator[tuple]:
