@@ -44,13 +44,12 @@ def residual_streams(
     captured: dict[int, torch.Tensor] = {}
     mlp_out = {} if mlp_out is None else mlp_out
     positions: dict[str, torch.Tensor | None] = {}
-    last = wanted[-1]
     handles = []
 
     def pre(i: int, module, args, kwargs):
         captured[i] = args[0] if args else kwargs["hidden_states"]
         positions.setdefault("ids", kwargs.get("position_ids"))
-        if i == last:
+        if i == wanted[-1]:
             raise _StopForward
 
     def post(module, args, kwargs, output):
