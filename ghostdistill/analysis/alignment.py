@@ -65,11 +65,8 @@ class AlignmentErrors:
         return (self.err[group] / self.base[group]) ** 0.5
 
     def summary(self) -> dict:
-        return {
-            "held_out_other": self.ratio("other"),
-            "held_out_first": self.ratio("first"),
-            "held_out_tokens": dict(self.tokens),
-        }
+        """`held_out_<group>`: e per group; `held_out_tokens`: the token counts."""
+        return {**{f"held_out_{g}": self.ratio(g) for g in GROUPS}, "held_out_tokens": dict(self.tokens)}
 
 
 def _repairs(pruned: PrunedModel, views: list[str], key: str) -> Iterator[tuple]:
@@ -116,16 +113,14 @@ def analyse(pruned: PrunedModel, views: list[str], batches: list[dict[str, torch
     """Per gap and method: the anatomy of the residual-stream operator (where the method has one that is
     not a folded scalar or MLP map) and the held-out alignment errors; JSON-ready."""
     errors = held_out_alignment(pruned, views, batches)
-    gaps = {}
+    gaps = {gap.key: {} for gap in pruned.plan.gaps}
     for gap in pruned.plan.gaps:
-        entry = {}
         for view, op, _ in _repairs(pruned, views, gap.key):
             row = {"anatomy": "n/a: folded into existing weights (a scalar or a map on the MLP output)"}
             if op is not None and not op.fused:
                 row["anatomy"] = operator_anatomy(op.delta)
             if view in errors[gap.key]:
                 row.update(errors[gap.key][view].summary())
-            entry[view] = row
-        gaps[gap.key] = entry
+            gaps[gap.key][view] = row
     windows = sum(int(b["input_ids"].shape[0]) for b in batches)
     return {"held_out_windows": windows, "gaps": gaps}

@@ -2,9 +2,8 @@
 which are sums, are added across ranks before the solve, so every rank solves the same operators as a
 single process would (to float64 round-off in the order of the additions).
 
-Every rank runs the same number of batches (`even_shard`): a sharded model (FSDP2) gathers each block's
-weights in every forward, a collective all ranks must join, so a rank with one batch fewer than the others
-runs a padding batch that is not counted (`counted`), as evaluation does (`lit.datamodule.EvenShares`)."""
+Every rank runs the same number of batches (`even_shard`; why: `core.sharded`): a rank with one batch fewer than
+the others runs a padding batch that is not counted (`counted`), as evaluation does (`lit.datamodule.EvenShares`)."""
 
 from __future__ import annotations
 

@@ -53,10 +53,9 @@ def accumulate_prefixes(
     for each n in `sizes`, ascending. Each yielded set is a copy: later windows do not change it.
     `recovery`: the entries to be fitted, to hold only what they read (`make_collectors`)."""
     stats = {g.key: make_collectors(methods, hidden, device, recovery) for g in gaps}
-    wanted = set(sizes)
     for start, stop in prefix_batches(len(windows), sizes, batch_size):
         accumulate(model, stack, gaps, [{"input_ids": windows[start:stop]}], stats)
-        if stop in wanted:
+        if stop in sizes:
             copies = {key: make_collectors(methods, hidden, device, recovery) for key in stats}
             for key, collectors in stats.items():
                 for name, c in collectors.items():

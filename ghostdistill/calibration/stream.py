@@ -10,8 +10,7 @@ Every tap is checked to be finite before it reaches a sum: one inf or NaN (a flo
 broken weights) would turn every operator into NaN silently, so the run stops at once naming the batch
 and the block whose input it was.
 
-How the batches go through the blocks is the model's executor's choice (`core.executor`): a full forward
-per batch, or (weights offloaded) all batches through one block before the next. Either way a gap's
+How the batches go through the blocks is the model's executor's choice (`core.executor`); either way a gap's
 collectors are fed, batch after batch, once the pass reaches its end, so the sums are the same to the bit.
 """
 
@@ -97,10 +96,8 @@ def accumulate_students(
     """
     kept = pruned.plan.kept
     student_point = kept.index(gap.stop) if gap.stop < pruned.plan.num_layers else len(kept)
-    mlp_blocks = {
-        view: [kept.index(gap.start - 1)] if gap.start > 0 and needs_mlp(c) else [] for view, c in collectors.items()
-    }
-    runs = [(DENSE, gap.stop, []), *((view, student_point, mlp_blocks[view]) for view in collectors)]
+    before = [kept.index(gap.start - 1)] if gap.start > 0 else []  # the block before the gap, in the student
+    runs = [(DENSE, gap.stop, []), *((v, student_point, before if needs_mlp(c) else []) for v, c in collectors.items())]
     seconds = dict.fromkeys([DENSE, *collectors], 0.0)
     batches = batches if isinstance(batches, list) else list(batches)
     desc = f"student statistics for gap {gap.key}, block by block"

@@ -8,6 +8,7 @@ are never computed).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from torch import nn
@@ -43,35 +44,28 @@ def residual_streams(
     captured: dict[int, torch.Tensor] = {}
     mlp_out = {} if mlp_out is None else mlp_out
     positions: dict[str, torch.Tensor | None] = {}
-    last = wanted[-1]
     handles = []
 
-    def pre(i: int):
-        def hook(module, args, kwargs):
-            captured[i] = args[0] if args else kwargs["hidden_states"]
-            positions.setdefault("ids", kwargs.get("position_ids"))
-            if i == last:
-                raise _StopForward
-
-        return hook
+    def pre(i: int, module, args, kwargs):
+        captured[i] = args[0] if args else kwargs["hidden_states"]
+        positions.setdefault("ids", kwargs.get("position_ids"))
+        if i == wanted[-1]:
+            raise _StopForward
 
     def post(module, args, kwargs, output):
         captured[n] = output[0] if isinstance(output, tuple) else output
         positions.setdefault("ids", kwargs.get("position_ids"))
         raise _StopForward
 
-    def mlp_hook(i: int):
-        def hook(module, args, output):
-            mlp_out[i] = output[0] if isinstance(output, tuple) else output
-
-        return hook
+    def mlp_hook(i: int, module, args, output):
+        mlp_out[i] = output[0] if isinstance(output, tuple) else output
 
     try:
         for i in mlp_blocks:
-            handles.append(mlp_module(layers[i]).register_forward_hook(mlp_hook(i)))
+            handles.append(mlp_module(layers[i]).register_forward_hook(partial(mlp_hook, i)))
         for i in wanted:
             if i < n:
-                handles.append(layers[i].register_forward_pre_hook(pre(i), with_kwargs=True))
+                handles.append(layers[i].register_forward_pre_hook(partial(pre, i), with_kwargs=True))
             else:
                 handles.append(layers[n - 1].register_forward_hook(post, with_kwargs=True))
         try:

@@ -15,9 +15,8 @@ the model's executor (`executor_of`) decides how the windows go through the bloc
 
 The points of one pass come in ascending order, and each arrives with the MLP outputs the pass has gone
 through, so a consumer written once (keep the stream at a gap's start, use it when its end arrives) is right
-under every executor. A block computes exactly what it computes inside the model's forward (the same inputs,
-the same shapes), so the numbers are the same to the bit whichever executor runs them
-(tests/core/test_executor.py, tests/core/test_offload.py).
+under every executor, and the numbers are the same to the bit whichever executor runs them (why: `core.sequential`;
+tests/core/test_executor.py, tests/core/test_offload.py).
 
 Whole-pass executors (`blockwise`) finish a phase's sums only at the end of their single pass: a phase
 checkpoints them then, and defers per-batch work until all batches are there (`Run.score_batch`).
@@ -32,14 +31,13 @@ import torch
 from torch import nn
 
 from .capture import residual_streams
-from .head import decoder_of, final_hidden
+from .head import final_hidden
 from .model import DecoderStack, model_inputs
 from .offload import is_offloaded
-from .sequential import Progress, Stream, Windows, advance, capture, final_states, view_stream
+from .sequential import Batch, Progress, Stream, Windows, advance, capture, final_states, view_stream
 from .sharded import is_sharded
 from .views import DENSE
 
-Batch = dict[str, torch.Tensor]
 # The most bytes of final hidden states one block-by-block evaluation pass holds (each pass reads the weights once).
 PASS_BYTES = 4 * 2**30
 # (windows of the pass, block boundary, per-batch streams there, block → per-batch MLP outputs so far)
@@ -123,13 +121,8 @@ class Executor:
             for view in views:
                 first = (starts or {}).get(view)
                 with pruned.use(view, skip=first or 0) as model:
-                    if first is None:
-                        hidden[view] = [final_hidden(model, ids, mask)]
-                    else:
-                        out = decoder_of(model)(
-                            inputs_embeds=prefix[index][first], attention_mask=mask, use_cache=False
-                        )
-                        hidden[view] = [out.last_hidden_state]
+                    embeds = None if first is None else prefix[index][first]
+                    hidden[view] = [final_hidden(model, ids, mask, embeds)]
             yield Windows([ids], [mask], [], [], [], offset=index), hidden
 
 
@@ -180,13 +173,8 @@ class Offloaded(Executor):
             with pruned.use(DENSE):
                 windows = capture(model, pruned.stack, batches[lo : lo + size])
             windows.offset = lo
-            firsts = [(starts or {}).get(v) for v in views]
-            streams = [
-                view_stream(pruned, v, windows)
-                if at is None
-                else view_stream(pruned, v, windows, at, [p[at] for p in prefix[lo : lo + len(windows.ids)]])
-                for v, at in zip(views, firsts)
-            ]
+            part = (prefix or [])[lo : lo + len(windows.ids)]  # the kept dense streams of this pass's batches
+            streams = [view_stream(pruned, v, windows, (starts or {}).get(v), part) for v in views]
             states = final_states(streams, windows)
             yield windows, dict(zip(views, states))
 

@@ -31,9 +31,13 @@ def decoder_of(model: nn.Module) -> nn.Module:
     return decoder
 
 
-def final_hidden(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The final hidden states [batch, seq, C] (after the final norm), without computing any logits."""
-    return decoder_of(model)(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+def final_hidden(
+    model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None, embeds: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The final hidden states [batch, seq, C] (after the final norm), without computing any logits; from
+    `embeds`, where given, in place of the embeddings of `ids` (the stream entering the model's first block)."""
+    inputs = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
+    return decoder_of(model)(**inputs, attention_mask=mask, use_cache=False).last_hidden_state
 
 
 def output_head(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -64,12 +68,9 @@ CHUNK_ELEMENTS = 2**25
 
 def tokens_per_chunk(vocab_size: int, chunk: int | None = None) -> int:
     """`chunk` when given; otherwise as many tokens as keep one chunk's logits at `CHUNK_ELEMENTS` values
-    (1,024 tokens at a 32k vocabulary, 128 at 262k), so memory does not grow with the vocabulary."""
+    (1,024 tokens at a 32k vocabulary, 128 at 262k), so memory does not grow with the vocabulary. A given chunk
+    is checked where it is set (`evaluation.logit_chunk`) and where it is used (`token_chunks`)."""
     if chunk is not None:
-        if chunk < 1:
-            raise ValueError(
-                f"chunk must be a positive number of tokens (or null: sized by the vocabulary), got {chunk}"
-            )
         return chunk
     return max(1, CHUNK_ELEMENTS // max(1, vocab_size))
 

@@ -60,9 +60,7 @@ def human_bytes(n: int | float) -> str:
 
 def _mount_of(path: Path) -> Path:
     path = path.resolve()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    while not os.path.ismount(path) and path != path.parent:
+    while not os.path.ismount(path) and path != path.parent:  # a path that does not exist is no mount either
         path = path.parent
     return path
 
@@ -76,10 +74,8 @@ def no_space(err: BaseException, folder: Path) -> bool:
     if any(t in text for t in _NO_SPACE_TEXT):
         return True
     if isinstance(err, RuntimeError) and any(t in text for t in _TORCH_WRITE_FAILED):
-        try:
+        with suppress(OSError):
             return shutil.disk_usage(_mount_of(folder)).free < _NEARLY_FULL
-        except OSError:
-            return False
     return False
 
 
@@ -92,16 +88,13 @@ def disk_space(what: str, folder: str | os.PathLike, needed: dict | None = None)
     folder = Path(folder)
     try:
         yield needed
-    except NoSpaceError:
-        raise
     except Exception as err:
-        if not no_space(err, folder):
+        if isinstance(err, NoSpaceError) or not no_space(err, folder):  # an inner block's own: as it is
             raise
         mount = _mount_of(folder)
-        try:
+        free = "unknown"
+        with suppress(OSError):
             free = human_bytes(shutil.disk_usage(mount).free)
-        except OSError:
-            free = "unknown"
         size = needed.get("bytes")
         need = f"; it needs about {human_bytes(size)}" if size else ""
         full = NoSpaceError(
@@ -262,11 +255,9 @@ class Resumable:
         self.items: list = []
         self.state: Any = None
         if self.path is not None and self.path.is_file():
-            try:
+            with suppress(Exception):  # unreadable or from another version: made again
                 saved = torch.load(self.path, weights_only=True)
                 self.items, self.state = list(saved["items"]), saved["state"]
-            except Exception:  # noqa: BLE001 - unreadable or from another version: made again
-                self.items, self.state = [], None
 
     def add(self, item: Any, state: Any = None) -> None:
         self.items.append(item)

@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - not on POSIX: the body alone decides
     fcntl = None
 
 MARKER = ".ghostdistill-tmp"
-_HELD: dict[str, int] = {}  # lock path -> how many times this process holds it (reentrant)
+_HELD: set[str] = set()  # the lock paths this process holds (an inner `hold` of one of them is a no-op)
 
 
 class PlaceInUse(RuntimeError):
@@ -60,11 +60,6 @@ def alive(record: dict) -> bool:
     except (PermissionError, KeyError, TypeError, ValueError, OverflowError):
         return True  # another user's process, or a record we cannot read: assume it runs
     return True
-
-
-def describe(record: dict) -> str:
-    what = f" ({record['what']})" if record.get("what") else ""
-    return f"process {record.get('pid')} on {record.get('host')} since {record.get('since')}{what}"
 
 
 def _read(source: int | Path) -> dict:
@@ -101,12 +96,9 @@ def _acquire(path: Path) -> int | None:
                 if record and alive(record) and record.get("pid") != os.getpid():
                     os.close(fd)
                     return None
-            try:
-                same = os.fstat(fd).st_ino == os.stat(path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                return fd
+            with suppress(FileNotFoundError):
+                if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                    return fd
             os.close(fd)  # the file was removed by its last holder between our open and our lock: again
         except BaseException:
             os.close(fd)
@@ -120,12 +112,8 @@ def hold(path: str | os.PathLike, what: str, advice: str = "") -> Iterator[None]
     one can do. The lock file is removed on release."""
     path = Path(path)
     key = str(path.resolve())
-    if key in _HELD:
-        _HELD[key] += 1
-        try:
-            yield
-        finally:
-            _HELD[key] -= 1
+    if key in _HELD:  # reentrant: the outermost hold releases it
+        yield
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -138,19 +126,21 @@ def hold(path: str | os.PathLike, what: str, advice: str = "") -> Iterator[None]
             "choose a folder you can write"
         ) from None
     if fd is None:
-        holder = _read(path)
+        record = _read(path)
+        what = f" ({record['what']})" if record.get("what") else ""
+        holder = f"process {record.get('pid')} on {record.get('host')} since {record.get('since')}{what}"
         raise PlaceInUse(
-            f"{path.parent} is in use by {describe(holder) if holder else 'another process'} (lock {path}); "
+            f"{path.parent} is in use by {holder if record else 'another process'} (lock {path}); "
             + (advice or "wait for it to finish")
         )
     os.ftruncate(fd, 0)
     os.lseek(fd, 0, os.SEEK_SET)
     os.write(fd, (json.dumps({**who(), "what": what}) + "\n").encode())
-    _HELD[key] = 1
+    _HELD.add(key)
     try:
         yield
     finally:
-        _HELD.pop(key, None)
+        _HELD.discard(key)
         with suppress(OSError):
             path.unlink()  # while still locked: a waiting opener sees a new file (`_acquire` checks)
         os.close(fd)

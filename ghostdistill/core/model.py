@@ -14,7 +14,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -35,11 +35,7 @@ from .offload import OFFLOAD_MODES, Offload, load_from_disk, offload_to_cpu
 from .settings import cost_only
 
 DType = Literal["float32", "bfloat16", "float16"]
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in get_args(DType)}
 
 # `config.json`'s model_type of a folder exported with operators (`modeling_ghostdistill.GhostPrunedConfig`).
 GHOST_MODEL_TYPE = "ghostdistill"

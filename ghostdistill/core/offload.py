@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import nn
 
 Offload = Literal["none", "cpu", "disk"]
-OFFLOAD_MODES = ("none", "cpu", "disk")
+OFFLOAD_MODES = get_args(Offload)
 # Set on a model loaded with its weights off the device: the mode and the device its hooks execute on.
 _MODE, _DEVICE = "ghostdistill_offload", "ghostdistill_device"
 

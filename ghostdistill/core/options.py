@@ -67,15 +67,12 @@ def make_options(cls: Any, values: Mapping | None, where: str) -> Any:
         return None
     hints = get_type_hints(cls)
     keys = [f.name for f in dataclasses.fields(cls)]
-    for key, value in values.items():
-        if key not in keys:
-            raise ValueError(f"{where}: key {key!r} is not one of its options; its keys are: {', '.join(keys)}")
-        try:
-            check_value(key, value, hints[key])
-        except ValueError as err:
-            raise ValueError(f"{where}: {err}") from None
-    out = cls(**values)
     try:
+        for key, value in values.items():
+            if key not in keys:
+                raise ValueError(f"key {key!r} is not one of its options; its keys are: {', '.join(keys)}")
+            check_value(key, value, hints[key])
+        out = cls(**values)
         getattr(out, "validate", lambda: None)()
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None

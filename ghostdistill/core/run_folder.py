@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .io import atomic_write_text, check_writable
+from .io import atomic_write_text, check_writable, read_mapping
 from .lock import hold_folder
 
 RUN_MARKER = ".ghostdistill-run"
@@ -46,32 +46,12 @@ RUN_FILES = (
 _DISPOSABLE = {RUN_MARKER, "config.yaml"}
 
 
-def _read_json(path: Path) -> object:
+def _mapping(path: Path) -> dict:
+    """The mapping a results.json or config.yaml holds; {} where it is missing or holds none."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return read_mapping(path, "run file")
     except (OSError, ValueError):
-        return None
-
-
-def _read_yaml(path: Path) -> object:
-    import yaml
-
-    try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, yaml.YAMLError):
-        return None
-
-
-def _state_of_a_run(path: Path) -> bool:
-    """Whether `path` is a calibration_state.pt this tool wrote (a mapping keyed by a fingerprint); mapped, not
-    read: a large state costs nothing to recognise."""
-    import torch
-
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 - empty, truncated, not a torch file: not recognisably ours
-        return False
-    return isinstance(state, dict) and "fingerprint" in state
+        return {}
 
 
 def is_run_folder(folder: str | os.PathLike) -> bool:
@@ -80,13 +60,17 @@ def is_run_folder(folder: str | os.PathLike) -> bool:
     folder = Path(folder)
     if (folder / RUN_MARKER).is_file():
         return True
-    results = _read_json(folder / "results.json")
-    if isinstance(results, dict) and {"plan", "views"} <= results.keys():
+    if {"plan", "views"} <= _mapping(folder / "results.json").keys():
         return True
-    config = _read_yaml(folder / "config.yaml")
-    if isinstance(config, dict) and {"model", "trainer", "calibration", "export"} <= config.keys():
+    if {"model", "trainer", "calibration", "export"} <= _mapping(folder / "config.yaml").keys():
         return True
-    return (folder / "calibration_state.pt").is_file() and _state_of_a_run(folder / "calibration_state.pt")
+    import torch
+
+    try:  # a calibration_state.pt this tool wrote, mapped, not read: a large state costs nothing to recognise
+        state = torch.load(folder / "calibration_state.pt", map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - missing, empty, truncated, not a torch file: not recognisably ours
+        return False
+    return isinstance(state, dict) and "fingerprint" in state  # a mapping keyed by a fingerprint
 
 
 def check_run_folder(
@@ -122,14 +106,6 @@ def check_run_folder(
         check_writable(path, key, "choose a folder you can write")
 
 
-def _first_missing(folder: Path) -> Path | None:
-    """The outermost folder of `folder`'s path that does not exist yet (what making it creates), or None."""
-    missing = None
-    while not os.path.lexists(folder) and folder != folder.parent:
-        missing, folder = folder, folder.parent
-    return missing
-
-
 @contextmanager
 def hold_run_folder(folder: str | os.PathLike, what: str, advice: str, take: bool = True) -> Iterator[None]:
     """The run folder `folder`, checked (`check_run_folder`), locked (`core.lock.hold_folder`) and marked as this
@@ -140,7 +116,9 @@ def hold_run_folder(folder: str | os.PathLike, what: str, advice: str, take: boo
         yield
         return
     check_run_folder(folder)
-    made = _first_missing(folder)
+    made, probe = None, folder  # the outermost folder of its path that does not exist yet (what making it creates)
+    while not os.path.lexists(probe) and probe != probe.parent:
+        made, probe = probe, probe.parent
     try:
         with hold_folder(folder, what, advice):
             if not (folder / RUN_MARKER).is_file():

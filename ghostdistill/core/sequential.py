@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -112,28 +113,25 @@ class Stream:
     seconds: float = 0.0
 
 
-def view_stream(pruned, view: str, windows: Windows, at: int = 0, hidden: list[torch.Tensor] | None = None) -> Stream:
-    """The stream of `view` of `pruned` (a `core.views.PrunedModel`), entering its block `at` with `hidden`
-    (default the windows at block 0)."""
+def view_stream(pruned, view: str, windows: Windows, at: int | None = None, prefix: Sequence[dict] = ()) -> Stream:
+    """The stream of `view` of `pruned` (a `core.views.PrunedModel`): the windows at block 0, or, with `at`,
+    entering its block `at` with `prefix[b][at]` for batch b of the windows."""
     indices = range(pruned.plan.num_layers) if view == DENSE else pruned.plan.kept
     with pruned.use(view):
         blocks = list(zip(indices, pruned.stack.layers))
-    if hidden is None and at != 0:
-        raise ValueError(f"a stream entering block {at} needs its activations there")
-    return Stream(view, blocks, list(windows.hidden if hidden is None else hidden), at, pruned)
+    hidden = windows.hidden if at is None else [p[at] for p in prefix]
+    return Stream(view, blocks, list(hidden), at or 0, pruned)
 
 
 def _output(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _recording(store: list, stop: bool = False):
-    def hook(module, args, kwargs):
-        store.append(args[0] if args else kwargs["hidden_states"])
-        if stop:
-            raise _StopForward
-
-    return hook
+def _record(store: list, stop: bool, module, args, kwargs) -> None:
+    """A block's forward pre-hook (bound by `partial`): its input into `store`; `stop`: then stop the forward."""
+    store.append(args[0] if args else kwargs["hidden_states"])
+    if stop:
+        raise _StopForward
 
 
 @torch.no_grad()
@@ -145,18 +143,15 @@ def _run(stream: Stream, windows: Windows, tap: list | None, mlp: list | None, p
         stream.pruned.set_view(stream.view)
     handles = []
     if tap is not None:
-        handles.append(block.register_forward_pre_hook(_recording(tap, stop=peek), with_kwargs=True))
+        handles.append(block.register_forward_pre_hook(partial(_record, tap, peek), with_kwargs=True))
     if mlp is not None:
         handles.append(mlp_module(block).register_forward_hook(lambda _module, _args, out: mlp.append(_output(out))))
     start = time.perf_counter()
     try:
         for b, hidden in enumerate(stream.hidden):
             args, kwargs = windows.calls[b][index]
-            try:
-                out = _output(block(hidden, *args, **kwargs))
-            except _StopForward:
-                continue
-            stream.hidden[b] = out
+            with suppress(_StopForward):  # a peek: the hook took the input and stopped the block
+                stream.hidden[b] = _output(block(hidden, *args, **kwargs))
     finally:
         for h in handles:
             h.remove()
