@@ -62,7 +62,6 @@ QUANTIZE_TYPES = (
 )
 NEEDS_IMATRIX = ("Q2_K_S",)
 TOOLS = ("llama-quantize", "llama-imatrix", "llama-tokenize")
-IMATRIX_TOOLS = ("llama-imatrix", "llama-tokenize")  # only the importance matrix needs these
 ENV = "GHOSTDISTILL_LLAMA_CPP"
 BUILD = "bash scripts/serving/llama_cpp.sh"
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -75,7 +74,7 @@ def quantized(types: Iterable[str]) -> list[str]:
 def needed_tools(imatrix: bool = True) -> tuple[str, ...]:
     """What writing k-quants runs: llama-quantize, and for the importance matrix llama-imatrix and
     llama-tokenize (`--no-imatrix` needs neither)."""
-    return TOOLS if imatrix else tuple(t for t in TOOLS if t not in IMATRIX_TOOLS)
+    return TOOLS if imatrix else ("llama-quantize",)
 
 
 def llama_cpp_root() -> Path:

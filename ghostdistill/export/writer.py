@@ -120,9 +120,15 @@ class ViewExport:
 
 
 def prepare(pruned: PrunedModel, view: str, method: str | None, tokenizer=None, info: dict | None = None, **kw):
-    """`view` of `pruned` ready to be written (inside `parts.exporting(pruned, view)`); `kw`: `ViewExport`'s
-    `write`, `calibration` and `vocab_source`."""
-    info = view_info(pruned, view, method, info)
+    """`view` of `pruned` ready to be written (inside `parts.exporting(pruned, view)`); `info`, what config.json
+    records under `ghostdistill`, gains the view, its method and the plan where it does not say; `kw`:
+    `ViewExport`'s `write`, `calibration` and `vocab_source`."""
+    info, plan = dict(info or {}), pruned.plan
+    info.setdefault("view", view)
+    info.setdefault("method", method)
+    info.setdefault(
+        "plan", {"num_layers": plan.num_layers, "removed": list(plan.removed), "gaps": [g.key for g in plan.gaps]}
+    )
     parts, config, kind = view_parts(pruned, view, method, info)
     return ViewExport(view, method, pruned.model, parts, config, kind, tokenizer, info, **kw)
 
@@ -203,19 +209,6 @@ def check_target(path: str | os.PathLike, kind: str, overwrite: bool, flag: str 
             f"export target {path} is a file where a model folder goes; move or remove it, or choose another dir "
             "(overwrite replaces folders, never files)"
         )
-
-
-def view_info(pruned: PrunedModel, view: str, method: str | None, info: dict | None) -> dict:
-    """What config.json records under `ghostdistill`: `info`, with the view, its method and the plan where it
-    does not say."""
-    info = dict(info or {})
-    info.setdefault("view", view)
-    info.setdefault("method", method)
-    plan = pruned.plan
-    info.setdefault(
-        "plan", {"num_layers": plan.num_layers, "removed": list(plan.removed), "gaps": [g.key for g in plan.gaps]}
-    )
-    return info
 
 
 def _tied_names(model: nn.Module, config, kind: str) -> set[str]:
