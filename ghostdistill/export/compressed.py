@@ -138,8 +138,7 @@ def write_compressed(
         torch.save(calibration_ids.to(torch.long).cpu(), ids)
         for scheme, target in zip(schemes, paths):
             with staged_folder(target, f"export of view {view.view} as {scheme} to {target}") as out:
-                log_path = target.with_name(f"{target.name}.log")
-                quantize_folder(python, source, ids, scheme, out, log_path, log)
+                quantize_folder(python, source, ids, scheme, out, target.with_name(f"{target.name}.log"), log)
                 _provenance(out, source, scheme, calibration_ids.shape)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -26,9 +26,8 @@ writes for each). What a file holds, as the converter writes it:
 - the tokenizer (`gguf_vocab`).
 
 Each file is written to a temporary file beside it and renamed into place (`core.io.atomic_path`). Tensors are
-streamed: every tensor's name, shape and storage go into the header first, then the view's parts
-(`export.parts`: the embedding, one block, ...) are made, converted and written one at a time, so a view whose
-weights live off the device (`model.model.offload`) is never whole in memory; a file is the same bytes either way.
+streamed: every tensor's name, shape and storage go into the header first, then the view's parts are made,
+converted and written one at a time (`export.parts`: why, and why a file is the same bytes either way).
 """
 
 from __future__ import annotations

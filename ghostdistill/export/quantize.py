@@ -72,8 +72,7 @@ def quantized(types: Iterable[str]) -> list[str]:
 
 
 def needed_tools(imatrix: bool = True) -> tuple[str, ...]:
-    """What writing k-quants runs: llama-quantize, and for the importance matrix llama-imatrix and
-    llama-tokenize (`--no-imatrix` needs neither)."""
+    """What writing k-quants runs (module docstring, "Where the tools are")."""
     return TOOLS if imatrix else ("llama-quantize",)
 
 
@@ -102,16 +101,14 @@ def find_tools(
 def check_quantize(types: Iterable[str], imatrix: bool = True) -> None:
     """Before any work: the tools are built where a k-quant is asked for, and no type needs a matrix it won't get."""
     asked = quantized(types)
-    if not asked:
-        return
-    if not imatrix:
-        needs = [t for t in asked if t in NEEDS_IMATRIX]
-        if needs:
-            raise ValueError(
-                f"GGUF type {needs} needs an importance matrix (llama-quantize refuses it without one): drop "
-                "--no-imatrix / export.imatrix: false, or choose another type"
-            )
-    find_tools(tools=needed_tools(imatrix))
+    needs = [] if imatrix else [t for t in asked if t in NEEDS_IMATRIX]
+    if needs:
+        raise ValueError(
+            f"GGUF type {needs} needs an importance matrix (llama-quantize refuses it without one): drop "
+            "--no-imatrix / export.imatrix: false, or choose another type"
+        )
+    if asked:
+        find_tools(tools=needed_tools(imatrix))
 
 
 def _round_trips(tokenizer, text: str, ids: list[int]) -> bool:

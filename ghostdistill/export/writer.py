@@ -147,9 +147,12 @@ def write_folder(view: ViewExport, folder: str | os.PathLike, *, overwrite: bool
     ):
         if view.streamed:
             # Weights off the device, or sharded over ranks (FSDP2): one shard per block, each written
-            # as it is made (`export.parts`), so no process holds the whole view.
+            # as it is made (`export.parts`), so no process holds the whole view. A head the exported config
+            # ties to the embedding is left out: the loader ties it again.
             needed["bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
-            save_parts(view.parts, tmp, _tied_names(model, view.config, view.kind))
+            tied = getattr(view.config, "tie_word_embeddings", False) and getattr(model, "all_tied_weights_keys", None)
+            prefix = "pruned." if view.kind == "operators" else ""
+            save_parts(view.parts, tmp, {prefix + target for target in tied or {}})
         else:
             state = dict(view.state)
             needed["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
@@ -209,14 +212,6 @@ def check_target(path: str | os.PathLike, kind: str, overwrite: bool, flag: str 
             f"export target {path} is a file where a model folder goes; move or remove it, or choose another dir "
             "(overwrite replaces folders, never files)"
         )
-
-
-def _tied_names(model: nn.Module, config, kind: str) -> set[str]:
-    """The output head's names when the exported config ties it to the embedding (the loader ties it again)."""
-    if not getattr(config, "tie_word_embeddings", False):
-        return set()
-    prefix = "pruned." if kind == "operators" else ""
-    return {prefix + target for target in (getattr(model, "all_tied_weights_keys", None) or {})}
 
 
 def _save_weights(model: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
