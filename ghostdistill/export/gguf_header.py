@@ -87,8 +87,7 @@ def transformers_config(view):
 
     writer = header(view, gguf.LlamaFileType.ALL_F32)
     # The only tensor the config depends on: a file without `output.weight` is read as a tied head.
-    tied = bool(getattr(view.config, "tie_word_embeddings", False))
-    tensor = "token_embd.weight" if tied else "output.weight"
+    tensor = "token_embd.weight" if getattr(view.config, "tie_word_embeddings", False) else "output.weight"
     writer.add_tensor_info(tensor, (1,), np.dtype(np.float32), 4, raw_dtype=gguf.GGMLQuantizationType.F32)
     quiet = logging.getLogger("transformers")
     level = quiet.level

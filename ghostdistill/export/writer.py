@@ -171,10 +171,8 @@ def write_folder(view: ViewExport, folder: str | os.PathLike, *, overwrite: bool
 
 @contextlib.contextmanager
 def staged_folder(target: Path, what: str) -> Iterator[Path]:
-    """A new folder to fill for `target`, put in its place when the block ends without an error (the rest is
-    this module's docstring): under the target's lock, orphans of earlier exports cleaned, the folder in a
-    temporary folder marked as this tool's beside the target, given `save_pretrained`'s permissions, then
-    renamed over the target; on an error or a signal nothing new is left and an old folder stays."""
+    """A new folder to fill for `target`, put in its place when the block ends without an error, as this module's
+    docstring says; on an error or a signal nothing new is left and an old folder stays."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     with hold(lock_path(target), what, "wait for that export to finish"):
