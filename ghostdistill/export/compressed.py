@@ -150,8 +150,7 @@ def _provenance(out: Path, source: Path, scheme: str, shape) -> None:
     comes along with a line saying so."""
     config = json.loads((out / "config.json").read_text())
     tool = json.loads((out / "oneshot.json").read_text())
-    section = config.setdefault("ghostdistill", {})
-    section["quantization"] = {
+    config.setdefault("ghostdistill", {})["quantization"] = {
         "format": FORMAT,
         **tool,
         "calibration": f"the run's calibration windows, {shape[0]} x {shape[1]} tokens",

@@ -69,8 +69,7 @@ def header(view, file_type: int) -> gguf.GGUFWriter:
         writer.add_uint32("ghostdistill.dense_block_count", int(plan["num_layers"]))
     if plan.get("removed"):
         writer.add_array("ghostdistill.removed_blocks", [int(i) for i in plan["removed"]])
-    if info:
-        writer.add_string("ghostdistill.provenance", json.dumps(info, default=str, sort_keys=True))
+    writer.add_string("ghostdistill.provenance", json.dumps(info, default=str, sort_keys=True))
     try:
         add_vocab(writer, tokenizer, config.vocab_size)
     except ValueError:

@@ -207,9 +207,8 @@ def quantize_view(
     importance matrix over `calibration()` (the run's windows) serves every type."""
     tools = find_tools(tools=needed_tools(imatrix))
     with tempfile.TemporaryDirectory(dir=f32.parent, prefix=".imatrix-") as tmp:
-        matrix = None
+        matrix = Path(tmp) / "imatrix.gguf" if imatrix else None
         if imatrix:
-            matrix = Path(tmp) / "imatrix.gguf"
             compute_imatrix(tools, f32, tokenizer, calibration(), matrix, log)
         for gguf_type, target in targets.items():
             with atomic_path(target) as tmp:

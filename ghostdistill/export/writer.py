@@ -183,7 +183,12 @@ def staged_folder(target: Path, what: str) -> Iterator[Path]:
             (work / NEW).mkdir()
             yield work / NEW
             publish_permissions(work / NEW)  # what save_pretrained gives in place; a serving user must read it
-            _replace(work, target)
+            # What held the target name (a folder, or a link, moved itself and never followed) goes into `work`
+            # first and with it: an interruption leaves either the old folder or the new one under the target
+            # name, and nothing beside it but the marked folder.
+            if os.path.lexists(target):
+                os.replace(target, work / OLD)
+            os.replace(work / NEW, target)
         finally:
             _discard(work, target)
 
@@ -242,18 +247,9 @@ def clean_orphans(target: Path) -> None:
 
 
 def _discard(work: Path, target: Path) -> None:
-    """Remove a temporary folder of `target`, first putting back the old folder moved into it (`_replace`)
+    """Remove a temporary folder of `target`, first putting back the old folder moved into it (`staged_folder`)
     when no new one took its place."""
     old = work / OLD
     if os.path.lexists(old) and not os.path.lexists(target):
         os.replace(old, target)
     shutil.rmtree(work, ignore_errors=True)
-
-
-def _replace(work: Path, target: Path) -> None:
-    """Move the finished folder (`work/new`) into place; what held the target name (a folder, or a link, which
-    is moved itself and never followed) is moved into `work` first and goes with it, so an interruption leaves
-    either the old folder or the new one under the target name, and nothing beside it but the marked folder."""
-    if os.path.lexists(target):
-        os.replace(target, work / OLD)
-    os.replace(work / NEW, target)
