@@ -232,9 +232,9 @@ def markdown(points: list[dict], spec: dict, students: list[dict] = ()) -> str:
     return "\n".join(lines)
 
 
-def plot(points: list[dict], path: Path, source: str | None = None, students: list[dict] = ()) -> None:
-    rows = [r for r in flat_rows(points, students) if source is None or r["source"] == source]
-    source = source or rows[0]["source"]
+def plot(points: list[dict], path: Path, students: list[dict] = ()) -> None:
+    rows = flat_rows(points, students)
+    source = rows[0]["source"]  # the first evaluation source
     rows = [r for r in rows if r["source"] == source]
     with figure(path, figsize=(7.5, 4.2)) as (fig, ax):
         dense = next((r for r in rows if r["view"] == "dense"), None)
