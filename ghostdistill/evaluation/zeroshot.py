@@ -85,10 +85,9 @@ def require_lm_eval() -> None:
     Raises:
         ImportError: lm-eval is not installed; the message names the ``zeroshot`` extra.
     """
-    try:
+    found = False
+    with contextlib.suppress(ImportError, ValueError):  # a broken or spec-less lm_eval entry in sys.modules
         found = importlib.util.find_spec("lm_eval") is not None
-    except (ImportError, ValueError):  # a broken or spec-less lm_eval entry in sys.modules
-        found = False
     if not found:
         raise ImportError(
             "zero-shot evaluation (evaluation.zeroshot) needs lm-evaluation-harness, which is not installed: "
@@ -133,8 +132,7 @@ def _not_noise(record: logging.LogRecord) -> bool:
 def _quiet_lm_eval() -> Iterator[None]:
     # Filters on a logger only see records created on that very logger, so the
     # filter goes on every lm_eval.* logger that exists once lm-eval is imported.
-    names = [n for n in logging.root.manager.loggerDict if n == "lm_eval" or n.startswith("lm_eval.")]
-    loggers = [logging.getLogger(n) for n in names]
+    loggers = [logging.getLogger(n) for n in logging.root.manager.loggerDict if n.split(".")[0] == "lm_eval"]
     for lg in loggers:
         lg.addFilter(_not_noise)  # a callable is a filter (logging accepts one since Python 3.2)
     try:
