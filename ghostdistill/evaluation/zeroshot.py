@@ -85,10 +85,9 @@ def require_lm_eval() -> None:
     Raises:
         ImportError: lm-eval is not installed; the message names the ``zeroshot`` extra.
     """
-    try:
+    found = False
+    with contextlib.suppress(ImportError, ValueError):  # a broken or spec-less lm_eval entry in sys.modules
         found = importlib.util.find_spec("lm_eval") is not None
-    except (ImportError, ValueError):  # a broken or spec-less lm_eval entry in sys.modules
-        found = False
     if not found:
         raise ImportError(
             "zero-shot evaluation (evaluation.zeroshot) needs lm-evaluation-harness, which is not installed: "
@@ -125,21 +124,6 @@ def _registry() -> TaskManager:
     return TaskManager()
 
 
-def _task_manager(data_dir: str | os.PathLike[str] | None) -> TaskManager:
-    if data_dir is None:
-        return _registry()
-    from lm_eval.tasks import TaskManager
-
-    # Only our folder: the offline run must not fall back on a hub task, and
-    # skipping lm-eval's own index saves its start-up time. Task metadata is
-    # handed to each custom_dataset loader, which is how data_dir reaches it.
-    return TaskManager(
-        include_path=str(TASKS_DIR),
-        include_defaults=False,
-        metadata={"data_dir": str(Path(data_dir).resolve())},
-    )
-
-
 def _not_noise(record: logging.LogRecord) -> bool:
     return not any(noise in record.getMessage() for noise in _NOISE)
 
@@ -148,8 +132,7 @@ def _not_noise(record: logging.LogRecord) -> bool:
 def _quiet_lm_eval() -> Iterator[None]:
     # Filters on a logger only see records created on that very logger, so the
     # filter goes on every lm_eval.* logger that exists once lm-eval is imported.
-    names = [n for n in logging.root.manager.loggerDict if n == "lm_eval" or n.startswith("lm_eval.")]
-    loggers = [logging.getLogger(n) for n in names]
+    loggers = [logging.getLogger(n) for n in logging.root.manager.loggerDict if n.split(".")[0] == "lm_eval"]
     for lg in loggers:
         lg.addFilter(_not_noise)  # a callable is a filter (logging accepts one since Python 3.2)
     try:
@@ -216,15 +199,27 @@ def evaluate_zeroshot(
     if data_dir is not None:
         check_offline_tasks(names, data_dir)
     require_lm_eval()
-    manager = _task_manager(data_dir)
-    unknown = [] if data_dir is not None else [t for t in names if t not in manager.all_tasks]
-    if unknown:
-        raise ValueError(
-            f"task(s) {', '.join(map(repr, unknown))} not in lm-eval's task registry "
-            f"(e.g. the paper's tasks: {', '.join(PAPER_TASKS)}; `lm-eval ls tasks` lists all); "
-            f"tasks readable from a data folder: {', '.join(OFFLINE_TASKS)}"
+    if data_dir is None:
+        manager, lm_eval_names = _registry(), names
+        unknown = [t for t in names if t not in manager.all_tasks]
+        if unknown:
+            raise ValueError(
+                f"task(s) {', '.join(map(repr, unknown))} not in lm-eval's task registry "
+                f"(e.g. the paper's tasks: {', '.join(PAPER_TASKS)}; `lm-eval ls tasks` lists all); "
+                f"tasks readable from a data folder: {', '.join(OFFLINE_TASKS)}"
+            )
+    else:
+        from lm_eval.tasks import TaskManager
+
+        # Only our folder: the offline run must not fall back on a hub task, and
+        # skipping lm-eval's own index saves its start-up time. Task metadata is
+        # handed to each custom_dataset loader, which is how data_dir reaches it.
+        manager = TaskManager(
+            include_path=str(TASKS_DIR),
+            include_defaults=False,
+            metadata={"data_dir": str(Path(data_dir).resolve())},
         )
-    lm_eval_names = [offline_task_name(t) for t in names] if data_dir is not None else names
+        lm_eval_names = [offline_task_name(t) for t in names]
 
     import lm_eval
     from lm_eval.models.huggingface import HFLM

@@ -2,8 +2,7 @@
 
 `model.view_model`: a view as a `transformers` model in memory, the model its folder loads as.
 GGUF files for llama.cpp (`gguf`, `gguf_vocab`) and folding rotations into weights (`fold`) live here
-too. What an export is asked (`options.ExportOptions`: views, folder, formats and their options), its checks
-that need no run, its locks and a view's provenance are here too. Which views a run has, and writing them
+too, and what an export is asked and can check with no run (`options`). Which views a run has, and writing them
 from a run in memory or from its folder, need the run's config, above this package: `pipeline.export` and
 `pipeline.reload`.
 """

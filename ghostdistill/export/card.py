@@ -13,6 +13,10 @@ def model_card(info: dict, kind: str) -> str:
     total = plan.get("num_layers")
     view, method = info.get("view"), info.get("method")
     base = info.get("base_model", "the base model")
+    if method is None or method in ("dense", "pruned"):
+        repair = "no repair (the pruned model)"
+    else:  # as the method says (`Method.card`)
+        repair = (get_method(method).card if method in registered() else "") or f"method `{method}`"
     lines = [
         "---",
         "library_name: transformers",
@@ -23,7 +27,7 @@ def model_card(info: dict, kind: str) -> str:
         "",
         f"- **Removed blocks** (0-based, of the original {total}): {removed}"
         + (f", chosen by `{plan['chosen_by']}`" if plan.get("chosen_by") else ""),
-        f"- **Repair**: {repair(method)}",
+        f"- **Repair**: {repair}",
     ]
     distill = info.get("distill")
     if distill:
@@ -100,11 +104,3 @@ def model_card(info: dict, kind: str) -> str:
         "",
     ]
     return "\n".join(lines)
-
-
-def repair(method: str | None) -> str:
-    """What the repair is, as the method says (`Method.card`)."""
-    if method is None or method in ("dense", "pruned"):
-        return "no repair (the pruned model)"
-    card = get_method(method).card if method in registered() else ""
-    return card or f"method `{method}`"

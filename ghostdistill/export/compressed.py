@@ -138,8 +138,7 @@ def write_compressed(
         torch.save(calibration_ids.to(torch.long).cpu(), ids)
         for scheme, target in zip(schemes, paths):
             with staged_folder(target, f"export of view {view.view} as {scheme} to {target}") as out:
-                log_path = target.with_name(f"{target.name}.log")
-                quantize_folder(python, source, ids, scheme, out, log_path, log)
+                quantize_folder(python, source, ids, scheme, out, target.with_name(f"{target.name}.log"), log)
                 _provenance(out, source, scheme, calibration_ids.shape)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -151,8 +150,7 @@ def _provenance(out: Path, source: Path, scheme: str, shape) -> None:
     comes along with a line saying so."""
     config = json.loads((out / "config.json").read_text())
     tool = json.loads((out / "oneshot.json").read_text())
-    section = config.setdefault("ghostdistill", {})
-    section["quantization"] = {
+    config.setdefault("ghostdistill", {})["quantization"] = {
         "format": FORMAT,
         **tool,
         "calibration": f"the run's calibration windows, {shape[0]} x {shape[1]} tokens",

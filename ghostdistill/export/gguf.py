@@ -26,9 +26,8 @@ writes for each). What a file holds, as the converter writes it:
 - the tokenizer (`gguf_vocab`).
 
 Each file is written to a temporary file beside it and renamed into place (`core.io.atomic_path`). Tensors are
-streamed: every tensor's name, shape and storage go into the header first, then the view's parts
-(`export.parts`: the embedding, one block, ...) are made, converted and written one at a time, so a view whose
-weights live off the device (`model.model.offload`) is never whole in memory; a file is the same bytes either way.
+streamed: every tensor's name, shape and storage go into the header first, then the view's parts are made,
+converted and written one at a time (`export.parts`: why, and why a file is the same bytes either way).
 """
 
 from __future__ import annotations
@@ -200,17 +199,16 @@ def write_gguf_files(
     written = dict(zip(types, paths))
     quants = {t: written[t] for t in quantized(types)}
     with contextlib.ExitStack() as stack:
-        source = written.get("F32")
-        if quants and source is None and not view.write:  # never written: the passes match rank 0's
-            source = Path(root) / f"{view.view}.F32.gguf"
-        elif quants and source is None:  # llama-quantize reads an F32 file: one for it alone, removed after
-            Path(root).mkdir(parents=True, exist_ok=True)
-            tmp = stack.enter_context(tempfile.TemporaryDirectory(dir=root, prefix=f".{view.view}.F32-"))
-            source = Path(tmp) / f"{view.view}.F32.gguf"
-        tensors = gguf_tensors(view.parts if view.streamed else view.state, view.config)
         ours = [(t, written[t]) for t in types if t in GGUF_TYPES]
-        if quants and "F32" not in written:
+        source = written.get("F32")
+        if quants and source is None:  # llama-quantize reads an F32 file: one for it alone, removed after
+            folder = Path(root)
+            if view.write:  # else never written: the passes match rank 0's
+                folder.mkdir(parents=True, exist_ok=True)
+                folder = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=root, prefix=f".{view.view}.F32-")))
+            source = folder / f"{view.view}.F32.gguf"
             ours.insert(0, ("F32", source))
+        tensors = gguf_tensors(view.parts if view.streamed else view.state, view.config)
         for gguf_type, path in ours:
             write_gguf(path, tensors, view, gguf_type)
         del tensors

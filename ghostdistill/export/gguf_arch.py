@@ -145,17 +145,6 @@ def rope_of(config, layer_type: str = "full_attention") -> tuple:
     return params.get("rope_type", params.get("type")) or "default", theta, params.get("factor")
 
 
-def sliding_pattern(config) -> list[bool] | None:
-    """One bool per block (true: sliding-window attention), or None when no block slides."""
-    window = getattr(config, "sliding_window", None)
-    types = list(getattr(config, "layer_types", None) or [])
-    if not window or "sliding_attention" not in types:
-        return None
-    if len(types) != config.num_hidden_layers:
-        raise ValueError(f"layer_types has {len(types)} entries for {config.num_hidden_layers} blocks")
-    return [t == "sliding_attention" for t in types]
-
-
 def add_hparams(writer: gguf.GGUFWriter, config, file_type: int) -> None:
     """The hyper-parameters the converter writes for the family (module docstring), with the pruned block count,
     and the file type (`general.file_type`)."""
@@ -200,10 +189,12 @@ def add_hparams(writer: gguf.GGUFWriter, config, file_type: int) -> None:
             raise ValueError("attn_logit_softcapping is not in llama.cpp's gemma3 graph: serve the folder with vLLM")
         if getattr(config, "final_logit_softcapping", None):
             writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
-        pattern = sliding_pattern(config)
-        if pattern is not None:
+        types = list(getattr(config, "layer_types", None) or [])
+        if getattr(config, "sliding_window", None) and "sliding_attention" in types:
+            if len(types) != config.num_hidden_layers:
+                raise ValueError(f"layer_types has {len(types)} entries for {config.num_hidden_layers} blocks")
             writer.add_sliding_window(int(config.sliding_window))
-            writer.add_sliding_window_pattern(pattern)
+            writer.add_sliding_window_pattern([t == "sliding_attention" for t in types])  # one bool per block
             local = (getattr(config, "rope_parameters", None) or {}).get("sliding_attention") or {}
             if local.get("rope_theta") is not None:
                 writer.add_rope_freq_base_swa(float(local["rope_theta"]))

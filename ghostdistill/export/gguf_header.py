@@ -69,8 +69,7 @@ def header(view, file_type: int) -> gguf.GGUFWriter:
         writer.add_uint32("ghostdistill.dense_block_count", int(plan["num_layers"]))
     if plan.get("removed"):
         writer.add_array("ghostdistill.removed_blocks", [int(i) for i in plan["removed"]])
-    if info:
-        writer.add_string("ghostdistill.provenance", json.dumps(info, default=str, sort_keys=True))
+    writer.add_string("ghostdistill.provenance", json.dumps(info, default=str, sort_keys=True))
     try:
         add_vocab(writer, tokenizer, config.vocab_size)
     except ValueError:
@@ -87,8 +86,7 @@ def transformers_config(view):
 
     writer = header(view, gguf.LlamaFileType.ALL_F32)
     # The only tensor the config depends on: a file without `output.weight` is read as a tied head.
-    tied = bool(getattr(view.config, "tie_word_embeddings", False))
-    tensor = "token_embd.weight" if tied else "output.weight"
+    tensor = "token_embd.weight" if getattr(view.config, "tie_word_embeddings", False) else "output.weight"
     writer.add_tensor_info(tensor, (1,), np.dtype(np.float32), 4, raw_dtype=gguf.GGMLQuantizationType.F32)
     quiet = logging.getLogger("transformers")
     level = quiet.level

@@ -43,22 +43,11 @@ PRE_TOKENIZERS = {
 }
 
 
-def _backend(tokenizer) -> dict:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        raise ValueError(
-            f"{type(tokenizer).__name__} is not a fast (tokenizers) tokenizer: GGUF export reads byte-level BPE "
-            "tokenizers only; convert with llama.cpp's convert_hf_to_gguf.py"
-        )
-    return json.loads(backend.to_str())
-
-
-def pre_tokenizer(tokenizer, spec: dict | None = None) -> str:
-    """llama.cpp's name for the tokenizer's pre-tokenizer (see the module docstring)."""
+def pre_tokenizer(tokenizer, spec: dict) -> str:
+    """llama.cpp's name for the tokenizer's pre-tokenizer (see the module docstring); `spec`: its tokenizer.json."""
     digest = hashlib.sha256(str(tokenizer.encode(CHECK_TEXT)).encode()).hexdigest()
     if digest in PRE_TOKENIZERS:
         return PRE_TOKENIZERS[digest]
-    spec = spec if spec is not None else _backend(tokenizer)
     pre = spec.get("pre_tokenizer") or {}
     if spec.get("normalizer") is None and pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
         return "gpt-2"
@@ -110,16 +99,6 @@ def _looks_special(token: str) -> bool:
     )
 
 
-def _merges(spec: dict) -> list[str]:
-    model = spec.get("model") or {}
-    if model.get("type") != "BPE":
-        raise ValueError(
-            f"tokenizer model {model.get('type')!r}: ghostdistill's GGUF writer reads BPE tokenizers only; convert "
-            "the exported folder with llama.cpp's convert_hf_to_gguf.py"
-        )
-    return [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-
-
 def adds(tokenizer, token_id: int | None) -> tuple[bool, bool]:
     """(at the start, at the end): whether encoding a text adds `token_id`, as the tokenizer behaves."""
     if token_id is None:
@@ -130,8 +109,20 @@ def adds(tokenizer, token_id: int | None) -> tuple[bool, bool]:
 
 def add_vocab(writer: gguf.GGUFWriter, tokenizer, vocab_size: int) -> None:
     """Write the tokenizer's vocabulary metadata."""
-    spec = _backend(tokenizer)
-    merges = _merges(spec)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError(
+            f"{type(tokenizer).__name__} is not a fast (tokenizers) tokenizer: GGUF export reads byte-level BPE "
+            "tokenizers only; convert with llama.cpp's convert_hf_to_gguf.py"
+        )
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        raise ValueError(
+            f"tokenizer model {model.get('type')!r}: ghostdistill's GGUF writer reads BPE tokenizers only; convert "
+            "the exported folder with llama.cpp's convert_hf_to_gguf.py"
+        )
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     pre = pre_tokenizer(tokenizer, spec)
     tokens, types = vocab_entries(tokenizer, vocab_size)
     writer.add_tokenizer_model("gpt2")

@@ -3,14 +3,10 @@ loads as, without the folder.
 
 It is built from what the folder is written from (`writer.prepare`: the state dict and config, the
 view's maps folded into the weights for a method that folds), by `from_pretrained` with that state dict, so
-it is the same class, config and tensors as `from_pretrained(<exported folder>)` gives:
-
-- a view with operators (ghost, LinearPatch): `GhostPrunedForCausalLM` (`core.modeling_ghostdistill`). Its
-  `save_pretrained` copies `modeling_ghostdistill.py` beside the weights (the model is registered for
-  `AutoModelForCausalLM`, as remote-code models are), so the folder loads with
-  `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` where ghostdistill is not installed;
-- a stock view (a method that folds, the pruned model, a student merged into its blocks): the model's own
-  class (e.g. `LlamaForCausalLM`) with fewer blocks.
+it is the same class, config and tensors as `from_pretrained(<exported folder>)` gives (the two kinds of folder:
+`writer`): `GhostPrunedForCausalLM` for a view with operators, whose `save_pretrained` copies
+`modeling_ghostdistill.py` beside the weights as export does (it is registered for `AutoModelForCausalLM`, as
+remote-code models are), else the model's own class (e.g. `LlamaForCausalLM`) with fewer blocks.
 
 No tensor is copied that the view does not change: the kept blocks' weights are the source model's own
 tensors (as `export_view` writes them without a copy), so the returned model shares them with it.

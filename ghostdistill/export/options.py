@@ -1,8 +1,7 @@
-"""What an export is asked to do, and what it can check with no run: `ExportOptions` (the views, the folder,
-`overwrite`, the formats and their options: the `export` section of a `fit` config and the `export <run>`
-command's options), `check_options` (the formats, their options and tools), `check_ignored` (an option the
-export would ignore, refused), `holding_targets` (every target's lock for the whole export) and `provenance`
-(what config.json and the model card record of a view). The run's side is `pipeline.export` and `pipeline.reload`.
+"""What an export is asked to do, and what it can check with no run: `ExportOptions`, `check_options` (the
+formats, their options and tools), `check_ignored` (an option the export would ignore, refused), `holding_targets`
+(every target's lock for the whole export) and `provenance` (what config.json and the model card record of a
+view). The run's side is `pipeline.export` and `pipeline.reload`.
 """
 
 from __future__ import annotations

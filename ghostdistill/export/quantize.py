@@ -62,7 +62,6 @@ QUANTIZE_TYPES = (
 )
 NEEDS_IMATRIX = ("Q2_K_S",)
 TOOLS = ("llama-quantize", "llama-imatrix", "llama-tokenize")
-IMATRIX_TOOLS = ("llama-imatrix", "llama-tokenize")  # only the importance matrix needs these
 ENV = "GHOSTDISTILL_LLAMA_CPP"
 BUILD = "bash scripts/serving/llama_cpp.sh"
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -73,9 +72,8 @@ def quantized(types: Iterable[str]) -> list[str]:
 
 
 def needed_tools(imatrix: bool = True) -> tuple[str, ...]:
-    """What writing k-quants runs: llama-quantize, and for the importance matrix llama-imatrix and
-    llama-tokenize (`--no-imatrix` needs neither)."""
-    return TOOLS if imatrix else tuple(t for t in TOOLS if t not in IMATRIX_TOOLS)
+    """What writing k-quants runs (module docstring, "Where the tools are")."""
+    return TOOLS if imatrix else ("llama-quantize",)
 
 
 def llama_cpp_root() -> Path:
@@ -103,16 +101,14 @@ def find_tools(
 def check_quantize(types: Iterable[str], imatrix: bool = True) -> None:
     """Before any work: the tools are built where a k-quant is asked for, and no type needs a matrix it won't get."""
     asked = quantized(types)
-    if not asked:
-        return
-    if not imatrix:
-        needs = [t for t in asked if t in NEEDS_IMATRIX]
-        if needs:
-            raise ValueError(
-                f"GGUF type {needs} needs an importance matrix (llama-quantize refuses it without one): drop "
-                "--no-imatrix / export.imatrix: false, or choose another type"
-            )
-    find_tools(tools=needed_tools(imatrix))
+    needs = [] if imatrix else [t for t in asked if t in NEEDS_IMATRIX]
+    if needs:
+        raise ValueError(
+            f"GGUF type {needs} needs an importance matrix (llama-quantize refuses it without one): drop "
+            "--no-imatrix / export.imatrix: false, or choose another type"
+        )
+    if asked:
+        find_tools(tools=needed_tools(imatrix))
 
 
 def _round_trips(tokenizer, text: str, ids: list[int]) -> bool:
@@ -211,9 +207,8 @@ def quantize_view(
     importance matrix over `calibration()` (the run's windows) serves every type."""
     tools = find_tools(tools=needed_tools(imatrix))
     with tempfile.TemporaryDirectory(dir=f32.parent, prefix=".imatrix-") as tmp:
-        matrix = None
+        matrix = Path(tmp) / "imatrix.gguf" if imatrix else None
         if imatrix:
-            matrix = Path(tmp) / "imatrix.gguf"
             compute_imatrix(tools, f32, tokenizer, calibration(), matrix, log)
         for gguf_type, target in targets.items():
             with atomic_path(target) as tmp:

@@ -120,9 +120,15 @@ class ViewExport:
 
 
 def prepare(pruned: PrunedModel, view: str, method: str | None, tokenizer=None, info: dict | None = None, **kw):
-    """`view` of `pruned` ready to be written (inside `parts.exporting(pruned, view)`); `kw`: `ViewExport`'s
-    `write`, `calibration` and `vocab_source`."""
-    info = view_info(pruned, view, method, info)
+    """`view` of `pruned` ready to be written (inside `parts.exporting(pruned, view)`); `info`, what config.json
+    records under `ghostdistill`, gains the view, its method and the plan where it does not say; `kw`:
+    `ViewExport`'s `write`, `calibration` and `vocab_source`."""
+    info, plan = dict(info or {}), pruned.plan
+    info.setdefault("view", view)
+    info.setdefault("method", method)
+    info.setdefault(
+        "plan", {"num_layers": plan.num_layers, "removed": list(plan.removed), "gaps": [g.key for g in plan.gaps]}
+    )
     parts, config, kind = view_parts(pruned, view, method, info)
     return ViewExport(view, method, pruned.model, parts, config, kind, tokenizer, info, **kw)
 
@@ -141,9 +147,12 @@ def write_folder(view: ViewExport, folder: str | os.PathLike, *, overwrite: bool
     ):
         if view.streamed:
             # Weights off the device, or sharded over ranks (FSDP2): one shard per block, each written
-            # as it is made (`export.parts`), so no process holds the whole view.
+            # as it is made (`export.parts`), so no process holds the whole view. A head the exported config
+            # ties to the embedding is left out: the loader ties it again.
             needed["bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
-            save_parts(view.parts, tmp, _tied_names(model, view.config, view.kind))
+            tied = getattr(view.config, "tie_word_embeddings", False) and getattr(model, "all_tied_weights_keys", None)
+            prefix = "pruned." if view.kind == "operators" else ""
+            save_parts(view.parts, tmp, {prefix + target for target in tied or {}})
         else:
             state = dict(view.state)
             needed["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
@@ -162,10 +171,8 @@ def write_folder(view: ViewExport, folder: str | os.PathLike, *, overwrite: bool
 
 @contextlib.contextmanager
 def staged_folder(target: Path, what: str) -> Iterator[Path]:
-    """A new folder to fill for `target`, put in its place when the block ends without an error (the rest is
-    this module's docstring): under the target's lock, orphans of earlier exports cleaned, the folder in a
-    temporary folder marked as this tool's beside the target, given `save_pretrained`'s permissions, then
-    renamed over the target; on an error or a signal nothing new is left and an old folder stays."""
+    """A new folder to fill for `target`, put in its place when the block ends without an error, as this module's
+    docstring says; on an error or a signal nothing new is left and an old folder stays."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     with hold(lock_path(target), what, "wait for that export to finish"):
@@ -176,7 +183,12 @@ def staged_folder(target: Path, what: str) -> Iterator[Path]:
             (work / NEW).mkdir()
             yield work / NEW
             publish_permissions(work / NEW)  # what save_pretrained gives in place; a serving user must read it
-            _replace(work, target)
+            # What held the target name (a folder, or a link, moved itself and never followed) goes into `work`
+            # first and with it: an interruption leaves either the old folder or the new one under the target
+            # name, and nothing beside it but the marked folder.
+            if os.path.lexists(target):
+                os.replace(target, work / OLD)
+            os.replace(work / NEW, target)
         finally:
             _discard(work, target)
 
@@ -203,27 +215,6 @@ def check_target(path: str | os.PathLike, kind: str, overwrite: bool, flag: str 
             f"export target {path} is a file where a model folder goes; move or remove it, or choose another dir "
             "(overwrite replaces folders, never files)"
         )
-
-
-def view_info(pruned: PrunedModel, view: str, method: str | None, info: dict | None) -> dict:
-    """What config.json records under `ghostdistill`: `info`, with the view, its method and the plan where it
-    does not say."""
-    info = dict(info or {})
-    info.setdefault("view", view)
-    info.setdefault("method", method)
-    plan = pruned.plan
-    info.setdefault(
-        "plan", {"num_layers": plan.num_layers, "removed": list(plan.removed), "gaps": [g.key for g in plan.gaps]}
-    )
-    return info
-
-
-def _tied_names(model: nn.Module, config, kind: str) -> set[str]:
-    """The output head's names when the exported config ties it to the embedding (the loader ties it again)."""
-    if not getattr(config, "tie_word_embeddings", False):
-        return set()
-    prefix = "pruned." if kind == "operators" else ""
-    return {prefix + target for target in (getattr(model, "all_tied_weights_keys", None) or {})}
 
 
 def _save_weights(model: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
@@ -256,18 +247,9 @@ def clean_orphans(target: Path) -> None:
 
 
 def _discard(work: Path, target: Path) -> None:
-    """Remove a temporary folder of `target`, first putting back the old folder moved into it (`_replace`)
+    """Remove a temporary folder of `target`, first putting back the old folder moved into it (`staged_folder`)
     when no new one took its place."""
     old = work / OLD
     if os.path.lexists(old) and not os.path.lexists(target):
         os.replace(old, target)
     shutil.rmtree(work, ignore_errors=True)
-
-
-def _replace(work: Path, target: Path) -> None:
-    """Move the finished folder (`work/new`) into place; what held the target name (a folder, or a link, which
-    is moved itself and never followed) is moved into `work` first and goes with it, so an interruption leaves
-    either the old folder or the new one under the target name, and nothing beside it but the marked folder."""
-    if os.path.lexists(target):
-        os.replace(target, work / OLD)
-    os.replace(work / NEW, target)

@@ -29,13 +29,8 @@ def analysis_section(report: dict) -> str:
         for view, row in views.items():
             an = row.get("anatomy")
             if isinstance(an, dict):
-                cells = [
-                    _fmt(an["antisym_share_M"]),
-                    _fmt(an["antisym_share_W"], ".4f"),
-                    _fmt(an["norm_M"], ".2f"),
-                    _fmt(an["spectral_norm_M"], ".3f"),
-                    _fmt(an["effective_rank_M"], ".1f"),
-                ]
+                keys = ("antisym_share_M", "antisym_share_W", "norm_M", "spectral_norm_M", "effective_rank_M")
+                cells = [_fmt(an[k], spec) for k, spec in zip(keys, (".3f", ".4f", ".2f", ".3f", ".1f"))]
             else:
                 cells = ["n/a"] * 5
             cells += [_fmt(row.get("held_out_other")), _fmt(row.get("held_out_first"))]

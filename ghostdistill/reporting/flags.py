@@ -26,10 +26,7 @@ def worse_than_pruned(entry: dict, pruned: dict | None, source: str) -> list[str
 
 
 def view_warnings(report: dict) -> list[str]:
-    """Lines that flag views not to ship, each naming the view: worse than removing the blocks and doing nothing
-    (the pruned view's perplexity or KL on the first evaluation source), more parameters than the dense model
-    (a pruned model that is bigger saves nothing), and a method whose assumption did not hold (its fit's
-    `notes`). `compare` and `frontier` never recommend a view these flag."""
+    """Lines that flag views not to ship for the module docstring's reasons, each naming the view."""
     views = report.get("views") or {}
     if not views:
         return []

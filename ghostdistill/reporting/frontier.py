@@ -13,9 +13,7 @@ backend, no GGUF): `shipping` in frontier.md, two envelope lines in frontier.png
 counts what the export holds: a folded rotation unties a tied embedding (+ vocab × hidden).
 
 With `students`, each depth also gets the fine-tuned answer: the stock student starts from the depth's best stock
-repair (lowest selection KL among the stock recovery views, the held-out windows the plans were chosen on: the
-evaluation windows play no part in the choice; the pruned model has no
-closed form to start from) on that view's plan, the operator student from the best operator view on its plan.
+repair on that view's plan, the operator student from the best operator view on its plan (`student_starts`).
 Each is one `fit` of `students.config` (`runner.frontier.frontier_students`), so the fine-tuned columns use that
 config's data and evaluation, which may differ from the base config's: frontier.md says which.
 """
@@ -234,9 +232,9 @@ def markdown(points: list[dict], spec: dict, students: list[dict] = ()) -> str:
     return "\n".join(lines)
 
 
-def plot(points: list[dict], path: Path, source: str | None = None, students: list[dict] = ()) -> None:
-    rows = [r for r in flat_rows(points, students) if source is None or r["source"] == source]
-    source = source or rows[0]["source"]
+def plot(points: list[dict], path: Path, students: list[dict] = ()) -> None:
+    rows = flat_rows(points, students)
+    source = rows[0]["source"]  # the first evaluation source
     rows = [r for r in rows if r["source"] == source]
     with figure(path, figsize=(7.5, 4.2)) as (fig, ax):
         dense = next((r for r in rows if r["view"] == "dense"), None)

@@ -1,10 +1,8 @@
 """What the frontier recommends (`python -m ghostdistill frontier`): per depth the best stock and the best operator
 row (`best_by_depth`, frontier.md's shipping table and the envelopes of frontier.png), where each depth's students
-start (`student_starts`), and what is never recommended (`flag`): a view worse than no repair, the pruned model
-at that depth (a repair whose assumption failed: `rotation_anchored` on a family without a massive first
-position was 17.6 times worse than pruned, issue 39), or one with more parameters than the dense model (a
-folded rotation that unties a large vocabulary's head; `reporting.flags`). frontier.md lists the rows it passes
-over, with why.
+start (`student_starts`), and what is never recommended (`flag`, `reporting.flags`: a repair whose assumption
+failed, `rotation_anchored` on a family without a massive first position, was 17.6 times worse than pruned, issue
+39). frontier.md lists the rows it passes over, with why.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -77,14 +77,11 @@ class RunReport:
             self.timings[f"{phase}_s"] = round(time.perf_counter() - start, 2)
 
     def to_dict(self) -> dict[str, Any]:
-        """What results.json holds (sections a run did not reach are left out)."""
+        """What results.json holds: the model, timings and phases, then the other sections in the order they are
+        declared (sections a run did not reach are left out)."""
         out: dict[str, Any] = {"model": self.model, "timings": self.timings, "phases": self.phases}
-        for key in ("plan", "calibration"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
-        out["recovery"] = self.recovery
-        out["views"] = {v: r.to_dict() for v, r in self.views.items()}
-        for key in ("distill", "zeroshot", "analysis", "evaluation", "settings"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
+        for f in fields(self):
+            value = {v: r.to_dict() for v, r in self.views.items()} if f.name == "views" else getattr(self, f.name)
+            if f.name not in out and value is not None:
+                out[f.name] = value
         return out

@@ -43,10 +43,8 @@ TASK_SPLIT: dict[str, str] = {**dict.fromkeys(TASK_FILES, "validation"), "openbo
 
 
 def check_files(task: str, data_dir: str | os.PathLike[str]) -> list[Path]:
-    """Return the files ``task`` reads under ``data_dir``, raising ``FileNotFoundError`` for the first missing
-    one (``ValueError`` when ``task`` is not an offline task)."""
-    if task not in TASK_FILES:
-        raise ValueError(f"unknown offline task {task!r}; valid offline tasks: {', '.join(TASK_FILES)}")
+    """Return the files ``task`` (an offline task: `zeroshot.check_offline_tasks`) reads under ``data_dir``,
+    raising ``FileNotFoundError`` for the first missing one."""
     paths = [Path(data_dir) / rel for rel in TASK_FILES[task]]
     for path in paths:
         if not path.is_file():
@@ -57,14 +55,13 @@ def check_files(task: str, data_dir: str | os.PathLike[str]) -> list[Path]:
     return paths
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    with path.open(encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
-def _labels(path: Path) -> list[str]:
+def _lines(path: Path) -> list[str]:
     with path.open(encoding="utf-8") as fh:
         return [line.strip() for line in fh if line.strip()]
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in _lines(path)]
 
 
 def _arc_style(paths: list[Path], stem_key: str) -> list[dict[str, Any]]:
@@ -81,7 +78,7 @@ def _arc_style(paths: list[Path], stem_key: str) -> list[dict[str, Any]]:
 
 
 def _piqa(paths: list[Path]) -> list[dict[str, Any]]:
-    rows, labels = _jsonl(paths[0]), _labels(paths[1])
+    rows, labels = _jsonl(paths[0]), _lines(paths[1])
     if len(rows) != len(labels):
         raise ValueError(f"piqa: {paths[0]} has {len(rows)} items but {paths[1]} has {len(labels)} labels")
     return [
@@ -93,7 +90,7 @@ def _winogrande(paths: list[Path]) -> list[dict[str, Any]]:
     rows = _jsonl(paths[0])
     if any("answer" not in r for r in rows):
         # Some releases keep the answers only in the companion labels file.
-        labels = _labels(paths[0].with_name(paths[0].stem + "-labels.lst"))
+        labels = _lines(paths[0].with_name(paths[0].stem + "-labels.lst"))
         rows = [{**r, "answer": lab} for r, lab in zip(rows, labels, strict=True)]
     return [
         {
