@@ -72,7 +72,7 @@ def fingerprint(
     }
     layout = statistics_layout(methods, recovery)
     if layout:
-        # Which parts of the statistics the collectors hold (only what the run's entries fit).
+        # Which groups of the statistics the collectors hold (only what the run's entries fit).
         key["statistics"] = layout
     return json_digest(key)
 

@@ -63,7 +63,7 @@ class Executor:
 
     @property
     def streamed(self) -> bool:
-        """Whether the weights are never whole on one device (export reads them part by part)."""
+        """Whether the weights are never whole on one device (export reads them block by block)."""
         return self.mode != "memory"
 
     @torch.no_grad()
@@ -173,8 +173,8 @@ class Offloaded(Executor):
             with pruned.use(DENSE):
                 windows = capture(model, pruned.stack, batches[lo : lo + size])
             windows.offset = lo
-            part = (prefix or [])[lo : lo + len(windows.ids)]  # the kept dense streams of this pass's batches
-            streams = [view_stream(pruned, v, windows, (starts or {}).get(v), part) for v in views]
+            kept = (prefix or [])[lo : lo + len(windows.ids)]  # the kept dense streams of this pass's batches
+            streams = [view_stream(pruned, v, windows, (starts or {}).get(v), kept) for v in views]
             states = final_states(streams, windows)
             yield windows, dict(zip(views, states))
 

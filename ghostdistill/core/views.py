@@ -224,7 +224,7 @@ class PrunedModel:
 
 # Names of LoRA adapter parameters (peft). Adapters merge into the weights they adapt when a view is
 # exported, so they are not counted as parameters of any view.
-_ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+_ADAPTER_NAMES = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
 
 
 @torch.no_grad()
@@ -236,7 +236,7 @@ def view_parameter_count(pruned: PrunedModel, view: str) -> int:
         total = sum(
             p.numel()
             for name, p in model.named_parameters()
-            if name not in copies and not any(f".{part}." in f".{name}." for part in _ADAPTER_PARTS)
+            if name not in copies and not any(f".{a}." in f".{name}." for a in _ADAPTER_NAMES)
         )
     if view not in (DENSE, PRUNED):
         for group in (pruned.operators[view], pruned.mlp_maps[view]):

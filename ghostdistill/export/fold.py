@@ -51,7 +51,7 @@ from __future__ import annotations
 import torch
 
 # The blocks' side of the fold is the method's (`RotationThrough.fold`, called by the writer gap by gap);
-# this module adds what the writer owns: the embedding (`export.parts` unties the head and the config).
+# this module adds what the writer owns: the embedding (`export.pieces` unties the head and the config).
 from ..methods.rotation import scaled_rotation
 
 

@@ -1,7 +1,7 @@
 """GGUF files of a plain-architecture view, for llama.cpp: F32, F16 and Q8_0 written with the `gguf` package, the
 k-quants (Q6_K, Q5_K_M, Q4_K_M, …) by llama.cpp's own `llama-quantize` from the F32 file (`quantize`).
 
-Which views: those whose exported folder is the plain architecture (`parts.view_parts` kind ``plain``): the
+Which views: those whose exported folder is the plain architecture (`pieces.view_pieces` kind ``plain``): the
 pruned model, the views whose maps fold into the weights (magnitude, ReplaceMe, `rotation_through`), and the
 fine-tuned students of those with their LoRA adapters merged. A view that keeps operators (ghost,
 LinearPatch and their `_ft` students) computes `h + h·Δ` at each gap, a module llama.cpp's graphs do not
@@ -26,8 +26,8 @@ writes for each). What a file holds, as the converter writes it:
 - the tokenizer (`gguf_vocab`).
 
 Each file is written to a temporary file beside it and renamed into place (`core.io.atomic_path`). Tensors are
-streamed: every tensor's name, shape and storage go into the header first, then the view's parts are made,
-converted and written one at a time (`export.parts`: why, and why a file is the same bytes either way).
+streamed: every tensor's name, shape and storage go into the header first, then the view's pieces are made,
+converted and written one at a time (`export.pieces`: why, and why a file is the same bytes either way).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from ..core.lock import hold, lock_path
 from ..core.views import PrunedModel
 from .gguf_arch import TensorStream, gguf_tensors
 from .gguf_header import header, transformers_misreadings
-from .parts import exporting
+from .pieces import exporting
 from .quantize import QUANTIZE_TYPES, check_quantize, quantize_view, quantized
 from .writer import ViewExport, check_target, check_view, prepare
 
@@ -152,7 +152,7 @@ def export_gguf(
 ) -> list[Path]:
     """Write `view` of `pruned` as one GGUF file per type (`gguf_path(root, view, type)`); returns the paths.
 
-    F32, F16 and Q8_0 are written here, a part (a block) at a time; the llama-quantize types
+    F32, F16 and Q8_0 are written here, a piece (a block) at a time; the llama-quantize types
     (`quantize.QUANTIZE_TYPES`) from the view's F32 file (written for them when F32 is not asked for, then
     removed) with an importance matrix over `calibration()`, the run's calibration windows, unless `imatrix` is
     false. `vocab_source`: the GGUF file the model came from, whose vocabulary serves a tokenizer `gguf_vocab`
@@ -208,7 +208,7 @@ def write_gguf_files(
                 folder = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=root, prefix=f".{view.view}.F32-")))
             source = folder / f"{view.view}.F32.gguf"
             ours.insert(0, ("F32", source))
-        tensors = gguf_tensors(view.parts if view.streamed else view.state, view.config)
+        tensors = gguf_tensors(view.pieces if view.streamed else view.state, view.config)
         for gguf_type, path in ours:
             write_gguf(path, tensors, view, gguf_type)
         del tensors

@@ -84,18 +84,18 @@ def permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
 @dataclass
 class TensorStream:
     """Tensors known by GGUF name and shape before any is made (`shapes`, in file order); `arrays()` makes them,
-    float32, in that order: a view's file is written holding one part (a block) at a time (`export.parts`)."""
+    float32, in that order: a view's file is written holding one piece (a block) at a time (`export.pieces`)."""
 
     shapes: dict[str, tuple[int, ...]]
     arrays: Callable[[], Iterator[tuple[str, np.ndarray]]]
 
 
-def gguf_tensors(parts, config) -> TensorStream:
-    """The view's tensors under their GGUF names, float32, changed as the module docstring says, a part at a
-    time. `parts`: `export.parts.Part`s (names, shapes, `load()`), or a state dict (one part)."""
-    if isinstance(parts, Mapping):
-        state = parts
-        parts = [SimpleNamespace(names={n: tuple(t.shape) for n, t in state.items()}, load=lambda: state)]
+def gguf_tensors(pieces, config) -> TensorStream:
+    """The view's tensors under their GGUF names, float32, changed as the module docstring says, a piece at a
+    time. `pieces`: `export.pieces.Piece`s (names, shapes, `load()`), or a state dict (one piece)."""
+    if isinstance(pieces, Mapping):
+        state = pieces
+        pieces = [SimpleNamespace(names={n: tuple(t.shape) for n, t in state.items()}, load=lambda: state)]
     fam = family(config)
     n_blocks = config.num_hidden_layers
     names = gguf.get_tensor_name_map(fam.arch, n_blocks)
@@ -104,8 +104,8 @@ def gguf_tensors(parts, config) -> TensorStream:
     tied = bool(getattr(config, "tie_word_embeddings", False))
     renamed: dict[str, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    for part in parts:
-        for name, shape in part.names.items():
+    for piece in pieces:
+        for name, shape in piece.names.items():
             if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                 continue
             new = names.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -127,10 +127,10 @@ def gguf_tensors(parts, config) -> TensorStream:
         return data.contiguous().numpy()
 
     def arrays() -> Iterator[tuple[str, np.ndarray]]:
-        for part in parts:
-            if not set(part.names) & set(renamed):
+        for piece in pieces:
+            if not set(piece.names) & set(renamed):
                 continue
-            for name, tensor in part.load().items():
+            for name, tensor in piece.load().items():
                 if name in renamed:
                     yield renamed[name], convert(name, tensor)
 

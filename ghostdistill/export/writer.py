@@ -40,7 +40,7 @@ from ..core.io import disk_space, publish_permissions
 from ..core.lock import alive, hold, lock_path, marked_tmpdir, marker_of
 from ..core.views import PrunedModel
 from .card import model_card
-from .parts import Part, exporting, save_parts, view_parts
+from .pieces import Piece, exporting, save_pieces, view_pieces
 
 # Inside a temporary folder: the view being written, and the folder it replaces, moved aside.
 NEW, OLD = "new", "old"
@@ -81,18 +81,18 @@ def check_view(pruned: PrunedModel, view: str) -> None:
 
 @dataclass
 class ViewExport:
-    """One view as every export format writes it, described once (`prepare`, inside `parts.exporting`, where it
-    is written): its parts (`export.parts`), config and kind (``operators``: the wrapper with the gap operators;
+    """One view as every export format writes it, described once (`prepare`, inside `pieces.exporting`, where it
+    is written): its pieces (`export.pieces`), config and kind (``operators``: the wrapper with the gap operators;
     ``plain``: the model's own architecture), the model switched to it, the tokenizer and what produced it
     (`info`, config.json's ``ghostdistill`` record). A model held in memory makes its state once, for every
-    format (`state`); one off the device or sharded streams its parts to each. `write` false: a rank of a
+    format (`state`); one off the device or sharded streams its pieces to each. `write` false: a rank of a
     sharded model other than rank 0 (the same gathers, nothing written); `calibration` gives the run's
     calibration windows, `vocab_source` the GGUF file the model was read from."""
 
     view: str
     method: str | None
     model: nn.Module
-    parts: list[Part]
+    pieces: list[Piece]
     config: object
     kind: str
     tokenizer: object = None
@@ -110,17 +110,17 @@ class ViewExport:
     def state(self) -> dict[str, torch.Tensor]:
         """The view's whole state dict, made once (a format that needs it all at once)."""
         if self._state is None:
-            self._state = {k: v for part in self.parts for k, v in part.load().items()}
+            self._state = {k: v for piece in self.pieces for k, v in piece.load().items()}
         return self._state
 
     def join(self) -> None:
-        """What a rank that writes nothing does: every part made (its gathers), in rank 0's order."""
-        for part in self.parts:
-            part.load()
+        """What a rank that writes nothing does: every piece made (its gathers), in rank 0's order."""
+        for piece in self.pieces:
+            piece.load()
 
 
 def prepare(pruned: PrunedModel, view: str, method: str | None, tokenizer=None, info: dict | None = None, **kw):
-    """`view` of `pruned` ready to be written (inside `parts.exporting(pruned, view)`); `info`, what config.json
+    """`view` of `pruned` ready to be written (inside `pieces.exporting(pruned, view)`); `info`, what config.json
     records under `ghostdistill`, gains the view, its method and the plan where it does not say; `kw`:
     `ViewExport`'s `write`, `calibration` and `vocab_source`."""
     info, plan = dict(info or {}), pruned.plan
@@ -129,8 +129,8 @@ def prepare(pruned: PrunedModel, view: str, method: str | None, tokenizer=None, 
     info.setdefault(
         "plan", {"num_layers": plan.num_layers, "removed": list(plan.removed), "gaps": [g.key for g in plan.gaps]}
     )
-    parts, config, kind = view_parts(pruned, view, method, info)
-    return ViewExport(view, method, pruned.model, parts, config, kind, tokenizer, info, **kw)
+    pieces, config, kind = view_pieces(pruned, view, method, info)
+    return ViewExport(view, method, pruned.model, pieces, config, kind, tokenizer, info, **kw)
 
 
 def write_folder(view: ViewExport, folder: str | os.PathLike, *, overwrite: bool = False) -> Path:
@@ -147,12 +147,12 @@ def write_folder(view: ViewExport, folder: str | os.PathLike, *, overwrite: bool
     ):
         if view.streamed:
             # Weights off the device, or sharded over ranks (FSDP2): one shard per block, each written
-            # as it is made (`export.parts`), so no process holds the whole view. A head the exported config
+            # as it is made (`export.pieces`), so no process holds the whole view. A head the exported config
             # ties to the embedding is left out: the loader ties it again.
             needed["bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
             tied = getattr(view.config, "tie_word_embeddings", False) and getattr(model, "all_tied_weights_keys", None)
             prefix = "pruned." if view.kind == "operators" else ""
-            save_parts(view.parts, tmp, {prefix + target for target in tied or {}})
+            save_pieces(view.pieces, tmp, {prefix + target for target in tied or {}})
         else:
             state = dict(view.state)
             needed["bytes"] = sum(t.numel() * t.element_size() for t in state.values())

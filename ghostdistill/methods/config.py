@@ -65,14 +65,14 @@ def make_collectors(
     """One collector per method that reads statistics, keyed by method name (shared by every recovery
     entry of that method: one pass, every method's statistics).
 
-    With `recovery` (the run's entries), a method that can (one declaring `parts(cfgs)` and `all_parts`, and
-    taking `parts=` in `collector`) holds only what its entries' fits read (`statistics_layout`); without it,
+    With `recovery` (the run's entries), a method that can (one declaring `groups(cfgs)` and `all_groups`, and
+    taking `groups=` in `collector`) holds only what its entries' fits read (`statistics_layout`); without it,
     every collector holds everything (any entry of the method can be fitted from it)."""
     layout = statistics_layout(methods, recovery)
     out = {}
     for name in sorted(methods):
-        # A method that cannot size its collector takes no `parts`.
-        sized = {"parts": tuple(layout[name])} if name in layout else {}
+        # A method that cannot size its collector takes no `groups`.
+        sized = {"groups": tuple(layout[name])} if name in layout else {}
         collector = get_method(name).collector(hidden_size, device, **sized)
         if collector is not None:
             out[name] = collector
@@ -80,17 +80,17 @@ def make_collectors(
 
 
 def statistics_layout(methods: set[str], recovery: list[RecoveryConfig] | None) -> dict[str, list[str]]:
-    """The collectors `make_collectors(methods, ..., recovery)` sizes below everything, with the parts they
-    hold: those its entries of `recovery` read, where the method can say (`Method.parts`) and that is not all
+    """The collectors `make_collectors(methods, ..., recovery)` sizes below everything, with the groups they
+    hold: those its entries of `recovery` read, where the method can say (`Method.groups`) and that is not all
     of them (empty: every collector holds everything, the layout without `recovery`). What a saved state's
     fingerprint must name so that a state of one layout is never resumed into another."""
     out = {}
     for name in sorted(methods):
         method = get_method(name)
         cfgs = [c.method_config() for c in recovery or () if c.method == name]
-        parts = method.parts(cfgs) if cfgs else None
-        if parts is not None and set(parts) != set(method.all_parts):
-            out[name] = list(parts)
+        groups = method.groups(cfgs) if cfgs else None
+        if groups is not None and set(groups) != set(method.all_groups):
+            out[name] = list(groups)
     return out
 
 

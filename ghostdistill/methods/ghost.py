@@ -236,20 +236,20 @@ READ_GROUPS = fit_groups(GhostConfig(fit=f) for f in FIT_WEIGHTING)
 
 
 class GhostCollectorMixin(Method):
-    """`GhostStatistics` for `ghost`, `ghost_symmetric` and the rotations: `all_parts`, or the groups `parts`."""
+    """`GhostStatistics` for `ghost`, `ghost_symmetric` and the rotations: `all_groups`, or the `groups` its entries read."""
 
-    all_parts = GhostStatistics.GROUPS
+    all_groups = GhostStatistics.GROUPS
 
     def token_groups(self, stats: GhostStatistics) -> dict:
         """A gap's token counts: first positions, the others, and the massive activations after the gap."""
         return vars(stats.counts)
 
     def collector(
-        self, hidden_size: int, device: torch.device | str, parts: Iterable[str] | None = None
+        self, hidden_size: int, device: torch.device | str, groups: Iterable[str] | None = None
     ) -> GhostStatistics:
-        return GhostStatistics(hidden_size, device=device, groups=self.all_parts if parts is None else parts)
+        return GhostStatistics(hidden_size, device=device, groups=self.all_groups if groups is None else groups)
 
-    def parts(self, cfgs: Iterable[GhostSymmetricConfig]) -> tuple[str, ...]:
+    def groups(self, cfgs: Iterable[GhostSymmetricConfig]) -> tuple[str, ...]:
         """What fitting `cfgs` reads (`make_collectors(..., recovery=...)` sizes the collector to it); every
         group when `cfgs` read every group some fit reads (`normed_first` is read by none), so a run of every
         variant keeps the layout (and the saved states) of the all-variants collector."""

@@ -10,8 +10,8 @@ What a method is, each member with a default on `Method` (a method overrides wha
 
 1. `collector(hidden_size, device)`: its statistics for one gap (fixed-size float64 sums fed `GapTaps` batch
    by batch, saved and restored for resumable runs; by default a `statistics` class's), or None (it reads
-   nothing). `all_parts` and `parts(cfgs)` name the parts of them the fits of `cfgs` read, for a
-   `collector(..., parts=...)` that holds only those (`make_collectors(..., recovery=...)`); `needs_mlp`: its
+   nothing). `all_groups` and `groups(cfgs)` name the groups of them the fits of `cfgs` read, for a
+   `collector(..., groups=...)` that holds only those (`make_collectors(..., recovery=...)`); `needs_mlp`: its
    taps carry the MLP output of the block before the gap;
 2. `fit(cfg, gap, stats, hidden_size)`: the gap solved (float64) into a `GapFit`, a `GhostOperator` on the
    residual stream entering the next surviving block and/or a map on the MLP output of the block before the
@@ -146,7 +146,7 @@ class Method:
     folds: bool = False
     folds_embedding: bool = False
     needs_mlp: bool = False
-    all_parts: tuple[str, ...] = ()
+    all_groups: tuple[str, ...] = ()
     card: str = ""
     statistics: type | None = None  # its collector's class, made as `statistics(hidden_size, device=device)`
 
@@ -157,8 +157,8 @@ class Method:
     def collector(self, hidden_size: int, device: torch.device | str) -> Collector | None:
         return None if self.statistics is None else self.statistics(hidden_size, device=device)
 
-    def parts(self, cfgs: list[MethodConfig]) -> tuple[str, ...] | None:
-        """The parts of the statistics the fits of `cfgs` read; None: the collector cannot be sized."""
+    def groups(self, cfgs: list[MethodConfig]) -> tuple[str, ...] | None:
+        """The groups of the statistics the fits of `cfgs` read; None: the collector cannot be sized."""
         return None
 
     def fit(self, cfg: MethodConfig, gap: Gap, stats: Collector | None, hidden_size: int) -> GapFit:

@@ -117,11 +117,11 @@ class _Rotation(GhostCollectorMixin):
     through = False
 
     @property
-    def all_parts(self) -> tuple[str, ...]:
+    def all_groups(self) -> tuple[str, ...]:
         return ("weighted_rest", "weighted_first") if self.through else ("weighted_rest",)
 
-    def parts(self, cfgs: Iterable[Ordered]) -> tuple[str, ...]:
-        return self.all_parts
+    def groups(self, cfgs: Iterable[Ordered]) -> tuple[str, ...]:
+        return self.all_groups
 
     def fit(self, cfg: Ordered, gap: Gap, stats: GhostStatistics, hidden_size: int) -> GapFit:
         tokens = stats.counts.regular + (stats.counts.first if self.through else 0)

@@ -101,17 +101,17 @@ def collect_statistics(
     executor = executor_of(llm)
     if dist.world > 1:  # this rank's share, one batch a pass, each named by its calibration index
         mine = even_shard(batches, dist.rank, dist.world) if done < len(batches) else []
-        parts = [(dist.rank + i * dist.world, [batch]) for i, batch in enumerate(mine)]
+        passes = [(dist.rank + i * dist.world, [batch]) for i, batch in enumerate(mine)]
     else:
-        parts = executor.passes(batches[done:], done)
-        if executor.blockwise and checkpoint and parts and done == 0:
+        passes = executor.passes(batches[done:], done)
+        if executor.blockwise and checkpoint and passes and done == 0:
             # One pass over every batch, its sums complete only at the end: the plan is saved first, with no
             # batch done, so a pass cut short costs its statistics, not the plan (`offloaded_stop`).
             checkpoint(stats, 0, 0)
     rank = f" (rank {dist.rank})" if dist.world > 1 else ""
-    for first, part in progress(parts, f"calibration statistics{rank}"):
-        tokens += accumulate(llm, pruned.stack, plan.gaps, part, stats, first_batch=first, progress=progress)
-        end = first + len(part)
+    for first, pass_batches in progress(passes, f"calibration statistics{rank}"):
+        tokens += accumulate(llm, pruned.stack, plan.gaps, pass_batches, stats, first_batch=first, progress=progress)
+        end = first + len(pass_batches)
         if dist.world == 1 and checkpoint and checkpoint_every and end % checkpoint_every == 0 and end < len(batches):
             checkpoint(stats, end, tokens)
     if dist.world > 1 and done < len(batches):  # the ranks' sums added: every rank solves from all batches

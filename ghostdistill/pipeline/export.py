@@ -32,7 +32,7 @@ from ..core.views import PrunedModel
 from ..export import view_model
 from ..export.formats import export_targets, get_formats
 from ..export.options import ExportOptions, check_options, provenance
-from ..export.parts import exporting
+from ..export.pieces import exporting
 from ..export.writer import check_target, prepare
 from ..reporting.flags import view_flags
 from .config import RunConfig
@@ -95,7 +95,7 @@ def export_views(
     that did not hold) and what a reader would make of its files otherwise (`ExportFormat.notes`) go to `warn`
     and into its provenance (`warnings`), which the model card shows. Returns `export_targets`' paths. `write`
     false: a rank of a sharded model other than rank 0, which joins every gather and writes nothing
-    (`export.parts`)."""
+    (`export.pieces`)."""
     # Each writer holds its target's lock while it writes (`export.writer`, `export.gguf`); rank 0 checks them.
     check_built(pruned, cfg, options, root if write else None, flag="overwrite (--overwrite / export.overwrite: true)")
     formats = get_formats(options.format)

@@ -1,4 +1,4 @@
-"""Export one block at a time (`export.parts`): a folded view's parts are made block by block and equal the view
+"""Export one block at a time (`export.pieces`): a folded view's pieces are made block by block and equal the view
 folded whole; a rank that only joins the gathers (`write` false) writes nothing."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from conftest import fit_all, tiny_model
 
 from ghostdistill.core.plan import PruningPlan
 from ghostdistill.core.sharded import plain_copy
-from ghostdistill.export.parts import view_parts
+from ghostdistill.export.pieces import view_pieces
 from ghostdistill.export.writer import export_view
 from ghostdistill.methods import GapFit, RecoveryConfig, get_method
 
@@ -34,14 +34,14 @@ def test_a_folded_view_is_made_one_block_at_a_time_and_equals_the_whole_fold(tmp
     pruned, _ = fit_all(tiny_model("llama", 6), PruningPlan.from_layers([1, 3], 6), METHODS)
     for view, method in (("rt", "rotation_through"), ("rm", "replaceme")):
         with pruned.use(view):
-            parts, _, kind = view_parts(pruned, view, method, {})
+            pieces, _, kind = view_pieces(pruned, view, method, {})
             assert kind == "plain"
-            blocks = [p for p in parts if any(n.startswith("model.layers.") for n in p.names)]
-            assert len(blocks) == len(pruned.plan.kept), "one part per kept block"
+            blocks = [p for p in pieces if any(n.startswith("model.layers.") for n in p.names)]
+            assert len(blocks) == len(pruned.plan.kept), "one piece per kept block"
             made = {}
-            for i, part in enumerate(blocks):
-                tensors = part.load()
-                assert set(tensors) == set(part.names) and all(n.startswith(f"model.layers.{i}.") for n in tensors)
+            for i, piece in enumerate(blocks):
+                tensors = piece.load()
+                assert set(tensors) == set(piece.names) and all(n.startswith(f"model.layers.{i}.") for n in tensors)
                 made.update(tensors)
             whole = _folded_whole(pruned, view, method)
             assert set(made) == set(whole)

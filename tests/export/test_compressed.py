@@ -22,7 +22,7 @@ from conftest import fit_all, random_batches, tiny_model
 from ghostdistill.core.plan import PruningPlan
 from ghostdistill.export import compressed
 from ghostdistill.export.formats import check_formats
-from ghostdistill.export.parts import exporting
+from ghostdistill.export.pieces import exporting
 from ghostdistill.export.writer import prepare
 from ghostdistill.methods import RecoveryConfig
 

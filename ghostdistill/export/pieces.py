@@ -1,14 +1,14 @@
-"""A view's exported tensors in parts: one per block and one per other module, each made when it is written.
+"""A view's exported tensors in pieces: one per block and one per other module, each made when it is written.
 
-`view_parts` describes what a view's folder holds without computing any of it: per part the tensor names and
+`view_pieces` describes what a view's folder holds without computing any of it: per piece the tensor names and
 shapes, and a `load()` that makes them (the block brought onto the device, `core.offload.onloaded`, copied
 where the view changes it: LoRA merged, a scaled rotation folded). The Hugging Face writer writes one
-safetensors shard per part (`save_parts`) and the GGUF writer quantises one part at a time, so no more than a
-part (one block, or the embedding) is ever in memory beside the model: what export does with weights that live
-off the device (`model.model.offload`). A model held in memory takes all parts at once (`ViewExport.state`), the
+safetensors shard per piece (`save_pieces`) and the GGUF writer quantises one piece at a time, so no more than a
+piece (one block, or the embedding) is ever in memory beside the model: what export does with weights that live
+off the device (`model.model.offload`). A model held in memory takes all pieces at once (`ViewExport.state`), the
 same tensors, written as before.
 
-Parts follow the model's own state-dict order (the embedding, the blocks, the final norm, the head), so a file
+Pieces follow the model's own state-dict order (the embedding, the blocks, the final norm, the head), so a file
 written either way holds its tensors in the same order. A fold is per block: a gap's transform of a block
 depends on that block alone (`export.fold`), so each block is folded on its own in plan order of the gaps.
 """
@@ -28,7 +28,7 @@ from torch import nn
 from ..core.modeling_ghostdistill import GhostPrunedConfig
 from ..core.offload import onloaded
 from ..core.sharded import gathered, is_sharded, plain_copy
-from ..core.views import _ADAPTER_PARTS, DENSE, PRUNED, PrunedModel
+from ..core.views import _ADAPTER_NAMES, DENSE, PRUNED, PrunedModel
 from ..methods import GapFit, get_method
 from . import fold as residual_fold
 
@@ -52,15 +52,15 @@ def exporting(pruned: PrunedModel, view: str):
 
 
 @dataclass
-class Part:
+class Piece:
     """Some tensors of an exported view: their names and shapes in order, and `load()`, which makes them."""
 
     names: dict[str, tuple[int, ...]]
     load: Callable[[], dict[str, torch.Tensor]]
 
 
-def view_parts(pruned: PrunedModel, view: str, method: str | None, info: dict) -> tuple[list[Part], object, str]:
-    """(parts, config, kind) of the current view (`pruned.use(view)`); nothing is computed until a part loads."""
+def view_pieces(pruned: PrunedModel, view: str, method: str | None, info: dict) -> tuple[list[Piece], object, str]:
+    """(pieces, config, kind) of the current view (`pruned.use(view)`); nothing is computed until a piece loads."""
     model, plan = pruned.model, pruned.plan
     operators = dict(pruned.operators[view]) if view not in (DENSE, PRUNED) else {}
     mlp_maps = dict(pruned.mlp_maps[view]) if view not in (DENSE, PRUNED) else {}
@@ -115,7 +115,7 @@ def view_parts(pruned: PrunedModel, view: str, method: str | None, info: dict) -
             state[key] = residual_fold.folded_embedding(state[key], residual_fold.residual_product(plan, operators))
         return state
 
-    parts: dict[str, Part] = {}
+    pieces: dict[str, Piece] = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
         if key.startswith(layers_path + "."):
             new = int(key[len(layers_path) + 1 :].split(".")[0])
@@ -123,14 +123,14 @@ def view_parts(pruned: PrunedModel, view: str, method: str | None, info: dict) -
         else:
             path = key.rpartition(".")[0]
             group, load = path, _prefixed(lambda path=path: module(path), prefix)
-        part = parts.setdefault(group, Part({}, load))
-        part.names.update({prefix + k: tuple(t.shape) for k, t in _clean({key: tensor}).items()})
-    out = list(parts.values())
+        piece = pieces.setdefault(group, Piece({}, load))
+        piece.names.update({prefix + k: tuple(t.shape) for k, t in _clean({key: tensor}).items()})
+    out = list(pieces.values())
     if not (operators and not folds):
         text.ghostdistill = info
         return out, text, "plain"
     gaps, tensors = _gap_operators(plan, operators, kept)
-    out.append(Part({n: tuple(t.shape) for n, t in tensors.items()}, lambda: tensors))
+    out.append(Piece({n: tuple(t.shape) for n, t in tensors.items()}, lambda: tensors))
     config = GhostPrunedConfig(
         text_config=text,
         gaps=gaps,
@@ -183,20 +183,20 @@ def _merge_and_unwrap(block: nn.Module, view: str) -> None:
 def _clean(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Plain parameter names: peft's wrapped `base_layer` renamed back, adapter tensors dropped (merged
     into their base where the view uses them)."""
-    adapter = lambda name: any(f".{part}." in f".{name}." for part in _ADAPTER_PARTS)  # noqa: E731
+    adapter = lambda name: any(f".{a}." in f".{name}." for a in _ADAPTER_NAMES)  # noqa: E731
     return {name.replace(".base_layer.", "."): t for name, t in state.items() if not adapter(name)}
 
 
-def save_parts(parts: list[Part], folder: Path, drop: set[str] = frozenset()) -> None:
-    """One safetensors shard per part, written as it is made (only that part in memory), and the index
+def save_pieces(pieces: list[Piece], folder: Path, drop: set[str] = frozenset()) -> None:
+    """One safetensors shard per piece, written as it is made (only that piece in memory), and the index
     `from_pretrained` reads (`model.safetensors.index.json`); `drop`: names left out (a tied head)."""
     from safetensors.torch import save_file
 
-    kept = [p for p in parts if set(p.names) - drop]
+    kept = [p for p in pieces if set(p.names) - drop]
     weight_map, total = {}, 0
-    for k, part in enumerate(kept, start=1):
+    for k, piece in enumerate(kept, start=1):
         file = "model.safetensors" if len(kept) == 1 else f"model-{k:05d}-of-{len(kept):05d}.safetensors"
-        tensors = {n: t.detach().to("cpu").contiguous() for n, t in part.load().items() if n not in drop}
+        tensors = {n: t.detach().to("cpu").contiguous() for n, t in piece.load().items() if n not in drop}
         save_file(tensors, folder / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
