@@ -80,7 +80,9 @@ class SelectionScorer:
                 ]
         self.forwards = 0  # candidate forwards over all the selection windows
         self.skip = bool(self.starts)  # until the first check says otherwise
-        self._checked = False
+        # Block by block a view enters its first block with the kept stream itself, which no embedding transform
+        # touches: nothing to check, and the check would cost two more passes over the offloaded weights.
+        self._checked = executor.blockwise
 
     @staticmethod
     def _first_block(pruned: PrunedModel, view: str, start: int) -> int:
