@@ -41,35 +41,30 @@ class DecoderStack:
 
 
 def decoder_stack(model: nn.Module) -> DecoderStack:
-    """Find the decoder blocks of a decoder-only model without naming its family.
-
-    Known attribute paths first; otherwise the one ModuleList whose length is
-    `config.num_hidden_layers`. Fails with the class name when there is none.
-    """
+    """Find the decoder blocks of a decoder-only model without naming its family: known attribute paths first
+    (an exported ghost model's `config.layers_path` before them), else the one ModuleList of
+    `config.num_hidden_layers` entries. Fails with the class name when there is none."""
     num_layers = getattr(text_config(model), "num_hidden_layers", None)
-    # An exported ghost model names where its base model keeps the blocks.
     own = getattr(getattr(model, "config", None), "layers_path", None)
     for path in ([own] if own else []) + list(_STACK_PATHS):
         layers = _get(model, path)
         if isinstance(layers, nn.ModuleList) and (num_layers is None or len(layers) == num_layers):
-            owner_path, attr = path.rsplit(".", 1)
-            return _stack(_get(model, owner_path), attr)
-    candidates = [
-        name
-        for name, mod in model.named_modules()
-        if isinstance(mod, nn.ModuleList) and num_layers is not None and len(mod) == num_layers
-    ]
-    if len(candidates) == 1:
-        owner_path, _, attr = candidates[0].rpartition(".")
-        return _stack(_get(model, owner_path), attr)
-    raise TypeError(
-        f"cannot find the decoder blocks of {type(model).__name__}: ghostdistill needs a decoder-only model "
-        f"whose blocks sit in one nn.ModuleList of config.num_hidden_layers={num_layers} entries "
-        f"(looked at {', '.join(_STACK_PATHS)} and found {len(candidates)} matching ModuleLists)"
-    )
-
-
-def _stack(owner: nn.Module, attr: str) -> DecoderStack:
+            break
+    else:
+        candidates = [
+            name
+            for name, mod in model.named_modules()
+            if isinstance(mod, nn.ModuleList) and num_layers is not None and len(mod) == num_layers
+        ]
+        if len(candidates) != 1:
+            raise TypeError(
+                f"cannot find the decoder blocks of {type(model).__name__}: ghostdistill needs a decoder-only model "
+                f"whose blocks sit in one nn.ModuleList of config.num_hidden_layers={num_layers} entries "
+                f"(looked at {', '.join(_STACK_PATHS)} and found {len(candidates)} matching ModuleLists)"
+            )
+        path = candidates[0]
+    owner_path, _, attr = path.rpartition(".")
+    owner = _get(model, owner_path)
     norm = next((getattr(owner, n) for n in _NORM_NAMES if isinstance(getattr(owner, n, None), nn.Module)), None)
     return DecoderStack(owner=owner, attr=attr, norm=norm)
 
@@ -103,11 +98,10 @@ MLP_OUT = ("down_proj", "c_proj", "fc2", "dense_4h_to_h")
 
 def last_linear(module: nn.Module, names: tuple[str, ...]) -> nn.Linear:
     """The first of `names` that is an nn.Linear attribute of `module` (the projection to fold into)."""
-    for name in names:
-        lin = getattr(module, name, None)
-        if isinstance(lin, nn.Linear):
-            return lin
-    raise TypeError(f"{type(module).__name__} has none of {names}; cannot fold into it")
+    lin = next((getattr(module, n) for n in names if isinstance(getattr(module, n, None), nn.Linear)), None)
+    if lin is None:
+        raise TypeError(f"{type(module).__name__} has none of {names}; cannot fold into it")
+    return lin
 
 
 def model_inputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

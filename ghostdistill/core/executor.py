@@ -92,9 +92,8 @@ class Executor:
 
     @torch.no_grad()
     def view_points(self, pruned, batches: Iterable[Batch], runs: Sequence[Run], desc: str = "") -> Iterator[Views]:
-        """Per run (view, point, MLP blocks) of `pruned` (a `core.views.PrunedModel`) the stream entering the
-        view's block `point` and the MLP outputs of its `MLP blocks`, yielded per pass as (windows, per run
-        the per-batch streams, per run block → per-batch MLP outputs, per run the seconds spent)."""
+        """Per run (`Run`) of `pruned` (a `core.views.PrunedModel`) the stream entering the view's block `point`
+        and the MLP outputs of its `MLP blocks`, yielded per pass (`Views`)."""
         for index, batch in enumerate(batches):
             ids, mask = model_inputs(pruned.model, batch)
             taps, outs, seconds = [], [], []
@@ -112,9 +111,9 @@ class Executor:
     def view_finals(
         self, pruned, batches: Sequence[Batch], views: Sequence[str], starts=None, prefix=None
     ) -> Iterator[Finals]:
-        """Every view's final hidden states (after its final norm, what its decoder returns), per pass:
-        (windows, view → per-batch states). `starts[view]`, where given, is the block the view starts at from
-        `prefix[b][block]`, the dense stream entering it for batch b (the blocks before it are the dense ones)."""
+        """Every view's final hidden states (after its final norm, what its decoder returns), per pass (`Finals`).
+        `starts[view]`, where given, is the block the view starts at from `prefix[b][block]`, the dense stream
+        entering it for batch b (the blocks before it are the dense ones)."""
         for index, batch in enumerate(batches):
             ids, mask = model_inputs(pruned.model, batch)
             hidden = {}

@@ -70,9 +70,7 @@ def tokens_per_chunk(vocab_size: int, chunk: int | None = None) -> int:
     """`chunk` when given; otherwise as many tokens as keep one chunk's logits at `CHUNK_ELEMENTS` values
     (1,024 tokens at a 32k vocabulary, 128 at 262k), so memory does not grow with the vocabulary. A given chunk
     is checked where it is set (`evaluation.logit_chunk`) and where it is used (`token_chunks`)."""
-    if chunk is not None:
-        return chunk
-    return max(1, CHUNK_ELEMENTS // max(1, vocab_size))
+    return chunk if chunk is not None else max(1, CHUNK_ELEMENTS // max(1, vocab_size))
 
 
 def token_chunks(n: int, chunk: int) -> Iterator[slice]:

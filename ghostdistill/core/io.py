@@ -68,10 +68,8 @@ def _mount_of(path: Path) -> Path:
 def no_space(err: BaseException, folder: Path) -> bool:
     """Whether `err` (raised writing into `folder`) is a full disk: errno ENOSPC / EDQUOT, the same in a
     library's message, or torch's zip writer failing while the disk is (nearly) full."""
-    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
     text = str(err)
-    if any(t in text for t in _NO_SPACE_TEXT):
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT) or any(t in text for t in _NO_SPACE_TEXT):
         return True
     if isinstance(err, RuntimeError) and any(t in text for t in _TORCH_WRITE_FAILED):
         with suppress(OSError):
@@ -107,9 +105,9 @@ def disk_space(what: str, folder: str | os.PathLike, needed: dict | None = None)
 
 @contextmanager
 def atomic_path(path: str | os.PathLike, needed: int | None = None) -> Iterator[Path]:
-    """A temporary path beside `path` for a writer that opens the file itself (e.g. `gguf.GGUFWriter`):
-    renamed onto `path` when the block ends (a link at `path` is replaced, never followed), removed if it
-    raises, so `path` is never half-written; it has the permissions a file created in place would have. `needed`: the bytes it will hold, named if the disk is full."""
+    """A temporary path beside `path` for a writer that opens the file itself (e.g. `gguf.GGUFWriter`): renamed
+    onto `path` when the block ends (a link at `path` is replaced, never followed), removed if it raises, so
+    `path` is never half-written (module docstring). `needed`: the bytes it will hold, named if the disk is full."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with disk_space(str(path), path.parent, {"bytes": needed}):

@@ -27,7 +27,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 try:
@@ -107,9 +107,8 @@ def _acquire(path: Path) -> int | None:
 
 @contextmanager
 def hold(path: str | os.PathLike, what: str, advice: str = "") -> Iterator[None]:
-    """Hold the lock file `path` for the block (reentrant within this process), or raise `PlaceInUse` naming
-    its holder; `what` says what this process does there (shown to a second one), `advice` what the refused
-    one can do. The lock file is removed on release."""
+    """Hold the lock file `path` for the block, or raise `PlaceInUse` naming its holder (module docstring);
+    `what` says what this process does there (shown to a second one), `advice` what the refused one can do."""
     path = Path(path)
     key = str(path.resolve())
     if key in _HELD:  # reentrant: the outermost hold releases it
@@ -150,10 +149,9 @@ def hold(path: str | os.PathLike, what: str, advice: str = "") -> Iterator[None]
 RUN_LOCK = ".ghostdistill.lock"
 
 
-def hold_folder(folder: str | os.PathLike, what: str, advice: str, take: bool = True):
-    """`hold` the run folder `folder` (its `RUN_LOCK`) while `what` works in it; `take` false (a process other
-    than rank 0 of several, which write nothing there) holds nothing."""
-    return hold(Path(folder) / RUN_LOCK, what, advice) if take else nullcontext()
+def hold_folder(folder: str | os.PathLike, what: str, advice: str):
+    """`hold` the run folder `folder` (its `RUN_LOCK`) while `what` works in it."""
+    return hold(Path(folder) / RUN_LOCK, what, advice)
 
 
 def lock_path(target: str | os.PathLike) -> Path:
@@ -163,9 +161,8 @@ def lock_path(target: str | os.PathLike) -> Path:
 
 
 def marked_tmpdir(parent: str | os.PathLike, prefix: str, target: str) -> Path:
-    """A new temporary folder under `parent` whose name starts with `prefix`, with a marker file inside naming
-    this tool, the `target` it is written for, this process and host: what lets a later clean-up prove it
-    made the folder (`marker_of`)."""
+    """A new temporary folder under `parent`, its name starting with `prefix`, holding the marker for `target`
+    (module docstring) that lets a later clean-up prove this tool made it (`marker_of`)."""
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=prefix))
     try:
         (tmp / MARKER).write_text(json.dumps({"tool": "ghostdistill", "target": target, **who()}) + "\n")

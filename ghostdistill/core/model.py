@@ -278,10 +278,8 @@ def load_model(cfg: ModelConfig, device: torch.device | str | None = None) -> nn
             model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     model.eval()
     if "gguf_file" in kwargs:
-        # GGUF weights arrive dequantised: drop the quantiser record so the model saves (and exports)
-        # like any other.
-        model.hf_quantizer = None
-        model.is_quantized = False
+        # GGUF weights arrive dequantised: drop the quantiser record so the model saves (and exports) like any other.
+        model.hf_quantizer, model.is_quantized = None, False
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
     if cfg.cache_gguf and "gguf_file" in kwargs and Path(name, kwargs["gguf_file"]).is_file():

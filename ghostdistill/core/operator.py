@@ -12,26 +12,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# The operator and the first-position rule live in the self-contained modelling file that exported
-# folders carry, so the in-memory views and the exported models share one definition.
+# One definition for the in-memory views and the exported models: the modelling file exported folders carry.
 from .modeling_ghostdistill import GapOperator, first_position_mask
 
 __all__ = ["GhostOperator", "ReparametrisedOperator", "first_position_mask"]
 
 
 class GhostOperator(GapOperator):
-    """x ← x + x·M for ordinary tokens; x ← x + b for first-position tokens when `separate_first`.
-
-    Parameters are stored in float32 (they come from a float64 solve) and cast to the activations'
-    dtype when applied, so bf16/fp16 models run one matmul in their own dtype.
-    """
+    """`GapOperator` (module docstring), its parameters stored in float32 (they come from a float64 solve) and
+    cast to the activations' dtype when applied, so bf16/fp16 models run one matmul in their own dtype."""
 
     def __init__(
         self, hidden_size: int, *, separate_first: bool = False, fused: bool = False, affine: bool = False
     ) -> None:
         super().__init__(hidden_size, separate_first=separate_first)
-        # True when the exported model folds this map into existing weights (ReplaceMe, magnitude):
-        # it then adds no parameters at inference.
+        # Fused: export folds this map into existing weights (ReplaceMe, magnitude), adding no parameters at inference.
         self.fused = fused
         # Ordinary tokens get x + x·M + c when `affine` (the ghost `bias` fit option); no parameter
         # otherwise, so existing checkpoints and the trainable set of non-affine operators are unchanged.
@@ -90,8 +85,7 @@ class ReparametrisedOperator(GhostOperator):
         nn.Module.__init__(self)
         self.separate_first, self.fused, self.bias = False, fitted.fused, None
         self.register_buffer("base", fitted.delta.detach().clone())
-        # The overall scale e^s, 0 at the start. Shape (1,), not a 0-dim tensor: FSDP2's fully_shard refuses
-        # scalar parameters.
+        # The overall scale e^s, 0 at the start; shape (1,), not 0-dim: FSDP2's fully_shard refuses scalar parameters.
         self.log_scale = nn.Parameter(torch.zeros(1, device=self.base.device))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:

@@ -109,8 +109,8 @@ def check_run_folder(
 @contextmanager
 def hold_run_folder(folder: str | os.PathLike, what: str, advice: str, take: bool = True) -> Iterator[None]:
     """The run folder `folder`, checked (`check_run_folder`), locked (`core.lock.hold_folder`) and marked as this
-    tool's for the block; `take` false (ranks other than 0) only waits in it. When the block fails and this call
-    made the folder, which then holds nothing but the marker and config.yaml, the folder goes again."""
+    tool's for the block, and removed again when the block fails in a folder this call made, which then holds
+    nothing but `_DISPOSABLE`; `take` false (ranks other than 0) only waits in it."""
     folder = Path(folder)
     if not take:
         yield

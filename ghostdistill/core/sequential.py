@@ -21,8 +21,7 @@ turn. A tap at position p is the input of block p as the block sees it, after it
 operator a view puts at a gap), as `core.capture.residual_streams` takes it; position len(blocks) is the
 output of the last block.
 
-The offloaded executor (`core.executor.Offloaded`) is written on these; `final_states` gives a set of views'
-final hidden states.
+The offloaded executor (`core.executor.Offloaded`) is written on these.
 """
 
 from __future__ import annotations

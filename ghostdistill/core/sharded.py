@@ -1,20 +1,13 @@
 """FSDP2 from the start: a model that no process holds whole (Lightning's `ModelParallelStrategy`).
 
-    model = load_sharded(cfg, mesh, device)   built on the meta device, every decoder block `fully_shard`-ed,
-                                              then each rank copies in its own rows of every block tensor
-    is_sharded(module)                        whether any submodule is an FSDP2 unit
-    with gathered(block): ...                 a sharded block's whole weights on every rank, for the span
-    plain_copy(module)                        a copy with plain tensors and no hooks (a view's own block)
-    reshard_stopped(layers)                   after a forward stopped inside the stack (`core.capture`)
-
-The torchtitan / torchtune pattern: the model is built under `accelerate.init_empty_weights` (parameters on
-the meta device, buffers such as the rotary frequencies computed as usual), each decoder block is sharded
-with `fully_shard` over the mesh, `to_empty` gives every rank storage for its share only, and the weights
-are read from the checkpoint's safetensors files tensor by tensor: a block tensor W ∈ R^{r×c} is cut into
-the mesh's row chunks (`distribute_tensor(W, mesh, [Shard(0)], src_data_rank=None)`: every rank slices
-locally, nothing is sent) and rank k keeps rows [k·⌈r/N⌉, (k+1)·⌈r/N⌉). The files are memory-mapped, so
-the page cache holds them once for all ranks of a node and each process's own (anonymous) memory holds at
-most one tensor beyond its share: a 70B run never has 8 copies of 140 GB in host memory.
+`load_sharded` follows the torchtitan / torchtune pattern: the model is built under `accelerate.init_empty_weights`
+(parameters on the meta device, buffers such as the rotary frequencies computed as usual), each decoder block is
+sharded with `fully_shard` over the mesh, `to_empty` gives every rank storage for its share only, and the weights are
+read from the checkpoint's safetensors files tensor by tensor: a block tensor W ∈ R^{r×c} is cut into the mesh's row
+chunks (`distribute_tensor(W, mesh, [Shard(0)], src_data_rank=None)`: every rank slices locally, nothing is sent) and
+rank k keeps rows [k·⌈r/N⌉, (k+1)·⌈r/N⌉). The files are memory-mapped, so the page cache holds them once for all ranks
+of a node and each process's own (anonymous) memory holds at most one tensor beyond its share: a 70B run never has 8
+copies of 140 GB in host memory.
 
 Blocks are the sharded units; the embeddings, the final norm, the output head and every operator stay
 whole on every rank (replicated): the views call the head outside the decoder (chunked scores) and a model

@@ -93,8 +93,7 @@ class PrunedModel:
             setattr(parent, attr, original)
         for parent, attr, key in self._slots.get(view, ()):
             setattr(parent, attr, self.modules_own[view][key])
-        self.view = view
-        self.skip = skip
+        self.view, self.skip = view, skip
         for listener in self.listeners:
             listener(view)
 
