@@ -79,8 +79,7 @@ def residual_streams(
     missing = set(wanted) - set(captured)
     if missing:
         raise RuntimeError(f"the forward pass never reached blocks {sorted(missing)}")
-    first = first_position_mask(positions.get("ids"), captured[wanted[0]])
-    return captured, first
+    return captured, first_position_mask(positions.get("ids"), captured[wanted[0]])
 
 
 def gap_points(gaps: Sequence[Gap]) -> list[int]:

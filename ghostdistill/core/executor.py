@@ -174,8 +174,7 @@ class Offloaded(Executor):
             windows.offset = lo
             kept = (prefix or [])[lo : lo + len(windows.ids)]  # the kept dense streams of this pass's batches
             streams = [view_stream(pruned, v, windows, (starts or {}).get(v), kept) for v in views]
-            states = final_states(streams, windows)
-            yield windows, dict(zip(views, states))
+            yield windows, dict(zip(views, final_states(streams, windows)))
 
 
 def executor_of(model: nn.Module) -> Executor:

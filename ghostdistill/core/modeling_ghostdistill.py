@@ -30,14 +30,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    GenerationMixin,
-    PreTrainedConfig,
-    PreTrainedModel,
-)
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedConfig, PreTrainedModel
 
 
 def first_position_mask(position_ids: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor:
@@ -74,10 +67,7 @@ class GapOperator(nn.Module):
         return y
 
 
-OperatorGetter = Callable[[], "GapOperator | None"]
-
-
-def attach(block: nn.Module, where: str, get_op: OperatorGetter):
+def attach(block: nn.Module, where: str, get_op: Callable[[], GapOperator | None]):
     """Hook `get_op()` onto a block's input hidden states (`where="input"`, a forward pre-hook) or its output
     (`"output"`, a forward hook), both with kwargs; returns the handle."""
 
