@@ -5,9 +5,27 @@ from __future__ import annotations
 
 from ..methods import get_method, registered
 
+LOADING = {
+    "operators": """The operators are modules of their own (`modeling_ghostdistill.py`, in this folder):
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("<this folder>", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("<this folder>")
+```
+
+With ghostdistill installed, `ghostdistill.export.load_exported(folder)` loads it without remote code.""",
+    "plain": """A plain checkpoint of the base architecture with fewer blocks:
+
+```python
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained("<this folder>")
+```""",
+}
+
 
 def model_card(info: dict, kind: str) -> str:
-    """Markdown for the folder's README.md; `kind` is ``operators`` (custom code) or ``plain``."""
+    """Markdown for the folder's README.md; `kind` is ``operators`` (custom code) or ``plain`` (`LOADING`)."""
     plan = info.get("plan", {})
     removed = plan.get("removed", [])
     total = plan.get("num_layers")
@@ -76,31 +94,6 @@ def model_card(info: dict, kind: str) -> str:
                 f"{name}: {s.get('windows')} windows of {s.get('source')}" for name, s in ev["sources"].items()
             )
             lines.append(f"\nEvaluation: windows of {ev.get('seq_len')} tokens; {described}.")
-    lines += ["", "## Loading", ""]
-    if kind == "operators":
-        lines += [
-            "The operators are modules of their own (`modeling_ghostdistill.py`, in this folder):",
-            "",
-            "```python",
-            "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            'model = AutoModelForCausalLM.from_pretrained("<this folder>", trust_remote_code=True)',
-            'tokenizer = AutoTokenizer.from_pretrained("<this folder>")',
-            "```",
-            "",
-            "With ghostdistill installed, `ghostdistill.export.load_exported(folder)` loads it without remote code.",
-        ]
-    else:
-        lines += [
-            "A plain checkpoint of the base architecture with fewer blocks:",
-            "",
-            "```python",
-            "from transformers import AutoModelForCausalLM",
-            'model = AutoModelForCausalLM.from_pretrained("<this folder>")',
-            "```",
-        ]
-    lines += [
-        "",
-        "`config.json` records the plan and the run under the key `ghostdistill`.",
-        "",
-    ]
+    lines += ["", "## Loading", "", *LOADING[kind].splitlines()]
+    lines += ["", "`config.json` records the plan and the run under the key `ghostdistill`.", ""]
     return "\n".join(lines)

@@ -46,6 +46,7 @@ import torch
 from ..core.checks import check_names
 from ..core.lock import marked_tmpdir
 from . import compressed_oneshot
+from .quantize import CHECKOUT
 from .writer import ViewExport, check_target, staged_folder, write_folder
 
 FORMAT = "compressed-tensors"
@@ -86,10 +87,7 @@ def quantize_python(given: str | os.PathLike | None = None) -> Path:
                 "environment that has it"
             )
         return python
-    for python in (
-        Path(".venv-quantize/bin/python"),
-        Path(__file__).resolve().parents[2] / ".venv-quantize/bin/python",
-    ):
+    for python in (Path(".venv-quantize/bin/python"), CHECKOUT / ".venv-quantize/bin/python"):
         if python.is_file() and _imports_llmcompressor(python):
             return python.absolute()
     if importlib.util.find_spec("llmcompressor") is not None:

@@ -54,13 +54,11 @@ def recipe(scheme: str, group_size: int, ignore: list[str]):
             SmoothQuantModifier(smoothing_strength=0.8),
             GPTQModifier(targets="Linear", scheme="W8A8", ignore=ignore),
         ]
-    if scheme == "W4A16":
-        return [GPTQModifier(config_groups=weights(4, True), ignore=ignore)]
+    if scheme in ("W4A16", "W8A16"):  # W<bits>A16
+        return [GPTQModifier(config_groups=weights(int(scheme[1]), True), ignore=ignore)]
     if scheme == "W4A16-AWQ":
         # 0.14's API: AWQ only rescales (a transform); the quantizing modifier after it rounds the weights.
         return [AWQModifier(), QuantizationModifier(config_groups=weights(4, False), ignore=ignore)]
-    if scheme == "W8A16":
-        return [GPTQModifier(config_groups=weights(8, True), ignore=ignore)]
     raise SystemExit(f"scheme {scheme!r} is not one of W8A8, W4A16, W4A16-AWQ, W8A16")
 
 

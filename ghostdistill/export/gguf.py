@@ -79,22 +79,14 @@ def refusal(view: str, method: str | None) -> str:
     )
 
 
-def _stored(name: str, shape: tuple[int, ...], gguf_type: str) -> tuple[gguf.GGMLQuantizationType, tuple, type, int]:
-    """(storage type, stored shape, stored dtype, bytes) of a tensor: what `gguf.quants.quantize` will give it. The
-    converter's rule: 1-D tensors, norms and anything but a weight stay F32, the rest take the type; a row length
-    Q8_0 cannot block falls back to F16."""
+def _stored(name: str, shape: tuple[int, ...], gguf_type: str) -> tuple[gguf.GGMLQuantizationType, tuple]:
+    """(storage type, stored shape in bytes) of a tensor, by the converter's rule (module docstring)."""
     storage = GGUF_TYPES[gguf_type][0]
     if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
         storage = gguf.GGMLQuantizationType.F32
-    if storage == gguf.GGMLQuantizationType.F32:
-        return storage, shape, np.float32, 4 * math.prod(shape)
-    if storage != gguf.GGMLQuantizationType.F16:
-        try:
-            stored = tuple(gguf.quants.quant_shape_to_byte_shape(shape, storage))
-            return storage, stored, np.uint8, math.prod(stored)
-        except gguf.QuantError:
-            storage = gguf.GGMLQuantizationType.F16
-    return storage, shape, np.float16, 2 * math.prod(shape)
+    elif shape[-1] % gguf.GGML_QUANT_SIZES[storage][0]:
+        storage = gguf.GGMLQuantizationType.F16
+    return storage, gguf.quants.quant_shape_to_byte_shape(shape, storage)
 
 
 # Values quantised at a time: numpy's Q8_0 holds temporaries the size of its input (gigabytes for a 128k × 4096
@@ -110,20 +102,18 @@ def _quantize(data: np.ndarray, storage: gguf.GGMLQuantizationType) -> np.ndarra
 
 
 def write_gguf(path: Path, tensors: TensorStream, view: ViewExport, gguf_type: str) -> None:
-    """Write one GGUF file of `gguf_type` (F32, F16 or Q8_0) from `gguf_tensors`' output, the view's config and
-    tokenizer: the header with every tensor's name, shape and storage, then each tensor as it is made. A tokenizer
-    `gguf_vocab` does not read takes the vocabulary of `view.vocab_source`, the GGUF file the model came from, if
-    any (`gguf_vocab.copy_vocab`). `view.write` false: every tensor is made (a sharded model's gathers, in rank 0's
-    order), nothing written."""
+    """Write one GGUF file of `gguf_type` (F32, F16 or Q8_0): the header (`gguf_header.header`) with every
+    tensor's name, shape and storage, then each tensor as it is made. `view.write` false: every tensor is made (a
+    sharded model's gathers, in rank 0's order), nothing written."""
     if not view.write:
         for _ in tensors.arrays():
             pass
         return
     writer = header(view, GGUF_TYPES[gguf_type][1])
     plan = {n: _stored(n, shape, gguf_type) for n, shape in tensors.shapes.items()}
-    for tensor_name, (storage, shape, dtype, nbytes) in plan.items():
-        writer.add_tensor_info(tensor_name, shape, np.dtype(dtype), nbytes, raw_dtype=storage)
-    needed = sum(nbytes for _, _, _, nbytes in plan.values())
+    for tensor_name, (storage, stored) in plan.items():  # uint8: `stored` is in bytes, the header in elements
+        writer.add_tensor_info(tensor_name, stored, np.dtype(np.uint8), math.prod(stored), raw_dtype=storage)
+    needed = sum(math.prod(stored) for _, stored in plan.values())
     lock = hold(lock_path(path), f"export of {path.name}", "wait for that export to finish")
     with lock, atomic_path(path, needed) as tmp:
         writer.write_header_to_file(path=tmp)
@@ -152,14 +142,13 @@ def export_gguf(
 ) -> list[Path]:
     """Write `view` of `pruned` as one GGUF file per type (`gguf_path(root, view, type)`); returns the paths.
 
-    F32, F16 and Q8_0 are written here, a piece (a block) at a time; the llama-quantize types
-    (`quantize.QUANTIZE_TYPES`) from the view's F32 file (written for them when F32 is not asked for, then
-    removed) with an importance matrix over `calibration()`, the run's calibration windows, unless `imatrix` is
+    The llama-quantize types come from the view's F32 file (written for them when F32 is not asked for, then
+    removed), with an importance matrix over `calibration()`, the run's calibration windows, unless `imatrix` is
     false. `vocab_source`: the GGUF file the model came from, whose vocabulary serves a tokenizer `gguf_vocab`
     does not read. Refuses operator views (`refusal`), missing tools and existing files without `overwrite`,
     before writing anything. What transformers' `gguf_file=` reader would read other than the view
     (`gguf_header.transformers_misreadings`) goes to `log` as a warning, and into the files' provenance. `write`
-    false: the same work, nothing written (a rank of a sharded model other than rank 0)."""
+    false: a rank of a sharded model other than rank 0 (the same work, nothing written)."""
     types = check_gguf_types(types)
     check_quantize(types, imatrix)
     check_view(pruned, view)
@@ -186,8 +175,7 @@ def write_gguf_files(
     imatrix: bool = True,
     log: Callable[[str], None] = print,
 ) -> list[Path]:
-    """A prepared plain view (`writer.prepare`) as one GGUF file per type under `root` (`export_gguf`); returns
-    the paths."""
+    """A prepared plain view (`writer.prepare`) as one GGUF file per type under `root` (`export_gguf`)."""
     types = list(types)
     if view.kind != "plain":
         raise ValueError(refusal(view.view, view.method))

@@ -74,11 +74,8 @@ def family(config) -> Family:
 
 def permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     """Hugging Face's rotary layout to GGML's, per head (`LlamaModel.permute` of the converter)."""
-    return (
-        weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
+    head = weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+    return head.swapaxes(1, 2).reshape(weight.shape)
 
 
 @dataclass

@@ -87,17 +87,15 @@ def transformers_config(view):
     writer = header(view, gguf.LlamaFileType.ALL_F32)
     # The only tensor the config depends on: a file without `output.weight` is read as a tied head.
     tensor = "token_embd.weight" if getattr(view.config, "tie_word_embeddings", False) else "output.weight"
-    writer.add_tensor_info(tensor, (1,), np.dtype(np.float32), 4, raw_dtype=gguf.GGMLQuantizationType.F32)
+    writer.add_tensor(tensor, np.zeros(1, np.float32))
     quiet = logging.getLogger("transformers")
-    level = quiet.level
     with tempfile.TemporaryDirectory(prefix="ghostdistill-gguf-") as tmp, contextlib.ExitStack() as stack:
-        stack.callback(quiet.setLevel, level)
+        stack.callback(quiet.setLevel, quiet.level)
         quiet.setLevel(logging.ERROR)  # its "keys not parsed" notes are what this module reports, in one line
         path = Path(tmp) / f"{view.view}.gguf"
         writer.write_header_to_file(path=path)
         writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        writer.write_tensor_data(np.zeros(1, np.float32))
+        writer.write_tensors_to_file()
         writer.close()
         try:
             return AutoConfig.from_pretrained(tmp, gguf_file=path.name)
@@ -120,11 +118,9 @@ def layer_types(config) -> list[str]:
 
 def settings(config) -> dict:
     """What the computation of a decoder of `config` depends on, in comparable form."""
-    heads = config.num_attention_heads
     types = layer_types(config)
-    out = {key: getattr(config, key, None) for key in SHAPES}
-    out.update(
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+    return {key: getattr(config, key, None) for key in SHAPES} | dict(
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
         vocab_size=config.vocab_size,
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         rms_norm_eps=getattr(config, "rms_norm_eps", None),
@@ -138,7 +134,6 @@ def settings(config) -> dict:
         final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
         attn_logit_softcapping=getattr(config, "attn_logit_softcapping", None),
     )
-    return out
 
 
 def _same(a, b) -> bool:

@@ -22,14 +22,8 @@ def load_exported(folder: str | os.PathLike, **kwargs) -> nn.Module:
     register_auto_classes()
     kwargs.setdefault("trust_remote_code", False)
     model, info = AutoModelForCausalLM.from_pretrained(str(folder), output_loading_info=True, **kwargs)
-    problems = {
-        what: sorted(info.get(key) or [])
-        for key, what in (
-            ("missing_keys", "missing"),
-            ("unexpected_keys", "unexpected"),
-            ("mismatched_keys", "of another shape"),
-        )
-    }
+    keys = {"missing_keys": "missing", "unexpected_keys": "unexpected", "mismatched_keys": "of another shape"}
+    problems = {what: sorted(info.get(key) or []) for key, what in keys.items()}
     if any(problems.values()):
         found = "; ".join(f"{len(v)} {what} (e.g. {[str(k) for k in v[:3]]})" for what, v in problems.items() if v)
         raise ValueError(

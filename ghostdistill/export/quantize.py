@@ -44,24 +44,9 @@ import torch
 from ..core.io import atomic_path
 from .gguf_vocab import adds
 
-QUANTIZE_TYPES = (
-    "Q4_0",
-    "Q4_1",
-    "Q5_0",
-    "Q5_1",
-    "Q2_K",
-    "Q2_K_S",
-    "Q3_K_S",
-    "Q3_K_M",
-    "Q3_K_L",
-    "Q4_K_S",
-    "Q4_K_M",
-    "Q5_K_S",
-    "Q5_K_M",
-    "Q6_K",
-)
+QUANTIZE_TYPES = tuple("Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q2_K_S Q3_K_S Q3_K_M Q3_K_L Q4_K_S Q4_K_M Q5_K_S Q5_K_M Q6_K".split())
 NEEDS_IMATRIX = ("Q2_K_S",)
-TOOLS = ("llama-quantize", "llama-imatrix", "llama-tokenize")
+TOOLS = ("llama-quantize", "llama-imatrix", "llama-tokenize")  # the first alone without the importance matrix
 ENV = "GHOSTDISTILL_LLAMA_CPP"
 BUILD = "bash scripts/serving/llama_cpp.sh"
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -69,11 +54,6 @@ CHECKOUT = Path(__file__).resolve().parents[2]
 
 def quantized(types: Iterable[str]) -> list[str]:
     return [t for t in types if t in QUANTIZE_TYPES]
-
-
-def needed_tools(imatrix: bool = True) -> tuple[str, ...]:
-    """What writing k-quants runs (module docstring, "Where the tools are")."""
-    return TOOLS if imatrix else ("llama-quantize",)
 
 
 def llama_cpp_root() -> Path:
@@ -108,7 +88,7 @@ def check_quantize(types: Iterable[str], imatrix: bool = True) -> None:
             "--no-imatrix / export.imatrix: false, or choose another type"
         )
     if asked:
-        find_tools(tools=needed_tools(imatrix))
+        find_tools(tools=TOOLS if imatrix else TOOLS[:1])
 
 
 def _round_trips(tokenizer, text: str, ids: list[int]) -> bool:
@@ -205,7 +185,7 @@ def quantize_view(
     """Write each of `targets` (type -> path) from the view's F32 file with llama-quantize (`llama-quantize
     [--imatrix M] source target TYPE`, written beside the target and renamed into place); with `imatrix`, one
     importance matrix over `calibration()` (the run's windows) serves every type."""
-    tools = find_tools(tools=needed_tools(imatrix))
+    tools = find_tools(tools=TOOLS if imatrix else TOOLS[:1])
     with tempfile.TemporaryDirectory(dir=f32.parent, prefix=".imatrix-") as tmp:
         matrix = Path(tmp) / "imatrix.gguf" if imatrix else None
         if imatrix:

@@ -57,18 +57,12 @@ def export_view(
     overwrite: bool = False,
     write: bool = True,
 ) -> Path:
-    """Write `view` of `pruned` to `folder` and return its path.
-
-    Args:
-        method: the registered method behind the view (``ghost`` for ``ghost`` and ``ghost_ft``); None
-            for ``dense`` and ``pruned``.
-        tokenizer: saved with the model when given.
-        info: what produced the view (plan, calibration, seed, metrics), kept in `config.json` under
-            ``ghostdistill`` and summarised in the model card.
-        overwrite: replace an existing folder (otherwise an existing folder is an error).
-        write: false on the ranks of a sharded model other than rank 0: the same work (every block gathered,
-            in rank 0's order), nothing written.
-    """
+    """Write `view` of `pruned` to `folder` and return its path. `method`: the registered method behind the view
+    (``ghost`` for ``ghost`` and ``ghost_ft``; None for ``dense`` and ``pruned``); `tokenizer`: saved with the
+    model when given; `info`: what produced the view (plan, calibration, seed, metrics), kept in `config.json`
+    under ``ghostdistill`` and summarised in the model card; `overwrite`: replace an existing folder (otherwise
+    it is an error); `write` false: a rank of a sharded model other than rank 0 (the same work, every block
+    gathered in rank 0's order, nothing written)."""
     check_view(pruned, view)
     with exporting(pruned, view):  # `write_folder` refuses a taken target before any work
         return write_folder(prepare(pruned, view, method, tokenizer, info, write=write), folder, overwrite=overwrite)
@@ -81,13 +75,12 @@ def check_view(pruned: PrunedModel, view: str) -> None:
 
 @dataclass
 class ViewExport:
-    """One view as every export format writes it, described once (`prepare`, inside `pieces.exporting`, where it
-    is written): its pieces (`export.pieces`), config and kind (``operators``: the wrapper with the gap operators;
-    ``plain``: the model's own architecture), the model switched to it, the tokenizer and what produced it
-    (`info`, config.json's ``ghostdistill`` record). A model held in memory makes its state once, for every
-    format (`state`); one off the device or sharded streams its pieces to each. `write` false: a rank of a
-    sharded model other than rank 0 (the same gathers, nothing written); `calibration` gives the run's
-    calibration windows, `vocab_source` the GGUF file the model was read from."""
+    """One view as every export format writes it, described once (`prepare`, inside `pieces.exporting`): its
+    pieces (`export.pieces`), config and kind (``operators``: the wrapper with the gap operators; ``plain``: the
+    model's own architecture), the model switched to it, the tokenizer and what produced it (`info`, config.json's
+    ``ghostdistill`` record). A model held in memory makes its state once, for every format (`state`); one off the
+    device or sharded streams its pieces to each. `write` false: as `export_view`'s; `calibration` gives the
+    run's calibration windows, `vocab_source` the GGUF file the model was read from."""
 
     view: str
     method: str | None
@@ -146,9 +139,7 @@ def write_folder(view: ViewExport, folder: str | os.PathLike, *, overwrite: bool
         disk_space(f"export folder {target}", target.parent) as needed,
     ):
         if view.streamed:
-            # Weights off the device, or sharded over ranks (FSDP2): one shard per block, each written
-            # as it is made (`export.pieces`), so no process holds the whole view. A head the exported config
-            # ties to the embedding is left out: the loader ties it again.
+            # Off the device or sharded (FSDP2): one shard per piece (`save_pieces`); a tied head is left to the loader.
             needed["bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
             tied = getattr(view.config, "tie_word_embeddings", False) and getattr(model, "all_tied_weights_keys", None)
             prefix = "pruned." if view.kind == "operators" else ""
