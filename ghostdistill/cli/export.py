@@ -4,7 +4,6 @@ Trainer."""
 from __future__ import annotations
 
 import argparse
-import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -113,13 +112,9 @@ def _mapping(text: str) -> dict:
 
 
 def _option_help(cls: type) -> dict[str, str]:
-    """The `Args:` of a config class's docstring, by key (one line each)."""
-    out: dict[str, str] = {}
-    key = None
-    for line in cls.__doc__.split("Args:", 1)[1].splitlines():
-        match = re.match(r"\s+(\w+): (.*)", line)
-        if match and (key is None or len(line) - len(line.lstrip()) <= 8):
-            key, out[match.group(1)] = match.group(1), match.group(2)
-        elif key is not None and line.strip():
-            out[key] += " " + line.strip()
-    return {k: v.replace("%", "%%") for k, v in out.items()}
+    """The `Args:` of a config class's docstring, by key (one line each), as jsonargparse reads them."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(cls)
+    return {a.dest: " ".join(a.help.split()).replace("%", "%%") for a in parser._actions if a.help}

@@ -1,6 +1,5 @@
 """`compare` and `frontier` on the command line: their arguments parsed, the run left to `runner.compare` and
-`runner.frontier` (what the Python API's `ghostdistill.compare` and `ghostdistill.frontier` call too), and
-where the report went printed."""
+`runner.frontier` (as the Python API's), and where the report went printed."""
 
 from __future__ import annotations
 

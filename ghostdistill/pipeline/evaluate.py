@@ -3,7 +3,7 @@
 scores = score_views(pruned, ids, mask, views)     one batch: NLL, KL(dense ‖ view), top-1 per token
 score_batches(pruned, batches, views)             many at once, as the model's executor runs them
 tally.update(view, source, scores[view])           float64 sums over batches (`evaluation.tally.ViewTally`)
-results = view_results(tally, pruned)              the report's `views` section, summed over ranks
+results = view_results(tally, pruned, methods)     the report's `views` section, summed over ranks
 evaluate(pruned, views, windows)                   the three above over whole sources, in one call
 analysis(pruned, views, windows, calibration)      anatomy and held-out alignment (`ghostdistill.analysis`)
 zeroshot(pruned, tokenizer, views, cfg, ...)       lm-eval accuracy per view and task, resumable
@@ -88,13 +88,12 @@ def score_batches(
     return out
 
 
-def view_results(
-    tally: ViewTally, pruned: PrunedModel, methods: dict[str, str | None] | None = None
-) -> dict[str, ViewResult]:
-    """The report's `views` section from a complete tally (`compute` sums it over the ranks first)."""
+def view_results(tally: ViewTally, pruned: PrunedModel, methods: dict[str, str | None]) -> dict[str, ViewResult]:
+    """The report's `views` section from a complete tally (`compute` sums it over the ranks first); `methods`:
+    the method behind each view, for its parameter count."""
     return {
         view: ViewResult(
-            params=inference_parameters(pruned, view, (methods or {}).get(view)),
+            params=inference_parameters(pruned, view, methods.get(view)),
             metrics={source: SourceMetrics(**m) for source, m in per_source.items()},
         )
         for view, per_source in tally.compute().items()
@@ -126,8 +125,7 @@ def evaluate(
     methods: dict[str, str | None] | None = None,
 ) -> dict[str, ViewResult]:
     """Every view on every source's windows (a chat source's: `ChatWindows`), in one process (the Lightning
-    test loop does the same per batch); `methods`: the method behind each view (`RunConfig.method_of`), for its
-    parameter count."""
+    test loop does the same per batch); `methods` as `view_results`' (`RunConfig.method_of`)."""
     device = model_device(pruned.model)
     tally = ViewTally(views, list(windows), reference=DENSE).to(device)
     for si, source in enumerate(windows.values()):
@@ -135,7 +133,7 @@ def evaluate(
         for scores in score_batches(pruned, batches, views, chunk=chunk):
             for view in views:
                 tally.update(view, si, scores[view])
-    return view_results(tally, pruned, methods)
+    return view_results(tally, pruned, methods or {})
 
 
 def window_batches(windows: torch.Tensor | ChatWindows, batch_size: int) -> list[dict[str, torch.Tensor]]:
@@ -162,25 +160,6 @@ def analysis(
     return {**analyse(pruned, views, batches), "overlapping_windows": len(overlap), "source": source}
 
 
-def view_digest(pruned: PrunedModel, view: str, base: list, settings: list | None, trainable: dict | None) -> str:
-    """What a view computes, for keying its saved zero-shot scores: `base` (the model, removed blocks), then
-    for a fine-tuned view every trainable tensor by name (`trainable`), for a training-free method the
-    settings its operators were solved from (calibration fingerprint and recovery settings: the same solve
-    on another thread count differs in the last bits, which must not void hours of saved scores) or,
-    without them, the operators' values."""
-    if view in (DENSE, PRUNED):
-        return json_digest(base)
-    if trainable is not None:
-        return json_digest([*base, "trained", tensor_digest(trainable)])
-    if settings is not None:
-        return json_digest([*base, *settings])
-    state = {}
-    for prefix, group in (("operators", pruned.operators), ("mlp_maps", pruned.mlp_maps)):
-        if view in group:
-            state.update({f"{prefix}.{k}": v for k, v in group[view].state_dict().items()})
-    return json_digest([*base, tensor_digest(state)])
-
-
 def view_digests(
     pruned: PrunedModel,
     views: list[str],
@@ -190,17 +169,26 @@ def view_digests(
     step: int = 0,
     students=None,
 ) -> dict[str, str]:
-    """`view_digest` of every view: `model` (the model settings), `recovery` (name → the settings a method's
-    operators were solved from), `fingerprint` (of the calibration statistics), the training step (part of
-    the key since the first saved scores, so they stay valid) and the students."""
+    """What each view computes, for keying its saved zero-shot scores: `model` (the model settings), the removed
+    blocks and the training step (part of the key since the first saved scores, so they stay valid), then for a
+    fine-tuned view every trainable tensor of `students` by name, for a training-free method the settings its
+    operators were solved from (`fingerprint` of the calibration statistics and `recovery`, name → settings: the
+    same solve on another thread count differs in the last bits, which must not void hours of saved scores) or,
+    without them, the operators' values."""
     out = {}
     for view in views:
         base = [model, [] if view == DENSE else list(pruned.plan.removed), step]
-        settings = [fingerprint, recovery[view]] if view in recovery and fingerprint is not None else None
         trained = students.trainable_state(view) if students is not None and view in students.views else None
-        if trained is not None:  # a sharded student's whole values (every rank the same key; collective)
-            trained = {name: full_tensor(t) for name, t in trained.items()}
-        out[view] = view_digest(pruned, view, base, settings, trained)
+        if view in (DENSE, PRUNED):
+            out[view] = json_digest(base)
+        elif trained is not None:  # a sharded student's whole values (every rank the same key; collective)
+            out[view] = json_digest([*base, "trained", tensor_digest({k: full_tensor(t) for k, t in trained.items()})])
+        elif view in recovery and fingerprint is not None:
+            out[view] = json_digest([*base, fingerprint, recovery[view]])
+        else:
+            groups = (("operators", pruned.operators), ("mlp_maps", pruned.mlp_maps))
+            state = {f"{p}.{k}": v for p, group in groups if view in group for k, v in group[view].state_dict().items()}
+            out[view] = json_digest([*base, tensor_digest(state)])
     return out
 
 

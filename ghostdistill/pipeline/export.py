@@ -9,12 +9,7 @@ files, compressed-tensors folders), from memory or from a finished run folder.
 What an export is asked (`export.options.ExportOptions`) is checked there without a run, and here with its config.
 A llama-quantize type (`export.quantize`) takes an importance matrix over the run's calibration windows
 (`imatrix`, on by default), and so does compressed-tensors' calibration; the tools each format needs are
-checked before anything loads.
-
-From a run folder (`pipeline.reload`, which rebuilds it as a `pipeline.run.Run`) nothing the run cached is
-recomputed but the closed-form solves (and a sequential fit's student passes): the statistics come from
-`calibration_state.pt`, a `<name>_ft` view's trained values from `checkpoints/last.ckpt` (`weights_only=True`:
-tensors and plain data, never code) at the step the report shows (`distill.kept`: the best or the last).
+checked before anything loads. A run folder is rebuilt as a `pipeline.run.Run` by `pipeline.reload`.
 """
 
 from __future__ import annotations

@@ -18,15 +18,17 @@ adds plans of any shape: per view of the frontier file's `greedy.views`, ``repai
 plan of that view at the previous depth with the lowest selection KL (any criterion, so greedy plans chain
 from depth to depth) and removes one block at a time, each step keeping the removal whose repaired model is
 closest to the dense one on the selection windows. Its candidates are fitted on `greedy.criterion_samples`
-calibration windows, the chosen plan on all of them, then scored on the selection windows and evaluated like
-the other rows. Nothing in the choice reads the evaluation windows.
+calibration windows, the chosen plan on all of them (as `fit` would: sequential gaps from the repaired student),
+then scored on the selection windows and evaluated like the other rows. Nothing in the choice reads the
+evaluation windows.
 
 `run_frontier` writes each n to `<root>/points/n_<n>.json` as it finishes (atomically), with the settings it
-was computed with, so an interrupted frontier resumes at the next n (a saved depth of other settings is
-computed again, and the console says which differ), and gathers them into frontier.json/.csv/.md and
-frontier.png (`reporting.frontier`). A view's greedy row of depth n goes to `points/n_<n>_greedy_<view>.json`,
-keyed by the same settings plus `greedy.criterion_samples` and the plan it starts from: adding ``greedy`` to a
-frontier reuses its contiguous depths, and adding a view to `greedy.views` reuses the other views' searches.
+was computed with, so an interrupted frontier resumes at the next n (a saved depth of other settings, or a file
+unreadable or edited into another shape, is computed again, and the console says why); `reporting.frontier`
+gathers them into frontier.json/.csv/.md and frontier.png. A view's greedy row of depth n goes to
+`points/n_<n>_greedy_<view>.json`, keyed by the same settings plus `greedy.criterion_samples` and the plan it
+starts from: adding ``greedy`` to a frontier reuses its contiguous depths, and adding a view to `greedy.views`
+reuses the other views' searches.
 """
 
 from __future__ import annotations
@@ -55,13 +57,10 @@ from .config import RunConfig
 from .evaluate import evaluate
 from .settings import frontier_settings, stale_point
 
-FRONTIER_CRITERIA = ("streamline", "repair")
 GREEDY = "greedy"
 
 
-def frontier_point(
-    cfg: RunConfig, llm: nn.Module, data: RunData, n: int, criteria: Iterable[str] = FRONTIER_CRITERIA
-) -> dict:
+def frontier_point(cfg: RunConfig, llm: nn.Module, data: RunData, n: int, criteria: Iterable[str]) -> dict:
     """One depth of the frontier: rows of (criterion, view) with the plan, the selection KL and the
     evaluation metrics, the candidates' table and the costs (the criteria are the frontier file's, checked
     when it is read: `reporting.frontier_spec`)."""
@@ -144,19 +143,16 @@ def greedy_starts(rows: list[dict], views: Iterable[str]) -> dict[str, list[int]
     starts: dict[str, dict] = {}
     for row in rows:
         if row["view"] in views and row.get("selection_kl") is not None:
-            if row["view"] not in starts or row["selection_kl"] < starts[row["view"]]["selection_kl"]:
-                starts[row["view"]] = row
+            starts[row["view"]] = min(starts.get(row["view"], row), row, key=lambda r: r["selection_kl"])
     return {view: list(row["removed"]) for view, row in starts.items()}
 
 
 def greedy_rows(
     cfg: RunConfig, llm: nn.Module, data: RunData, n: int, starts: dict[str, list[int]], criterion_samples: int | None
 ) -> dict:
-    """Depth n's ``greedy`` rows: per view of `starts` (its previous depth's plan), ``repair_greedy`` from that
-    plan to n blocks with the view's recovery entry, its candidates fitted on the first `criterion_samples`
-    calibration windows (None: the base config's `plan.criterion_samples`, all windows when that is unset);
-    the chosen plan fitted on every window (as `fit` would: sequential gaps from the repaired student), scored
-    on the selection windows and evaluated. Returns the rows, each search's steps and the costs."""
+    """Depth n's ``greedy`` rows (the module docstring's search), per view of `starts` (its previous depth's
+    plan) with its recovery entry; `criterion_samples` None: the base config's `plan.criterion_samples` (all
+    windows when that is unset). Returns the rows, each search's steps and the costs."""
     stack = decoder_stack(llm)
     entries = {r.name: r for r in cfg.recovery}
     batches, selection = data.calibration_batches(), data.selection_batches()
@@ -227,13 +223,11 @@ def run_frontier(
     data: RunData,
     root: Path,
     depths: list[int],
-    criteria: Iterable[str] = FRONTIER_CRITERIA,
+    criteria: Iterable[str],
     greedy: dict | None = None,
 ) -> list[dict]:
-    """Every depth of `depths`, each saved as it finishes and skipped when saved before with the same
-    settings (`frontier_settings`); returns the points in order. With ``greedy`` among `criteria`, every
-    depth after the first also gets its greedy rows (`greedy_rows`, saved beside the depth's point and
-    resumed the same way), which join the point's rows."""
+    """Every depth of `depths`, saved and resumed as the module docstring says (`frontier_settings`); returns
+    the points in order. With ``greedy`` among `criteria`, each depth after the first gets its greedy rows."""
     criteria = list(criteria)
     greedy = {"views": None, "criterion_samples": None, **(greedy or {})}
     views = check_greedy(cfg, greedy) if GREEDY in criteria else []
@@ -274,9 +268,8 @@ def run_frontier(
 
 
 def _saved(path: Path, settings: dict, what: str, n: int) -> dict | None:
-    """The point of depth `n` saved at `path` when it is whole (`point_problem`) and was computed with
-    `settings`, else None, saying why: a file that is unreadable, edited into another shape or of other
-    settings is computed again (and replaced), never read as it is."""
+    """The point of depth `n` saved at `path` when it is whole (`read_point`) and of `settings`, else None,
+    saying why (it is then computed again and replaced)."""
     if not path.is_file():
         return None
     saved, why = read_point(path, n)

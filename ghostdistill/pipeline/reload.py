@@ -1,7 +1,9 @@
-"""A finished run folder rebuilt in memory as a `pipeline.run.Run`, without a Trainer: `load_run` (the
-model, the operators re-solved from `calibration_state.pt`, the students from `checkpoints/last.ckpt`)
-and `export_run` (`export <run>`). Apart from `pipeline.export` because the run module exports through
-that one: together they would import each other."""
+"""A finished run folder rebuilt in memory as a `pipeline.run.Run`, without a Trainer: `load_run` and
+`export_run` (`export <run>`). Nothing the run cached is recomputed but the closed-form solves (and a
+sequential fit's student passes): the statistics come from `calibration_state.pt`, a `<name>_ft` view's trained
+values from `checkpoints/last.ckpt` (`weights_only=True`: tensors and plain data, never code) at the step the
+report shows (`distill.kept`: the best or the last). Apart from `pipeline.export` because the run module
+exports through that one: together they would import each other."""
 
 from __future__ import annotations
 
@@ -65,9 +67,8 @@ class LoadedRun:
 
 
 def load_run(run: Path, cfg: RunConfig, views: list[str] = (), log: Callable[[str], None] = print) -> LoadedRun:
-    """Rebuild the run in `run` (configured by `cfg`, its config.yaml) without a Trainer, as a
-    `pipeline.run.Run`: the model, the operators re-solved from the saved statistics, and the students of
-    any `_ft` view in `views`."""
+    """The run in `run` (configured by `cfg`, its config.yaml) rebuilt: the model, the operators re-solved, and
+    the students of any `_ft` view in `views`."""
     results, state_path = run / "results.json", run / STATE_FILE
     for path in (results, state_path):
         if not path.is_file():
@@ -83,9 +84,9 @@ def load_run(run: Path, cfg: RunConfig, views: list[str] = (), log: Callable[[st
 
 
 def export_run(run: Path, cfg: RunConfig, options: ExportOptions, *, seed: int | None = None) -> list[Path]:
-    """Export `options.views` of the finished run in `run` (configured by `cfg`, its config.yaml) without a
-    Trainer. Bad view names, formats, schemes and targets, and missing llama.cpp tools or llm-compressor's
-    environment, fail before the model loads (`check_export`)."""
+    """Export `options.views` of the finished run in `run` (configured by `cfg`). Bad view names, formats,
+    schemes and targets, and missing llama.cpp tools or llm-compressor's environment, fail before the model
+    loads (`check_export`)."""
     root = options.root(run)
     check_export(cfg, options, root, where=str(run), key="--views")
     # Held from before the model loads: a second export of these targets is refused at once, not after its load.

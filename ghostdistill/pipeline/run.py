@@ -106,11 +106,9 @@ class Run(Phases, DistillPhases):
         with FSDP2 are refused before, by `RunConfig.preflight`)."""
         if self.llm is None:
             with self.phase("load"), self.report.timed("load_model"):
-                if mesh is None:
-                    self.llm = load_model(self.cfg.model, self.device)
-                else:
-                    self.llm = load_sharded(self.cfg.model, mesh, device)
-                self.llm.requires_grad_(False)
+                cfg = self.cfg.model
+                llm = load_model(cfg, self.device) if mesh is None else load_sharded(cfg, mesh, device)
+                self.llm = llm.requires_grad_(False)
         return self.llm
 
     @property
@@ -273,14 +271,8 @@ class Run(Phases, DistillPhases):
         with self.phase("evaluate"):
             windows = {s.label: self.data.eval_windows(s) for s in self.data.eval_sources}
             methods = {view: self.cfg.method_of(view) for view in self.views}
-            self.report.views = evaluate(
-                self.pruned,
-                self.views,
-                windows,
-                self.cfg.data.batch_size,
-                chunk=self.cfg.evaluation.logit_chunk,
-                methods=methods,
-            )
+            chunk, size = self.cfg.evaluation.logit_chunk, self.cfg.data.batch_size
+            self.report.views = evaluate(self.pruned, self.views, windows, size, chunk=chunk, methods=methods)
 
     # ------------------------------------------------------ zero-shot, analyse
     def zeroshot(self, step: int = 0) -> None:

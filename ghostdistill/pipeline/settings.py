@@ -36,16 +36,11 @@ FRONTIER_SECTIONS = ("model", "plan", "recovery", "data")
 def cost_only(prefix: str = "") -> list[str]:
     """The dotted cost-only keys of a run's settings: in `fit`'s layout (``data.…``, ``model.<section>.…``), or
     each section under `prefix` (a frontier point's ``config.``)."""
-    hints = get_type_hints(RunConfig)
-    layout = {
-        f.name: prefix + (f.name if prefix or f.name == "data" else f"model.{f.name}")
-        for f in dataclasses.fields(RunConfig)
-    }
     return [
-        k
-        for name, where in layout.items()
-        if dataclasses.is_dataclass(hints[name])
-        for k in cost_keys(hints[name], where + ".")
+        key
+        for name, cls in get_type_hints(RunConfig).items()
+        if dataclasses.is_dataclass(cls)
+        for key in cost_keys(cls, prefix + (name if prefix or name == "data" else f"model.{name}") + ".")
     ]
 
 

@@ -167,27 +167,6 @@ def validate(
     return entry
 
 
-def curve_point(
-    students: Students, data, cfg, tracker: BestSteps, step: int, batches_per_step: int, dist: Dist = Dist()
-) -> dict | None:
-    """The budget curve's point due after `step` optimizer steps (`distill.curve_tokens`; `data`: the run's
-    `RunData`, `cfg` its `RunConfig`): once the training tokens per student (windows × seq_len of every batch
-    of a step) reach counts no point stands for yet, every student's KL to the teacher and perplexity on the
-    first text evaluation source, as they stand, appended to `tracker.curve`; None when nothing is due."""
-    tokens = step * batches_per_step * cfg.data.batch_size * data.train_ids().shape[1]
-    done = {b for point in tracker.curve for b in point["budgets"]}
-    due = [b for b in cfg.distill.curve_tokens if b <= tokens and b not in done]
-    if not due:
-        return None
-    source = next((s for s in data.eval_sources if s.chat is None), None)
-    if source is None:
-        raise ValueError("distill.curve_tokens scores the students on a text evaluation source; this run has none")
-    windows = data.eval_ids(source)
-    entry = validate(students, windows, cfg.data.batch_size, step, chunk=cfg.evaluation.logit_chunk, dist=dist)
-    tracker.curve.append({"tokens": tokens, "budgets": due, "source": source.label, **entry})
-    return tracker.curve[-1]
-
-
 @dataclass
 class BestSteps:
     """The validation history, each student's best step by KL (with its trainable values by name) and the
@@ -285,13 +264,27 @@ class DistillPhases:
         return entry
 
     def curve(self, step: int, batches_per_step: int = 1, dist: Dist = Dist()) -> None:
-        """The points of the budget curve (`distill.curve_tokens`) due after `step` optimizer steps of
-        `batches_per_step` batches (ranks × accumulation), each scored as the students stand."""
+        """The budget curve's points due after `step` optimizer steps of `batches_per_step` batches (ranks ×
+        accumulation): once the training tokens per student (windows × seq_len of every batch of a step) reach
+        counts of `distill.curve_tokens` no point stands for yet, every student's KL to the teacher and
+        perplexity on the first text evaluation source, as they stand, appended to `tracker.curve`."""
+        cfg, data, curve = self.cfg, self.data, self.tracker.curve
         with self.phase("curve"):
-            entry = curve_point(self.students, self.data, self.cfg, self.tracker, step, batches_per_step, dist)
-        if entry is not None:
-            line = ", ".join(f"{v} PPL {entry[v]['ppl']:.2f}" for v in self.students.views)
-            self.log(f"budget curve at {entry['tokens']:,} tokens: {line}")
+            tokens = step * batches_per_step * cfg.data.batch_size * data.train_ids().shape[1]
+            done = {b for point in curve for b in point["budgets"]}
+            due = [b for b in cfg.distill.curve_tokens if b <= tokens and b not in done]
+            if not due:
+                return
+            source = next((s for s in data.eval_sources if s.chat is None), None)
+            if source is None:
+                raise ValueError(
+                    "distill.curve_tokens scores the students on a text evaluation source; this run has none"
+                )
+            chunk, size = cfg.evaluation.logit_chunk, cfg.data.batch_size
+            entry = validate(self.students, data.eval_ids(source), size, step, chunk=chunk, dist=dist)
+            curve.append({"tokens": tokens, "budgets": due, "source": source.label, **entry})
+        line = ", ".join(f"{v} PPL {curve[-1][v]['ppl']:.2f}" for v in self.students.views)
+        self.log(f"budget curve at {tokens:,} tokens: {line}")
 
     def end_distillation(self, step: int) -> None:
         self.tracker.restore(self.students, self.cfg.distill.keep, step)

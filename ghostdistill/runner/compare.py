@@ -1,7 +1,6 @@
 """`compare`: several runs of one base config, one per plan, gathered into one report. Each run is a typed
 `RunConfig` of the base (`dataclasses.replace` of its plan) run directly (`runner.config.ParsedFit.fit`); a
-finished run whose results.json records the same settings is read back instead. The command line's `compare`
-and the Python API's `ghostdistill.compare` both call `compare_plans`."""
+finished run whose results.json records the same settings is read back instead."""
 
 from __future__ import annotations
 
@@ -20,12 +19,8 @@ from .config import ParsedFit, parse_fit
 
 
 def compare_plans(spec: str | os.PathLike | Mapping, overrides: Sequence[str] = ()) -> tuple[Path, dict]:
-    """One `fit` per plan of `spec` (a compare file, or a mapping of its keys) in `<root>/<plan name>/` (a
-    finished plan is not run again when its results.json was computed with the same settings; one of other
-    settings runs again, and the console says which differ), then compare.json/csv/md/png in the root.
-    `overrides`: `fit` arguments for every plan (``["--data.batch_size", "2"]``); each plan's own keys come
-    last, so they win (a key it does not set takes `PlanConfig`'s default, whatever the base config says).
-    Returns the root and the report compare.json holds."""
+    """`compare` of `spec` (a compare file, or a mapping of its keys) as `cli.runs.run_compare` says, `overrides`
+    (``["--data.batch_size", "2"]``) for every plan. Returns the root and the report compare.json holds."""
     name = spec_name(spec)
     spec = compare.load_spec(spec if isinstance(spec, Mapping) else name)
     root = Path(spec["root"])

@@ -2,8 +2,8 @@
 `export <run>` run or read.
 
     parsed = parse_fit(args, who)           the arguments parsed as `fit` parses them, nothing instantiated
-    run = parsed.replace(root, plan=...)    another run of the same config (`dataclasses.replace` of its sections)
-    run.settings()                          what its results.json records (`pipeline.settings.result_settings`)
+    run = parsed.replace(root, plan=...)    the same config, other sections (`dataclasses.replace`), another root
+    run.settings()                          what decides its results, as its results.json records (`result_settings`)
     run.fit()                               the run itself (`fit.run_fit` of its config): its `pipeline.run.Run`
     run_config_of(config)                   a config mapping's `RunConfig` (a run folder's config.yaml)
 
@@ -78,16 +78,13 @@ class ParsedFit:
     rest: dict
 
     def config(self) -> dict:
-        """The whole config as `fit` takes it: the rest, and the run config's sections as plain data."""
         sections = json.loads(json.dumps(asdict(self.cfg), default=_plain))
         return {**copy.deepcopy(self.rest), "data": sections.pop("data"), "model": sections}
 
     def settings(self) -> dict:
-        """What decides its results (`result_settings` of its config, as a `fit` of it records them)."""
         return result_settings(_drop_none(self.config()))
 
     def replace(self, root: str | Path | None = None, **sections) -> ParsedFit:
-        """The same config with other `RunConfig` sections and, with `root`, another run folder."""
         rest = copy.deepcopy(self.rest)
         if root is not None:
             rest.setdefault("trainer", {})["default_root_dir"] = str(root)

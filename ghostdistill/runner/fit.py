@@ -49,12 +49,8 @@ class GhostDistillCLI(LightningCLI):
             default=False,
             help="replace the results of a run of other settings in trainer.default_root_dir (config.yaml records false)",
         )
-        parser.set_defaults(
-            {
-                **{f"trainer.{key}": value for key, value in TRAINER_DEFAULTS.items()},
-                "model.recovery": [{"name": "ghost", "method": "ghost"}],
-            }
-        )
+        trainer = {f"trainer.{key}": value for key, value in TRAINER_DEFAULTS.items()}
+        parser.set_defaults({**trainer, "model.recovery": [{"name": "ghost", "method": "ghost"}]})
 
     def before_instantiate_classes(self) -> None:
         # Keep tokenizers' own thread pool from fighting the DataLoader and torch for the cores.
@@ -206,12 +202,9 @@ def build_fit(
         run=False,
         # allow_abbrev off: argparse would otherwise take a misspelt prefix (`--trainer.max_step`) for the key it
         # abbreviates, where an unknown key must be rejected by name.
-        parser_kwargs={
-            "allow_abbrev": False,
-            "default_config_files": [],
-            "prog": "ghostdistill fit",
-            "exit_on_error": exit_on_error,
-        },
+        parser_kwargs=dict(
+            allow_abbrev=False, default_config_files=[], prog="ghostdistill fit", exit_on_error=exit_on_error
+        ),
         **kwargs,
     )
 

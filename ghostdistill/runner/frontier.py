@@ -1,8 +1,7 @@
 """`frontier`: per depth, the training-free frontier of the base config (`pipeline.frontier`: every recovery
 entry on streamline's plan, on its repair-aware plan and, with ``greedy``, on the plan grown from the depth
 before), then with `students` the stock and operator students trained per depth (one `fit` each,
-`frontier_students`), gathered into one report. The command line's `frontier` and the Python API's
-`ghostdistill.frontier` both call `frontier_depths`."""
+`frontier_students`), gathered into one report (`frontier_depths`)."""
 
 from __future__ import annotations
 
@@ -25,10 +24,9 @@ from .config import ParsedFit, parse_fit, typed
 
 
 def frontier_depths(spec: str | os.PathLike | Mapping, overrides: Sequence[str] = ()) -> tuple[Path, dict]:
-    """The frontier of `spec` (a frontier file, or a mapping of its keys), as this module's docstring says: the
-    training-free part resumable per depth and run without a Trainer (the phases called directly), then the
-    students; frontier.json/csv/md/png in the root. `overrides`: `fit` arguments (``["--data.batch_size", "2"]``),
-    for the student runs too (the same model). Returns the root and the report frontier.json holds."""
+    """The frontier of `spec` (a frontier file, or a mapping of its keys), as `cli.runs.run_frontier_command`
+    says; `overrides` (``["--data.batch_size", "2"]``) apply to the student runs too. Returns the root and the
+    report frontier.json holds."""
     from lightning.pytorch import seed_everything
 
     name = spec_name(spec)
