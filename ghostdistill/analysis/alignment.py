@@ -41,12 +41,7 @@ class AlignmentErrors:
 
     @torch.no_grad()
     def update(
-        self,
-        x_hat: torch.Tensor,
-        x_pre: torch.Tensor,
-        x_post: torch.Tensor,
-        mask: torch.Tensor,
-        first: torch.Tensor,
+        self, x_hat: torch.Tensor, x_pre: torch.Tensor, x_post: torch.Tensor, mask: torch.Tensor, first: torch.Tensor
     ) -> None:
         keep = mask.bool()
         post = x_post[keep].to(torch.float64)
@@ -92,10 +87,9 @@ def held_out_alignment(
     mlp_blocks = sorted(
         {g.start - 1 for g in gaps if g.start > 0 for _, _, m in _repairs(pruned, views, g.key) if m is not None}
     )
-    pairs = [(g.start, g.stop) for g in gaps]
     with pruned.use(DENSE):
         reached = executor_of(model).dense_points(model, stack, batches, gap_points(gaps), mlp_blocks)
-        for windows, k, before, after, mlp in gap_pairs(reached, pairs):
+        for windows, k, before, after, mlp in gap_pairs(reached, [(g.start, g.stop) for g in gaps]):
             gap, start = gaps[k], gaps[k].start
             for b, (mask, first) in enumerate(zip(windows.masks, windows.first)):
                 for view, op, mlp_map in _repairs(pruned, views, gap.key):
@@ -122,5 +116,4 @@ def analyse(pruned: PrunedModel, views: list[str], batches: list[dict[str, torch
             if view in errors[gap.key]:
                 row.update(errors[gap.key][view].summary())
             gaps[gap.key][view] = row
-    windows = sum(int(b["input_ids"].shape[0]) for b in batches)
-    return {"held_out_windows": windows, "gaps": gaps}
+    return {"held_out_windows": sum(int(b["input_ids"].shape[0]) for b in batches), "gaps": gaps}

@@ -19,9 +19,8 @@ import torch
 
 
 def operator_anatomy(delta: torch.Tensor, top: int = 16) -> dict:
-    """Anatomy of M = `delta` (W = I + M): antisymmetric shares of M and W, norms, the relative distance
-    to the nearest symmetric matrix, the singular values of M (all, descending) and their effective rank.
-    Computed in float64. `top` only bounds `top_singular_values`, the short list for tables."""
+    """The anatomy of M = `delta` (W = I + M) in float64, singular values descending; `top` only bounds
+    `top_singular_values`, the short list for tables."""
     if delta.ndim != 2 or delta.shape[0] != delta.shape[1]:
         raise ValueError(f"an operator is square; got shape {tuple(delta.shape)}")
     m = delta.detach().to(torch.float64).cpu()

@@ -2,13 +2,12 @@
 (`SequentialFitter`) that serves calibration (`fit_methods`), the repair-aware criteria
 (`planning.fitting.RepairFitter`) and the frontier.
 
-Sequentially (`order: sequential`), gap k's statistics come from a pass through the student whose gaps before
-k are already repaired by the same entry; the first gap sees dense activations either way, so it reads the
-dense statistics. The fitter is written in terms of statistics of a gap from a pass: the dense statistics of a
-gap are given (`dense(gap)`: one collector per method, from whatever pass made them), and the student
-statistics of a gap come from a `StudentPass` (by default `student_pass`: `calibration.stream.
-accumulate_students` over the calibration batches, one dense forward per batch shared by every entry), so
-another way of running a pass slots in there.
+Sequentially (`order: sequential`), gap k's statistics come from a pass through the student whose gaps before k are
+already repaired by the same entry; the first gap sees dense activations either way, so it reads the dense
+statistics. The fitter is written in terms of statistics of a gap from a pass: the dense statistics of a gap are
+given (`dense(gap)`: one collector per method, from whatever pass made them), and the student statistics of a gap
+come from a `StudentPass` (by default `student_pass`: `calibration.stream.accumulate_students` over the calibration
+batches, one dense forward per batch shared by every entry), so another way of running a pass slots in there.
 """
 
 from __future__ import annotations
@@ -55,10 +54,9 @@ def student_pass(
 
 
 class SequentialFitter:
-    """Fits every entry of `cfgs` to the gaps of a plan in order, each gap from the dense statistics or, for a
-    sequential entry past the first gap, from a student pass of its own (`student`); each entry's fits are
-    registered as its view (its name). With `reduce` (several processes), the student statistics are summed
-    over ranks before each solve, like the shared ones.
+    """Fits every entry of `cfgs` to a plan's gaps in order (module docstring; `student`: its student passes),
+    registering each entry's fits as its view (its name). With `reduce` (several processes), the student
+    statistics are summed over ranks before each solve, like the shared ones.
 
     `fits` keeps the fits made with ``cache=True``, keyed by entry and the gaps a fit depends on (the gap, or
     every gap up to it for a sequential one), for later plans that share them; `student_passes` counts the
@@ -101,18 +99,17 @@ class SequentialFitter:
             }
             fresh = self._student_statistics(pruned, gap, fits, k, keys)
             for c in self.cfgs:
-                cached = self.fits.get((c.name, keys[c.name]))
-                if cached is not None:
-                    fits[c.name][gap.key] = cached
-                    continue
-                stats = fresh[c.name] if c.name in fresh else dense(gap).get(c.method)
-                start = time.perf_counter()
-                fits[c.name][gap.key] = self.methods[c.name].fit(self.typed[c.name], gap, stats, self.hidden)
-                self.seconds[c.name] += time.perf_counter() - start
-                if fits[c.name][gap.key].note:
-                    self.notes[c.name].append(f"gap {gap.key}: {fits[c.name][gap.key].note}")
-                if cache:
-                    self.fits[(c.name, keys[c.name])] = fits[c.name][gap.key]
+                fit = self.fits.get((c.name, keys[c.name]))
+                if fit is None:
+                    stats = fresh[c.name] if c.name in fresh else dense(gap).get(c.method)
+                    start = time.perf_counter()
+                    fit = self.methods[c.name].fit(self.typed[c.name], gap, stats, self.hidden)
+                    self.seconds[c.name] += time.perf_counter() - start
+                    if fit.note:
+                        self.notes[c.name].append(f"gap {gap.key}: {fit.note}")
+                    if cache:
+                        self.fits[(c.name, keys[c.name])] = fit
+                fits[c.name][gap.key] = fit
         for name, f in fits.items():
             register_view(pruned, name, f)
         return fits
@@ -126,7 +123,6 @@ class SequentialFitter:
         fresh: dict[str, Collector | None] = {}
         for c in cfgs:
             register_view(pruned, c.name, fits[c.name])
-            # Sized to this entry: a student pass of its own feeds only its fit.
             fresh[c.name] = make_collectors({c.method}, self.hidden, self.device, [c]).get(c.method)
         reading = {c.name: {c.method: fresh[c.name]} for c in cfgs if fresh[c.name] is not None}
         if reading:
@@ -156,7 +152,6 @@ def fit_methods(
     With several processes, `batches` is this rank's share and `reduce` sums a tensor over ranks."""
     fitter = SequentialFitter(cfgs, hidden, device, student_pass(batches, progress), reduce)
     fitter.fit(pruned, lambda gap: stats[gap.key])
-    # `notes`: what a fit had to say (e.g. an assumption that did not hold), for the log and results.md.
     return {
         cfg.name: {
             **cfg.settings(),

@@ -29,8 +29,7 @@ def prefix_batches(num_windows: int, sizes: Sequence[int], batch_size: int) -> l
     """(start, stop) window ranges of at most `batch_size` windows, cut at every size in `sizes`."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    bad = [s for s in sizes if not 0 < s <= num_windows]
-    if bad:
+    if bad := [s for s in sizes if not 0 < s <= num_windows]:
         raise ValueError(f"calibration sizes {bad} are not in 1..{num_windows} (the windows available)")
     cuts = [0, *sorted(set(sizes) | {num_windows})]
     return [(a, min(a + batch_size, cut)) for prev, cut in pairwise(cuts) for a in range(prev, cut, batch_size)]

@@ -49,9 +49,9 @@ def fingerprint(
     methods: set[str],
     recovery: list[RecoveryConfig] | None = None,
 ) -> str:
-    """What the statistics depend on, as a digest (`plan`: the plan settings' `PlanConfig.digest_dict()`). `recovery`: the run's entries, when its collectors are
-    sized to them (`make_collectors(..., recovery)`); a layout smaller than everything is then part of the
-    key (a run whose collectors hold everything keeps the key it had without `recovery`)."""
+    """What the statistics depend on, as a digest (`plan`: the plan settings' `PlanConfig.digest_dict()`).
+    `recovery`: the run's entries, when its collectors are sized to them (`make_collectors(..., recovery)`); a
+    layout smaller than everything is then part of the key (one holding everything keeps the key it had)."""
     key = {
         "format": STATE_FORMAT,
         "model": model_key(model_cfg),
@@ -67,12 +67,9 @@ def fingerprint(
         "plan": plan,
         "calibration": calibration,
         "batch_size": batch_size,
-        # The statistics collected depend on which methods need them.
         "methods": sorted(methods),
     }
-    layout = statistics_layout(methods, recovery)
-    if layout:
-        # Which groups of the statistics the collectors hold (only what the run's entries fit).
+    if layout := statistics_layout(methods, recovery):
         key["statistics"] = layout
     return json_digest(key)
 
@@ -100,13 +97,12 @@ def load_state(
     recovery: list[RecoveryConfig] | None = None,
     reason: Callable[[str], None] | None = None,
 ) -> SavedState | None:
-    """The saved state at `path` when it is readable, of this format, made with fingerprint `key`, and holds
-    for every gap of its plan exactly the statistics `methods` collect at hidden size `hidden` (same keys,
-    same shapes, finite); otherwise None, with the reason passed to `warn` (a UserWarning by default; a
-    file of other settings is only `info`): the caller calibrates from scratch and the next checkpoint
-    replaces the file. `recovery`: the run's entries, when its collectors are sized to them (as for
-    `fingerprint`). `reason`: a caller that will not calibrate (`export <run>`) gets the bare reason there
-    instead, and nothing says "calibrating from scratch"."""
+    """The saved state at `path` when it is readable, of this format, made with fingerprint `key`, and holds for
+    every gap of its plan exactly the statistics `methods` collect at hidden size `hidden` (same keys, same shapes,
+    finite); otherwise None, with the reason passed to `warn` (a UserWarning by default; a file of other settings is
+    only `info`): the caller calibrates from scratch and the next checkpoint replaces the file. `recovery`: the
+    run's entries, when its collectors are sized to them (as for `fingerprint`). `reason`: a caller that will not
+    calibrate (`export <run>`) gets the bare reason there instead, and nothing says "calibrating from scratch"."""
     warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3))
     if not path.is_file():
         return None

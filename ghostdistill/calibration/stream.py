@@ -46,13 +46,12 @@ def accumulate(
     `first_batch`: the calibration index of the first batch (for error messages); `progress`: wraps the
     blocks of a block-by-block pass.
     """
-    points = gap_points(gaps)
     mlp_blocks = sorted({g.start - 1 for g in gaps if g.start > 0 and needs_mlp(stats[g.key])})
     batches = batches if isinstance(batches, list) else list(batches)
     tokens = 0
     pairs = [(g.start, g.stop) for g in gaps]
     desc = "calibration statistics, block by block"
-    reached = executor_of(model).dense_points(model, stack, batches, points, mlp_blocks, progress, desc)
+    reached = executor_of(model).dense_points(model, stack, batches, gap_points(gaps), mlp_blocks, progress, desc)
     for windows, k, before, after, mlp in gap_pairs(_finite(reached, batches, first_batch, model), pairs):
         gap, start = gaps[k], gaps[k].start
         for b, (mask, first) in enumerate(zip(windows.masks, windows.first)):

@@ -1,4 +1,4 @@
-"""Recovery methods: the interface (`base`) and one module per method, each registering itself.
+"""Recovery methods: the interface (`interface.py`) and one module per method, each registering itself.
 
 | method        | what is inserted / changed                                                  | module          |
 |---------------|-----------------------------------------------------------------------------|-----------------|
@@ -12,9 +12,8 @@
 | `rotation_through` | W = c·Q for every token; folded into the weights at export (plain architecture) | `rotation.py` |
 | `rotation_anchored` | as `rotation_through`, Q fixing the first position's massive direction (u·Q = u) | `rotation.py` |
 
-Each method has its own config class, registered with it (`Method.config`: a `MethodConfig` dataclass of the
-keys its fit reads, with their types, defaults and docs); a recovery entry setting a key its method does not
-read is rejected (`validate_recovery`):
+Each method's config class (`Method.config`, a `MethodConfig` dataclass) holds the keys its fit reads, with
+their types, defaults and docs; a recovery entry setting a key its method does not read is rejected:
 
 | method            | config class            | keys (defaults)                                                   |
 |-------------------|-------------------------|-------------------------------------------------------------------|
@@ -28,15 +27,13 @@ read is rejected (`validate_recovery`):
 Not every method can be right on every model family: `family.py` (the table method × family is in
 docs/reliability.md).
 
-The package's one public entry point is this module (`ghostdistill.methods`): the interface, the
-configuration and the registry (`interface.py`), and what a run does with them (`config.py`). Method
-modules import from `interface` and from each other's shared parts (`ghost_symmetric` and the rotations
-build on `ghost`; the rotations fold with `magnitude`'s scale and `replaceme`'s output map).
+The package's one public entry point is this module: the interface, the configuration and the registry
+(`interface.py`), and what a run does with them (`config.py`). Method modules import from `interface` and from
+each other's shared parts (`ghost_symmetric` and the rotations build on `ghost`; the rotations fold with
+`magnitude`'s scale and `replaceme`'s output map).
 
-Adding a method: one module (in this package, or your own) that subclasses `Method` and `MethodConfig` and
-calls `register(...)`; a shipped one is also named in the import line below. Its config class's fields are
-its keys (keys of the recovery entries that name it), its class attributes its capabilities
-(docs/development.md, "How to add a method").
+Adding a method: a module (here, or your own) subclassing `Method` and `MethodConfig` and calling `register(...)`
+(`interface.py`; docs/development.md, "How to add a method"); a shipped one is also named in the import below.
 """
 
 from . import ghost, ghost_symmetric, linearpatch, magnitude, none, replaceme, rotation  # noqa: F401  (the registry)

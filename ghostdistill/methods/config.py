@@ -1,8 +1,7 @@
 """What a run does with the registered methods: validating recovery entries (`validate_recovery`) and, once the
 model is known, refusing those that cannot be right on its family (`check_family`), the flat settings of older
 run folders, fitting a gap (`fit_gap`) and sizing the statistics collectors (`make_collectors`,
-`statistics_layout`). The configuration and the registry themselves are
-`methods.interface`'s."""
+`statistics_layout`). The configuration and the registry themselves are `methods.interface`'s."""
 
 from __future__ import annotations
 
@@ -14,15 +13,7 @@ from ..core.options import check_value
 from ..core.plan import Gap
 from ..core.views import DENSE, PRUNED
 from .family import FamilyFacts
-from .interface import (
-    FLAT_DEFAULTS,
-    Collector,
-    GapFit,
-    RecoveryConfig,
-    get_method,
-    method_keys,
-    registered,
-)
+from .interface import FLAT_DEFAULTS, Collector, GapFit, RecoveryConfig, get_method, method_keys, registered
 
 
 def flat_settings(cfg: RecoveryConfig) -> dict[str, Any]:
@@ -57,10 +48,7 @@ def identity_fit(cfg: RecoveryConfig, hidden_size: int) -> GapFit:
 
 
 def make_collectors(
-    methods: set[str],
-    hidden_size: int,
-    device: torch.device | str,
-    recovery: list[RecoveryConfig] | None = None,
+    methods: set[str], hidden_size: int, device: torch.device | str, recovery: list[RecoveryConfig] | None = None
 ) -> dict[str, Collector]:
     """One collector per method that reads statistics, keyed by method name (shared by every recovery
     entry of that method: one pass, every method's statistics).
@@ -68,15 +56,10 @@ def make_collectors(
     With `recovery` (the run's entries), a method that can (one declaring `groups(cfgs)` and `all_groups`, and
     taking `groups=` in `collector`) holds only what its entries' fits read (`statistics_layout`); without it,
     every collector holds everything (any entry of the method can be fitted from it)."""
-    layout = statistics_layout(methods, recovery)
-    out = {}
-    for name in sorted(methods):
-        # A method that cannot size its collector takes no `groups`.
-        sized = {"groups": tuple(layout[name])} if name in layout else {}
-        collector = get_method(name).collector(hidden_size, device, **sized)
-        if collector is not None:
-            out[name] = collector
-    return out
+    # A method that cannot size its collector takes no `groups`.
+    sized = {name: {"groups": tuple(groups)} for name, groups in statistics_layout(methods, recovery).items()}
+    made = {name: get_method(name).collector(hidden_size, device, **sized.get(name, {})) for name in sorted(methods)}
+    return {name: collector for name, collector in made.items() if collector is not None}
 
 
 def statistics_layout(methods: set[str], recovery: list[RecoveryConfig] | None) -> dict[str, list[str]]:
@@ -106,8 +89,7 @@ FT_SUFFIX = "_ft"  # `distill.ft_view`: the fine-tuned view of recovery `x` is `
 def validate_recovery(configs: list[RecoveryConfig]) -> None:
     """Names unique, and every entry as `check_entry` checks it."""
     names = [c.name for c in configs]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
+    if dupes := sorted({n for n in names if names.count(n) > 1}):
         raise ValueError(f"recovery names must be unique; repeated: {dupes}")
     for i, c in enumerate(configs):
         check_entry(c, f"recovery[{i}] {c.name!r}")
@@ -131,10 +113,9 @@ def check_entry(c: RecoveryConfig, where: str) -> None:
         raise ValueError(f"{where}: {err}") from None
     where = f"{where} ({c.method})"
     keys = method_keys(method)
-    for key in c.options:
-        if key not in keys:
-            its = f"its keys are: {', '.join(keys)}" if keys else "it reads no key but name and method"
-            raise ValueError(f"{where}: key {key!r} is not read by method {c.method!r}; {its}")
+    if unread := [key for key in c.options if key not in keys]:
+        its = f"its keys are: {', '.join(keys)}" if keys else "it reads no key but name and method"
+        raise ValueError(f"{where}: key {unread[0]!r} is not read by method {c.method!r}; {its}")
     typed = c.method_config()
     hints = get_type_hints(method.config)
     try:

@@ -1,11 +1,10 @@
 """What a recovery method may need to know of a model family before any work: `FamilyFacts`.
 
 A method whose construction holds only for some block layouts says so in its own class
-(`Method.supports(cfg, family)`: None, or why it cannot be right on this family), and a run asks every
-recovery entry before calibration (`methods.config.check_family`): a method that cannot be right is refused
-in one line naming the method, the family, the reason and the methods that do apply, instead of calibrating,
-fitting and evaluating a view that is wrong by construction (issue 53: `rotation_anchored` on Gemma 3 ran to the
-end, perplexity 5982 against the pruned model's 292, and its export then refused the fold).
+(`Method.supports(cfg, family)`: None, or why it cannot be right on this family), and a run refuses such an entry
+before calibration, in one line (`methods.config.check_family`), instead of calibrating, fitting and evaluating a
+view that is wrong by construction (issue 53: `rotation_anchored` on Gemma 3 ran to the end, perplexity 5982
+against the pruned model's 292, and its export then refused the fold).
 
 What the families differ in, for the shipped methods (docs/reliability.md, "What applies to which family"):
 
@@ -45,9 +44,8 @@ class FamilyFacts:
 
 def family_facts(model: nn.Module) -> FamilyFacts:
     """The facts of `model`'s family (a loaded model, offloaded or sharded, or a meta-device skeleton)."""
-    config = text_config(model)
     return FamilyFacts(
-        model_type=str(getattr(config, "model_type", None) or type(model).__name__),
+        model_type=str(getattr(text_config(model), "model_type", None) or type(model).__name__),
         block=decoder_stack(model).layers[0],
         hidden_size=hidden_size(model),
     )

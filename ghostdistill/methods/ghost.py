@@ -1,13 +1,11 @@
 """Ghosted Layers: one closed-form linear operator per gap, W = I + M, on the residual stream.
 
-Per gap, M = argmin ‖X_pre M − (X_post − X_pre)‖² from float64 normal equations accumulated over the
-calibration tokens (`GhostStatistics`), solved by ridge or minimum-norm least squares
-(`core.solver`). The operator x ← x + x·M acts on the residual stream entering the first block after
-the gap.
+Per gap, M = argmin ‖X_pre M − (X_post − X_pre)‖² from float64 normal equations accumulated over the calibration
+tokens (`GhostStatistics`), solved by ridge or minimum-norm least squares (`core.solver`). The operator x ← x + x·M
+acts on the residual stream entering the first block after the gap.
 
-Massive activations: the first token of every sequence carries a huge activation that the removed
-blocks create. Fitting W on it bends W for every other token, so the fit variants (`fit`) treat it
-apart:
+Massive activations: the first token of every sequence carries a huge activation that the removed blocks create.
+Fitting W on it bends W for every other token, so the fit variants (`fit`) treat it apart:
 
 | fit              | W fitted on                                   | first-position tokens at inference |
 |------------------|-----------------------------------------------|------------------------------------|
@@ -25,10 +23,9 @@ Two options change the objective of any fit (measured in docs/results/fit-varian
   prediction towards the mean in every direction it cannot explain, so ‖x·W‖ falls short of ‖x_post‖;
   s restores the energy the next blocks expect (LinearPatch and Prune&Comp match magnitudes the same way).
 
-The symmetric-constrained fit (`methods/ghost_symmetric.py`) reads the same statistics. One pass
-accumulates the sums of every variant the run fits, split by token group and weighting (`fit_groups`:
-a collector holds only the groups its recovery entries read; by default every group), plus the
-weighted first moments and Σ w²‖d‖² that the bias, the scale and the alignment error (`objective`) need.
+The symmetric-constrained fit (`ghost_symmetric.py`) and the rotations read the same statistics
+(`GhostStatistics`): one pass accumulates the sums of every variant the run fits, plus the weighted first
+moments and Σ w²‖d‖² that the bias, the scale and the alignment error (`objective`) need.
 """
 
 from __future__ import annotations
@@ -91,11 +88,10 @@ class GhostStatistics:
 
     @torch.no_grad()
     def update(self, taps: GapTaps) -> None:
-        x_pre, x_post, first = taps.x_pre, taps.x_post, taps.first
         keep = taps.mask.bool()
-        x = x_pre[keep].to(torch.float64)
-        d = x_post[keep].to(torch.float64) - x
-        is_first = first[keep]
+        x = taps.x_pre[keep].to(torch.float64)
+        d = taps.x_post[keep].to(torch.float64) - x
+        is_first = taps.first[keep]
         post_norm = (x + d).norm(dim=-1)
         kinds = {k.rsplit("_", 1)[0] for k in self.groups}
         weights = {
@@ -130,8 +126,7 @@ class GhostStatistics:
         if weighting not in self.WEIGHTINGS:
             raise ValueError(f"weighting {weighting!r} is not known; choose one of {self.WEIGHTINGS}")
         keys = _keys(weighting, include_first)
-        missing = [k for k in keys if k not in self.xtx]
-        if missing:
+        if missing := [k for k in keys if k not in self.xtx]:
             raise ValueError(
                 f"ghost statistics hold groups {list(self.groups)}, not {missing}: the collector was sized for "
                 "other recovery entries (make it with make_collectors(..., recovery=<every entry fitted>))"
@@ -159,8 +154,7 @@ class GhostStatistics:
         return {**sums, "first_delta_sum": self.first_delta_sum, "counts": vars(self.counts).copy()}
 
     def load_state_dict(self, state: dict) -> None:
-        missing = [k for k in self.SUMS if set(state.get(k, {})) != set(self.groups)]
-        if missing:
+        if missing := [k for k in self.SUMS if set(state.get(k, {})) != set(self.groups)]:
             raise ValueError(
                 f"ghost statistics {missing} do not hold the groups of this collector ({list(self.groups)}): the "
                 "state comes from an older version or from a collector sized for other recovery entries, and "
@@ -221,9 +215,7 @@ def fit_groups(cfgs: Iterable[GhostSymmetricConfig]) -> tuple[str, ...]:
     """The `GhostStatistics` groups that fitting `cfgs` (ghost or ghost_symmetric configs) reads, in
     `GROUPS` order: the fit's weighting over the ordinary tokens, and over the first position too for the
     fits that do not map it apart (`plain`, `weighted`). `bias` and `scale` read the same groups' moments."""
-    wanted = set()
-    for cfg in cfgs:
-        wanted.update(_keys(FIT_WEIGHTING[cfg.fit], include_first=not cfg.fit.startswith("first")))
+    wanted = {k for cfg in cfgs for k in _keys(FIT_WEIGHTING[cfg.fit], include_first=not cfg.fit.startswith("first"))}
     return tuple(g for g in GhostStatistics.GROUPS if g in wanted)
 
 
@@ -236,7 +228,7 @@ READ_GROUPS = fit_groups(GhostConfig(fit=f) for f in FIT_WEIGHTING)
 
 
 class GhostCollectorMixin(Method):
-    """`GhostStatistics` for `ghost`, `ghost_symmetric` and the rotations: `all_groups`, or the `groups` its entries read."""
+    """`GhostStatistics` for `ghost`, `ghost_symmetric` and the rotations, sized to the `groups` its entries read."""
 
     all_groups = GhostStatistics.GROUPS
 
@@ -250,8 +242,7 @@ class GhostCollectorMixin(Method):
         return GhostStatistics(hidden_size, device=device, groups=self.all_groups if groups is None else groups)
 
     def groups(self, cfgs: Iterable[GhostSymmetricConfig]) -> tuple[str, ...]:
-        """What fitting `cfgs` reads (`make_collectors(..., recovery=...)` sizes the collector to it); every
-        group when `cfgs` read every group some fit reads (`normed_first` is read by none), so a run of every
+        """What fitting `cfgs` reads (`fit_groups`); every group where that is `READ_GROUPS`, so a run of every
         variant keeps the layout (and the saved states) of the all-variants collector."""
         groups = fit_groups(cfgs)
         return GhostStatistics.GROUPS if groups == READ_GROUPS else groups

@@ -1,22 +1,19 @@
 """Orthonormal Hadamard matrices for LinearPatch-style channel rotations.
 
-Why LinearPatch's ``W = H diag(s) H^T`` rotates by ``H``: `methods.linearpatch`.
-Every entry of ``H`` is ``±1/sqrt(n)``; ``H`` is orthonormal, so ``W`` is
-symmetric with eigenvalues exactly ``s``.
+Why LinearPatch's ``W = H diag(s) H^T`` rotates by ``H``: `methods.linearpatch`. Every entry of ``H`` is
+``±1/sqrt(n)``; ``H`` is orthonormal, so ``W`` is symmetric with eigenvalues exactly ``s``.
 
-Hadamard matrices exist only for orders 1, 2 and multiples of 4, and no
-construction is known for every multiple of 4.  This module builds them from
-classical constructions only:
+Hadamard matrices exist only for orders 1, 2 and multiples of 4, and no construction is known for every
+multiple of 4. This module builds them from classical constructions only:
 
 * Sylvester doubling, ``H_2n = [[H, H], [H, -H]]``;
 * Paley I, order ``q + 1`` for a prime power ``q ≡ 3 (mod 4)``;
 * Paley II, order ``2(q + 1)`` for a prime power ``q ≡ 1 (mod 4)``;
 * Kronecker products of orders built so far.
 
-Any supported order is ``m·2^k`` for a *base order* ``m`` (see
-:func:`supported_base_orders`), which covers the hidden and intermediate sizes
-of common LLMs (e.g. 576 = 36·16, 3584 = 28·128, 13824 = 108·128,
-18944 = 148·128, 29568 = 924·32).
+Any supported order is ``m·2^k`` for a *base order* ``m`` (:func:`supported_base_orders`), which covers the
+hidden and intermediate sizes of common LLMs (e.g. 576 = 36·16, 3584 = 28·128, 13824 = 108·128, 18944 = 148·128,
+29568 = 924·32).
 """
 
 from __future__ import annotations
@@ -29,13 +26,11 @@ import torch
 
 __all__ = ["hadamard_matrix", "has_hadamard", "supported_base_orders"]
 
-# Base orders are searched up to this bound.  It is large enough that every odd
-# factor seen in real LLM widths has a base order below it, yet small enough
-# that building and self-checking any base matrix stays in the millisecond range.
+# Base orders are searched up to this bound: every odd factor of real LLM widths has a base order below it,
+# and building and self-checking any base matrix stays in the millisecond range.
 MAX_BASE_ORDER = 1024
 
-# Only this many base orders are spelled out in error messages; the full tuple
-# is long and would bury the actual error.
+# Only the base orders up to this are spelled out in error messages: the full tuple would bury the error.
 _LISTED_IN_ERRORS = 256
 
 
@@ -69,11 +64,9 @@ def _prime_power(q: int) -> tuple[int, int] | None:
 def _quadratic_character_of_differences(q: int) -> torch.Tensor:
     """``Q[i, j] = chi(a_i - a_j)`` over GF(q), the Jacobsthal matrix.
 
-    GF(p^k) is realised as polynomials mod a *primitive* polynomial f: if the
-    residue class of x has multiplicative order exactly q - 1 then the quotient
-    ring has q - 1 units, so it is a field, and x generates its unit group.  The
-    quadratic character is then just the parity of the discrete log, which
-    avoids any general finite-field machinery.
+    GF(p^k) is realised as polynomials mod a *primitive* polynomial f: if the residue class of x has multiplicative
+    order exactly q - 1 then the quotient ring has q - 1 units, so it is a field, and x generates its unit group.
+    The quadratic character is then the parity of the discrete log, which avoids any general finite-field machinery.
     """
     pk = _prime_power(q)
     assert pk is not None and pk[0] != 2
@@ -113,28 +106,27 @@ def _quadratic_character_of_differences(q: int) -> torch.Tensor:
     return chi[diff]
 
 
+def _conference(q: int, column: int) -> torch.Tensor:
+    """The Jacobsthal matrix Q of GF(q) bordered by a row of ones and a column of `column`, 0 in the corner."""
+    C = torch.zeros(q + 1, q + 1, dtype=torch.int64)
+    C[0, 1:] = 1
+    C[1:, 0] = column
+    C[1:, 1:] = _quadratic_character_of_differences(q)
+    return C
+
+
 def _paley1(q: int) -> torch.Tensor:
-    # q ≡ 3 (mod 4) makes chi(-1) = -1, so Q is skew and S = [[0, 1], [-1, Q]]
-    # is a skew conference matrix: (I + S)(I + S)^T = I + S S^T = (q + 1) I.
-    Q = _quadratic_character_of_differences(q)
-    S = torch.zeros(q + 1, q + 1, dtype=torch.int64)
-    S[0, 1:] = 1
-    S[1:, 0] = -1
-    S[1:, 1:] = Q
-    return S + torch.eye(q + 1, dtype=torch.int64)
+    # q ≡ 3 (mod 4) makes chi(-1) = -1, so Q is skew and S = [[0, 1], [-1, Q]] is a skew conference matrix:
+    # (I + S)(I + S)^T = I + S S^T = (q + 1) I.
+    return _conference(q, -1) + torch.eye(q + 1, dtype=torch.int64)
 
 
 def _paley2(q: int) -> torch.Tensor:
-    # q ≡ 1 (mod 4) makes Q symmetric, giving a symmetric conference matrix C
-    # (C C^T = q I) that is lifted to a Hadamard matrix of twice its order.
-    Q = _quadratic_character_of_differences(q)
-    C = torch.zeros(q + 1, q + 1, dtype=torch.int64)
-    C[0, 1:] = 1
-    C[1:, 0] = 1
-    C[1:, 1:] = Q
+    # q ≡ 1 (mod 4) makes Q symmetric, giving a symmetric conference matrix C (C C^T = q I) that is lifted
+    # to a Hadamard matrix of twice its order.
     off = torch.tensor([[1, -1], [-1, -1]], dtype=torch.int64)
     on = torch.tensor([[1, 1], [1, -1]], dtype=torch.int64)
-    return torch.kron(C, off) + torch.kron(torch.eye(q + 1, dtype=torch.int64), on)
+    return torch.kron(_conference(q, 1), off) + torch.kron(torch.eye(q + 1, dtype=torch.int64), on)
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,8 +138,7 @@ def _recipe(n: int) -> tuple | None:
         return None
     if _is_pow2(n):
         return ("sylvester", n)
-    # n ≡ 0 (mod 4) already makes q = n - 1 ≡ 3 (mod 4); Paley II additionally
-    # needs n/2 - 1 ≡ 1 (mod 4), i.e. n ≡ 4 (mod 8).
+    # n ≡ 0 (mod 4) already makes q = n - 1 ≡ 3 (mod 4); Paley II also needs n/2 - 1 ≡ 1 (mod 4): n ≡ 4 (mod 8).
     if _prime_power(n - 1) is not None:
         return ("paley1", n - 1)
     if n % 8 == 4 and _prime_power(n // 2 - 1) is not None:
@@ -162,8 +153,8 @@ def _recipe(n: int) -> tuple | None:
 
 def _sylvester(n: int) -> torch.Tensor:
     if n > 64:
-        # H_{2^(a+b)} = H_{2^a} ⊗ H_{2^b}: one kron is several times faster than
-        # repeated concatenation once the matrix no longer fits in cache.
+        # H_{2^(a+b)} = H_{2^a} ⊗ H_{2^b}: one kron is several times faster than repeated concatenation
+        # once the matrix no longer fits in cache.
         k = n.bit_length() - 1
         return torch.kron(_sylvester(1 << (k // 2)), _sylvester(1 << (k - k // 2)))
     H = torch.ones(1, 1, dtype=torch.int8)
@@ -174,16 +165,13 @@ def _sylvester(n: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _signs(n: int) -> torch.Tensor:
-    """Unnormalised ±1 Hadamard matrix of order n (int8, cached, do not mutate)."""
+    """Unnormalised ±1 Hadamard matrix of a buildable order n (`_recipe`; int8, cached, do not mutate)."""
     recipe = _recipe(n)
-    if recipe is None:
-        raise ValueError(f"no Hadamard construction for order {n}")
     kind, *args = recipe
     build = {"sylvester": _sylvester, "paley1": _paley1, "paley2": _paley2}.get(kind)
     H = build(*args).to(torch.int8) if build else torch.kron(_signs(args[0]), _signs(args[1]))
-    # Non-power-of-two orders come from number-theoretic constructions; a
-    # one-off exact check turns any construction bug into a loud failure
-    # instead of a silently non-orthogonal rotation.
+    # Non-power-of-two orders come from number-theoretic constructions; a one-off exact check turns any
+    # construction bug into a loud failure instead of a silently non-orthogonal rotation.
     if n <= MAX_BASE_ORDER and not _is_pow2(n):
         # Dot products are integers of magnitude <= n < 2^24, exact in float32.
         Hf = H.to(torch.float32)
@@ -197,11 +185,10 @@ def _signs(n: int) -> torch.Tensor:
 def supported_base_orders() -> tuple[int, ...]:
     """Smallest buildable order for each odd part, up to ``MAX_BASE_ORDER``.
 
-    An order ``n`` is supported iff ``n == m * 2**k`` for some ``m`` in this
-    tuple and ``k >= 0``.  ``1`` is included, standing for the powers of two.
+    An order ``n`` is supported iff ``n == m * 2**k`` for some ``m`` in this tuple and ``k >= 0``. ``1`` is
+    included, standing for the powers of two.
     """
-    # m is a base order only if m/2 is not buildable; otherwise m is just
-    # a doubling of a smaller base order with the same odd part.
+    # m is a base order only if m/2 is not buildable; otherwise m doubles a smaller base order with its odd part.
     buildable = range(1, MAX_BASE_ORDER + 1)
     return tuple(m for m in buildable if _recipe(m) is not None and not (m % 2 == 0 and _recipe(m // 2) is not None))
 
@@ -223,10 +210,9 @@ def has_hadamard(n: int) -> bool:
 def hadamard_matrix(n: int, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Orthonormal Hadamard matrix of order ``n``: entries ``±1/sqrt(n)``, ``H @ H.T == I``.
 
-    The result is a fresh tensor on the CPU; the caller may modify it freely.
-    Raises ``ValueError`` if no construction for ``n`` is known (the message
-    lists the supported orders) and ``TypeError`` if ``n`` is not an integer or
-    ``dtype`` is not a floating/complex dtype.
+    The result is a fresh tensor on the CPU; the caller may modify it freely. Raises ``ValueError`` if no
+    construction for ``n`` is known (the message lists the supported orders) and ``TypeError`` if ``n`` is not
+    an integer or ``dtype`` is not a floating/complex dtype.
     """
     n = _as_order(n)
     if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype.is_complex):
@@ -246,16 +232,14 @@ def hadamard_matrix(n: int, *, dtype: torch.dtype = torch.float64) -> torch.Tens
             f"the next supported order is {nxt}: pad the hidden size or use "
             f"linearpatch variant 'diag'"
         )
-    # Only the small base matrix is cached; the Sylvester factor is rebuilt per
-    # call because caching e.g. an 8192² or 32768² sign matrix would pin
-    # 64 MiB / 1 GiB for the life of the process.
+    # Only the small base matrix is cached; the Sylvester factor is rebuilt per call because caching e.g. an
+    # 8192² or 32768² sign matrix would pin 64 MiB / 1 GiB for the life of the process.
     signs = _signs(base)
     if n > base:
         signs = torch.kron(_sylvester(n // base), signs)
-    # Round 1/sqrt(n) to the target dtype once and multiply ±1 by it, so every
-    # entry is exactly ±round(1/sqrt(n)) even for half types whose arithmetic
-    # runs in float32 (a float scalar would be rounded twice there).  The cast
-    # allocates a fresh tensor, so the cached ±1 matrices can never be mutated
+    # Round 1/sqrt(n) to the target dtype once and multiply ±1 by it, so every entry is exactly
+    # ±round(1/sqrt(n)) even for half types whose arithmetic runs in float32 (a float scalar would be rounded
+    # twice there). The cast allocates a fresh tensor, so the cached ±1 matrices can never be mutated
     # through the return value.
     scale = torch.tensor(1.0 / math.sqrt(n), dtype=torch.float64).to(dtype)
     return signs.to(dtype).mul_(scale)

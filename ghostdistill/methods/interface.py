@@ -35,8 +35,7 @@ with a default for every key, and a key that another method declares with anothe
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
 from typing import Any, Literal, Protocol, get_type_hints, runtime_checkable
 
 import torch
@@ -138,8 +137,7 @@ def operator_of(w: torch.Tensor, *, fused: bool = False) -> GhostOperator:
 
 
 class Method:
-    """A recovery method; the module docstring says what each member does. Subclasses set `name` and
-    `config` and override what differs from these defaults."""
+    """A recovery method (each member: module docstring); subclasses set `name` and `config`."""
 
     name: str = ""
     config: type[MethodConfig] = Ordered
@@ -199,12 +197,12 @@ class RecoveryConfig:
 
     An entry is one flat mapping, ``{name: g, method: ghost, fit: plain}``: `name`, `method` and keys of that
     method's own config class (`Method.config`), documented there (`GhostConfig`, `LinearPatchConfig`, ...).
-    The keys are not fields of this class: they are read through the method's config class (defaults for the
-    keys not given; `method_config` makes the typed config), so a method registered at any time brings its keys
-    and nothing shared is rebuilt. `validate_recovery` checks them: a key the method does not read, or a value
-    outside its type, is one line naming the key and the method's keys. The CLI reads an entry as this type
-    (`cli.fit` registers it with jsonargparse, read by `methods.recovery_entry`), so a config file, ``--model.recovery`` and
-    ``--print_config`` all see the same flat mapping.
+    The keys are not fields of this class but read through that class (its defaults for keys not given;
+    `method_config` makes the typed config), so a method registered at any time brings its keys and nothing
+    shared is rebuilt. `validate_recovery` refuses a key the method does not read, or a value outside its type,
+    in one line naming the key and the method's keys. The CLI reads an entry as this type (`cli.fit` registers
+    it with jsonargparse, read by `methods.recovery_entry`): a config file, ``--model.recovery`` and
+    ``--print_config`` see the same flat mapping.
 
     Args:
         name: label in results; also the view name (`dense`, `pruned` and names ending in ``_ft``, the
@@ -278,22 +276,19 @@ def _check_config(method: Method) -> None:
     the entry uses itself, or another registered method declares it with another type."""
     config = method.config
     where = f"method {method.name!r} ({origin(method)})"
-    if not (isinstance(config, type) and issubclass(config, MethodConfig) and dataclasses.is_dataclass(config)):
+    if not (isinstance(config, type) and issubclass(config, MethodConfig) and is_dataclass(config)):
         raise TypeError(f"{where}: config {config!r} must be a dataclass subclassing ghostdistill.methods.MethodConfig")
     hints = get_type_hints(config)
     keys = {f.name: hints[f.name] for f in fields(config) if f.name != "name"}
-    unset = [f.name for f in fields(config) if f.default is MISSING and f.default_factory is MISSING]
-    if unset:
+    if unset := [f.name for f in fields(config) if f.default is MISSING and f.default_factory is MISSING]:
         raise ValueError(
             f"{where}: keys {unset} of {config.__name__} need a default (what an entry that omits them gets)"
         )
-    taken = [k for k in keys if k in ("method", "options") or hasattr(RecoveryConfig, k)]
-    if taken:
+    if taken := [k for k in keys if k in ("method", "options") or hasattr(RecoveryConfig, k)]:
         raise ValueError(f"{where}: {config.__name__} declares the key {taken[0]!r}, a word of every entry; rename it")
     for other in _METHODS:
         theirs = get_type_hints(other.config)
-        clash = [k for k in keys if k in theirs and other.name != method.name and theirs[k] != keys[k]]
-        if clash:
+        if clash := [k for k in keys if k in theirs and other.name != method.name and theirs[k] != keys[k]]:
             raise ValueError(
                 f"{where}: key {clash[0]!r} is {keys[clash[0]]} here and {theirs[clash[0]]} in method {other.name!r} "
                 f"({origin(other)}); one key, one type: name it differently"
@@ -313,6 +308,4 @@ def ships_stock(method: str | None) -> bool:
     ``pruned``) and the methods that declare it (`Method.ships_stock`: ``none`` and those that fold). A
     student of such a method stays stock whatever it trains: LoRA, norms, the tail and blocks are merged at
     export, and operators train within what folds (the method's `student_operator`)."""
-    if method is None or method in (DENSE, PRUNED):
-        return True
-    return bool(get_method(method).ships_stock)
+    return method is None or method in (DENSE, PRUNED) or bool(get_method(method).ships_stock)

@@ -54,9 +54,8 @@ class Magnitude(Method):
 
     def fit(self, cfg: Ordered, gap: Gap, stats: MagnitudeStatistics, hidden_size: int) -> GapFit:
         s = stats.norm_post / stats.norm_pre.clamp_min(1e-12)
-        return GapFit(
-            operator=operator_of(s * torch.eye(hidden_size, dtype=torch.float64, device=s.device), fused=True)
-        )
+        eye = torch.eye(hidden_size, dtype=torch.float64, device=s.device)
+        return GapFit(operator=operator_of(s * eye, fused=True))
 
     def identity(self, cfg: Ordered, hidden_size: int) -> GapFit:
         return GapFit(operator=GhostOperator(hidden_size, fused=True))

@@ -1,9 +1,9 @@
 """ReplaceMe (Shopkhoev et al. 2025): a linear map T on the MLP output of the block before the gap.
 
 With M the MLP output of the last block before the gap and Y = X_pre − M its residual input,
-T = argmin ‖M T − (X_post − Y)‖² (float64 normal equations, `core.solver`). The map acts on the MLP
-output: out·T = h·W_downᵀ·T, so `fold` writes it into that block's down projection, W_down ← Tᵀ·W_down,
-and the method adds no parameters.
+T = argmin ‖M T − (X_post − Y)‖² (float64 normal equations, `core.solver`). The map acts on the MLP output:
+out·T = h·W_downᵀ·T, so `fold` writes it into that block's down projection, W_down ← Tᵀ·W_down, and the method
+adds no parameters.
 
 The fit assumes the MLP writes the residual stream itself (X_pre = Y + M). Where its output passes through a
 norm first (Gemma 2 and 3: X_pre = Y + n(M), `post_feedforward_layernorm`), X_pre − M is not Y and the view's
@@ -29,9 +29,8 @@ class ReplaceMeStatistics:
     """ReplaceMe's normal equations, MᵀM and Mᵀ(X_post − Y), over the calibration tokens (module docstring)."""
 
     def __init__(self, hidden_size: int, device: torch.device | str = "cpu") -> None:
-        c = hidden_size
-        self.mtm = torch.zeros(c, c, dtype=torch.float64, device=device)
-        self.mtr = torch.zeros(c, c, dtype=torch.float64, device=device)
+        self.mtm = torch.zeros(hidden_size, hidden_size, dtype=torch.float64, device=device)
+        self.mtr = torch.zeros(hidden_size, hidden_size, dtype=torch.float64, device=device)
         self.tokens = 0
 
     @torch.no_grad()

@@ -35,11 +35,10 @@ zero at the start (the closed form exactly). A = G − Gᵀ for `rotation_throug
 exponential of a skew matrix is orthogonal, and W's off-orthogonality stays at float rounding
 (`ScaledRotationOperator`). A freely trained W = I + M would not fold (`scaled_rotation` refuses it).
 
-`rotation_through` and `rotation_anchored` fold (SliceGPT's computational invariance of pre-norm RMSNorm
-models): the embedding and the blocks before the gap are rotated by Q and the blocks after it write ÷ c (the
-blocks: `fold_rotation` here; the embedding: `ghostdistill.export.fold`, whose docstring derives the fold),
-so the exported model is the plain architecture with the surviving blocks and no operator module. All three
-read `order` only.
+`rotation_through` and `rotation_anchored` fold (SliceGPT's computational invariance of pre-norm RMSNorm models):
+the embedding and the blocks before the gap are rotated by Q and the blocks after it write ÷ c (the blocks:
+`fold_rotation` here; the embedding: `ghostdistill.export.fold`, whose docstring derives the fold), so the exported
+model is the plain architecture with the surviving blocks and no operator module. All three read `order` only.
 """
 
 from __future__ import annotations
@@ -65,8 +64,7 @@ def procrustes(xtx: torch.Tensor, xty: torch.Tensor) -> tuple[float, torch.Tenso
     M = Σ w² xᵀy (float64)."""
     xtx, xty = xtx.to(torch.float64), xty.to(torch.float64)
     u, s, vh = torch.linalg.svd(xty)
-    q = u @ vh
-    return float(s.sum()) / _scale_denominator(xtx), q
+    return float(s.sum()) / _scale_denominator(xtx), u @ vh
 
 
 def _scale_denominator(xtx: torch.Tensor) -> float:
@@ -113,8 +111,10 @@ def first_direction(stats: GhostStatistics) -> torch.Tensor:
     return mean / norm
 
 
-class _Rotation(GhostCollectorMixin):
-    through = False
+class Rotation(GhostCollectorMixin):
+    name = "rotation"
+    card = "rotation: W = c·Q at each gap (weighted Procrustes), first-position tokens shifted apart"
+    through = False  # `rotation_through`: every token through W
 
     @property
     def all_groups(self) -> tuple[str, ...]:
@@ -151,12 +151,7 @@ class _Rotation(GhostCollectorMixin):
         return None
 
 
-class Rotation(_Rotation):
-    name = "rotation"
-    card = "rotation: W = c·Q at each gap (weighted Procrustes), first-position tokens shifted apart"
-
-
-class RotationThrough(_Rotation):
+class RotationThrough(Rotation):
     name = "rotation_through"
     through = True
     folds = True
@@ -206,12 +201,10 @@ class RotationAnchored(RotationThrough):
 
 
 class ScaledRotationOperator(ReparametrisedOperator):
-    """W = e^s·T·exp(A) on every token, T = I + M₀ = c₀·Q₀ the fitted scaled rotation; trainable: s and the
-    generator G (A = G − Gᵀ, projected to fix `anchor` u when the fit has one: A = P(G − Gᵀ)P, P = I − uᵀu).
-
-    At the start (s = 0, G = 0: exp(0) = I exactly) W − T is zero and `delta` is M₀ to the bit
-    (`ReparametrisedOperator`). Applied like any operator: x ← x + x·delta, one C × C matrix exponential per
-    forward."""
+    """W = e^s·T·exp(A) on every token, T = I + M₀ = c₀·Q₀ the fitted scaled rotation, s and the generator G
+    trainable (A from G, fixing `anchor` u where the fit has one: module docstring). At the start (s = 0, G = 0:
+    exp(0) = I exactly) `delta` is M₀ to the bit (`ReparametrisedOperator`). Applied like any operator:
+    x ← x + x·delta, one C × C matrix exponential per forward."""
 
     def __init__(self, fitted: GhostOperator) -> None:
         super().__init__(fitted)
@@ -224,8 +217,7 @@ class ScaledRotationOperator(ReparametrisedOperator):
         if self.anchor is not None:
             # P·A·P with P = I − uᵀu, without forming P: A − uᵀ(u·A) − (A·uᵀ)u + uᵀ(u·A·uᵀ)u.
             u = self.anchor
-            ua = u @ a
-            au = a @ u
+            ua, au = u @ a, a @ u
             a = a - torch.outer(u, ua) - torch.outer(au, u) + (ua @ u) * torch.outer(u, u)
         return self.log_scale.exp() * (t @ torch.linalg.matrix_exp(a)) - t
 
@@ -246,8 +238,7 @@ def fold_refusal(block: nn.Module) -> str | None:
     """Why the rotation fold is not exact for `block`'s layout, or None: a pre-norm layout it is derived for."""
     if plain_class(block).__name__ in FOLDABLE_BLOCKS:
         return None
-    post = [n for n in _POST_NORMS if isinstance(getattr(block, n, None), nn.Module)]
-    if post:
+    if post := [n for n in _POST_NORMS if isinstance(getattr(block, n, None), nn.Module)]:
         return (
             f"it has norms inside the residual branch ({', '.join(post)}): a rotation of the residual stream "
             "does not commute with them"
@@ -257,13 +248,12 @@ def fold_refusal(block: nn.Module) -> str | None:
 
 def check_foldable(block: nn.Module) -> None:
     """Raise unless `block` has the pre-norm layout the rotation fold is exact for."""
-    name, why = plain_class(block).__name__, fold_refusal(block)
-    if why is None:
-        return
-    raise ValueError(
-        f"cannot fold a rotation into {name}: {why}. The rotation fold is exact only for the pre-norm "
-        f"RMSNorm blocks {', '.join(FOLDABLE_BLOCKS)}; export the `rotation` (operator) view instead"
-    )
+    why = fold_refusal(block)
+    if why is not None:
+        raise ValueError(
+            f"cannot fold a rotation into {plain_class(block).__name__}: {why}. The rotation fold is exact only for "
+            f"the pre-norm RMSNorm blocks {', '.join(FOLDABLE_BLOCKS)}; export the `rotation` (operator) view instead"
+        )
 
 
 def scaled_rotation(operator: nn.Module) -> tuple[float, torch.Tensor, torch.Tensor]:
