@@ -87,10 +87,8 @@ class _FusedCachedLoss(torch.autograd.Function):
         b = bias.to(compute_dtype) if bias is not None and compute_dtype is not None else bias
         total = h.new_zeros((), dtype=torch.float32)
         grad_h = torch.empty_like(h)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
-        grad_b = (
-            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_w and bias is not None else None
-        )
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if want_w and bias is not None else None
         with torch.autocast(h.device.type, enabled=False):
             for part in token_chunks(h.shape[0], cfg.chunk_tokens):
                 y_part = y[part] if y is not None else None
@@ -103,17 +101,15 @@ class _FusedCachedLoss(torch.autograd.Function):
                     grad_w += gw
                 if gb is not None:
                     grad_b += gb
-        ctx.save_for_backward(grad_h, *([grad_w] if want_w else []), *([grad_b] if grad_b is not None else []))
-        ctx.want_w, ctx.has_b, ctx.dtype = want_w, grad_b is not None, weight.dtype
+        ctx.save_for_backward(grad_h, grad_w, grad_b)  # None where the head's weight or bias takes none
+        ctx.dtype = weight.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved = list(ctx.saved_tensors)
-        grad_h = saved.pop(0) * grad_out
-        grad_w = (saved.pop(0) * grad_out).to(ctx.dtype) if ctx.want_w else None
-        grad_b = (saved.pop(0) * grad_out).to(ctx.dtype) if ctx.has_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        grad_h, *grad_wb = ctx.saved_tensors
+        grad_w, grad_b = ((g * grad_out).to(ctx.dtype) if g is not None else None for g in grad_wb)
+        return grad_h * grad_out, grad_w, grad_b, None, None, None, None, None, None
 
 
 def fused_cached_loss(
@@ -131,5 +127,4 @@ def fused_cached_loss(
         return student_hidden.sum() * 0.0
     device = s.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-    total = _FusedCachedLoss.apply(s, head.weight, head.bias, logp, index, tail, y, cfg, dtype)
-    return total / n
+    return _FusedCachedLoss.apply(s, head.weight, head.bias, logp, index, tail, y, cfg, dtype) / n

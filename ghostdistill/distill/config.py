@@ -100,11 +100,11 @@ class DistillConfig:
             each with the recipe below; every student sees the same batches in the same order.
         students: further students, each with its own name, method and recipe (`StudentConfig`).
         train: what trains, of the registered parts (`distill.parts`): ``operators`` (the gap operators,
-            first-position shift included; the default), ``lora`` (adapters on the surviving blocks), ``blocks`` (the surviving blocks next
-            to each gap), ``tail`` (the output head, the final norm and the last `tail_blocks` surviving
-            blocks) and/or ``norms`` (the norm gains of the surviving blocks); what a student trains
-            besides operators and adapters is its own copy, so the teacher and the other students keep
-            the originals.
+            first-position shift included; the default), ``lora`` (adapters on the surviving blocks), ``blocks``
+            (the surviving blocks next to each gap), ``tail`` (the output head, the final norm and the last
+            `tail_blocks` surviving blocks) and/or ``norms`` (the norm gains of the surviving blocks); what a
+            student trains besides operators and adapters is its own copy, so the teacher and the other students
+            keep the originals.
         lr: learning rate of the operators.
         block_lr: learning rate of whole blocks and of the tail.
         norm_lr: learning rate of the norm gains.
@@ -122,13 +122,12 @@ class DistillConfig:
         share_prefix: when nothing before the first gap trains, run the blocks before it once per
             batch (in the teacher pass) and start every student from there.
         teacher_topk: k: the teacher's top-k log-probabilities and tail mass per training window, computed
-            once and cached (`$GHOSTDISTILL_CACHE/teacher_topk`) for every student and every later run of
-            the same model, instead of a teacher pass per step (`distill/teacher_cache.py`); null = the
-            live teacher, all tokens.
+            once and cached (`$GHOSTDISTILL_CACHE/teacher_topk`) for every student and later run of the same
+            model instead of a teacher pass per step (`distill/teacher_cache.py`); null = the live teacher, all tokens.
         precision: the students' forward: ``fp32``; ``bf16`` (autocast; parameters, optimizer state and
-            the loss's sums stay float32); ``auto``: bf16 where the device computes it natively (a CUDA
-            GPU with bfloat16, a CPU with AVX-512 BF16 or AMX that ATen and oneDNN may use), else fp32. The teacher runs in the model's
-            dtype either way; evaluation and validation in the model's dtype.
+            the loss's sums stay float32); ``auto``: bf16 where the device computes it natively (a CUDA GPU
+            with bfloat16, a CPU with AVX-512 BF16 or AMX that ATen and oneDNN may use), else fp32. The
+            teacher, evaluation and validation run in the model's dtype either way.
         curve_tokens: training tokens per student (windows × seq_len) at which every student is scored on
             the first evaluation source during training: a budget curve from one run (results.json
             ``distill.curve``, curve.png).
@@ -170,11 +169,8 @@ class DistillConfig:
         out = [self.run_wide(ft_view(m), m) for m in self.methods]
         for s in self.students:
             base = self.run_wide(s.name, s.method)
-            own = {
-                k: getattr(s, k)
-                for k in ("lr", "block_lr", "norm_lr", "tail_blocks", "part_options")
-                if getattr(s, k) is not None
-            }
+            keys = ("lr", "block_lr", "norm_lr", "tail_blocks", "part_options")
+            own = {k: getattr(s, k) for k in keys if getattr(s, k) is not None}
             if s.train is not None:
                 own["train"] = tuple(s.train)
             own["lora"] = copy.deepcopy(self.lora if s.lora is None else s.lora)
@@ -237,13 +233,12 @@ class DistillConfig:
             )
         if self.precision not in ("fp32", "bf16", "auto"):
             raise ValueError(f"distill.precision {self.precision!r} is not known; choose fp32, bf16 or auto")
-        if any(isinstance(t, bool) or t < 1 for t in self.curve_tokens) or self.curve_tokens != sorted(
-            self.curve_tokens
-        ):
+        curve = self.curve_tokens
+        if any(isinstance(t, bool) or t < 1 for t in curve) or curve != sorted(curve):
             raise ValueError(
-                f"distill.curve_tokens {self.curve_tokens} must be increasing token counts >= 1 (e.g. [82000, 300000])"
+                f"distill.curve_tokens {curve} must be increasing token counts >= 1 (e.g. [82000, 300000])"
             )
-        check_unique("distill.curve_tokens", self.curve_tokens)
+        check_unique("distill.curve_tokens", curve)
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"distill.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.keep not in ("best", "last"):

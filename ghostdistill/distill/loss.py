@@ -36,11 +36,10 @@ full-vocabulary KL (lumping loses information), equal to it when K covers the vo
 off by at most the KL between the two tails' shapes, weighted by their mass, otherwise. With `loss.top_k` ≤ k
 as well, the cached tokens are renormalised over the top_k as without a cache (LinearPatch's recipe).
 
-The logit loss is the mean over real (non-padding) target tokens. `chunked_distillation_loss` starts from the
-final hidden states and applies the output head a chunk of tokens at a time inside activation
-checkpointing, so neither model's [tokens, vocab] logits ever exist for more than one chunk, in the
-forward pass or the backward pass; `distillation_loss` is the plain version over full logits, and the
-two are tested equal, gradients included.
+The logit loss is the mean over real (non-padding) target tokens. `chunked_distillation_loss` applies the
+output head to the final hidden states a chunk of tokens at a time inside activation checkpointing, so neither
+model's [tokens, vocab] logits exist for more than one chunk, forward or backward; `distillation_loss` is the
+plain version over full logits, tested equal to it, gradients included.
 """
 
 from __future__ import annotations
@@ -206,11 +205,9 @@ def chunked_distillation_loss(
     cfg: LossConfig,
     teacher_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The same loss from final hidden states [batch, seq, C] (after the final norm) and the output
-    head (`teacher_head` for the teacher's side when the student has its own head: `tail`),
-    `cfg.chunk_tokens` tokens at a time. Each chunk runs inside activation checkpointing: the
-    backward recomputes that chunk's logits instead of keeping them, so peak memory holds one chunk's
-    logits whatever the batch and vocabulary."""
+    """The same loss from final hidden states [batch, seq, C] (after the final norm) and the output head
+    (`teacher_head` for the teacher's side when the student has its own head: `tail`), `cfg.chunk_tokens`
+    tokens at a time, each chunk checkpointed: the backward recomputes its logits instead of keeping them."""
     s = student_hidden[valid]
     with torch.no_grad():
         t = teacher_hidden[valid]

@@ -1,25 +1,23 @@
 """Sharding the students for training with FSDP2 (`fully_shard`, Lightning's `ModelParallelStrategy`).
 
 FSDP2 shards each parameter in place: the decoder blocks stay the same objects, so the views' block
-references and operator hooks keep working, and frozen parameters cost no gradient memory. Each unit
-is one module whose forward is called directly:
+references and operator hooks keep working, and frozen parameters cost no gradient memory. The decoder
+blocks are sharded as the model loads (`core.sharded.load_sharded`), before calibration; what is sharded
+here is what the students add, each unit one module whose forward is called directly:
 
-- every decoder block (frozen) and every per-student block copy;
+- every per-student block copy (made whole from the gathered blocks, then sharded), and any decoder block
+  not sharded yet (frozen);
 - every trainable gap operator and MLP map (called from the views' hooks).
 
-LoRA adapters are left out of the units (`ignored_params`) and stay whole on every rank. Every method's
-adapter lives in the same shared block, which each student calls once per step; FSDP2 reduce-scatters a
-unit's gradients as a backward leaves one of those calls, and measured on two CPU processes the second
-student's adapter gradients were lost (its validation KL never moved). Adapters are small (rank r), so
-they are replicated instead and `average_replicated_grads` averages their gradients across the ranks
-before each optimizer step, as DDP would.
+LoRA adapters (`Part.fsdp` ``replicate``) stay whole on every rank: left out of the units (`ignored_params`),
+and injected into an already sharded block they are not FSDP2 parameters at all. Every method's adapter lives
+in the same shared block, which each student calls once per step; FSDP2 reduce-scatters a unit's gradients as
+a backward leaves one of those calls, and measured on two CPU processes the second student's adapter
+gradients were lost (its validation KL never moved). Adapters are small (rank r), so `average_replicated_grads`
+averages their gradients across the ranks before each optimizer step, as DDP would.
 
 Embeddings, the final norm and the output head stay replicated: they are frozen, and a model with tied
-embeddings calls the same weight as its head outside the decoder. The decoder blocks are sharded as the
-model loads (`core.sharded.load_sharded`), before calibration; what is sharded here is what the students
-add: their block copies (made whole from the gathered blocks, then sharded) and trainable operators. LoRA
-adapters injected into an already sharded block are not FSDP2 parameters at all: whole on every rank, as
-`Part.fsdp` ``replicate`` asks.
+embeddings calls the same weight as its head outside the decoder.
 """
 
 from __future__ import annotations

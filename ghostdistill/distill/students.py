@@ -1,21 +1,18 @@
 """The students of fine-tuned recovery and the teacher they learn from, over one set of blocks.
 
-Each student (`DistillConfig.specs`: ``<method>_ft`` for each of `distill.methods`, plus every entry of
-`distill.students`) is a view that starts as a copy of its method's fitted view (its operators and MLP maps
-copied), and each part it trains (`distill.train`: one registered `Part` each, the table of `distill.parts`)
-makes its own copies or adapters and names its parameters. Every student's copies are its own, so two
-students of one method with different recipes train independently, and the teacher and the training-free
-views keep the originals; a ``lora`` adapter is active only while its view runs, so every other view, the
-teacher first, computes bit for bit the base model's output.
+Each student (`DistillConfig.specs`) is a view that starts as a copy of its method's fitted view (operators and
+MLP maps), and each part it trains (`distill.train`, the table of `distill.parts`) makes its own copies or
+adapters and names its parameters. Copies are per student, so two students of one method train independently
+and the teacher and the training-free views keep the originals; a ``lora`` adapter is active only while its view
+runs, so every other view, the teacher first, computes bit for bit the base model's output.
 
-The teacher is the dense view: frozen, eval mode, no gradients. A student whose blocks before block i
-compute what the teacher's do (nothing trains there: i is its first gap, or the first block it trains)
-starts from the residual stream entering block i, which the teacher pass keeps for each such i (its
-embedding input replaced, the blocks before i skipped). `check_prefix` verifies that shortcut against a
-full student forward and turns it off where a family does something to its input embeddings. With a
-hidden-state term in a student's loss, both passes also keep the residual stream entering the first
-block after each gap (`stream_sites`). With the teacher's outputs cached (`teacher_cache`), the teacher pass
-runs only as far as the last of those streams it must give (`teacher(batch, logits=False)`), or not at all.
+The teacher is the dense view: frozen, eval mode, no gradients. A student whose blocks before block i compute
+what the teacher's do (nothing trains there: i is its first gap, or the first block it trains) starts from the
+residual stream entering block i, kept by the teacher pass (taken as its input embeddings, the blocks before i
+skipped); `check_prefix` verifies this against a full forward and turns it off where a family transforms its
+input embeddings. With a hidden-state term both passes also keep the stream entering the first block after each
+gap (`stream_sites`). With the teacher's outputs cached (`teacher_cache`) the teacher pass stops at the last of
+those streams (`teacher(batch, logits=False)`), or does not run.
 
 With `precision` bf16 the students' forward runs under `torch.autocast` (bfloat16 matrix products; the
 parameters, their gradients and the optimizer state stay float32); the teacher never does.
@@ -28,6 +25,7 @@ import os
 from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -42,19 +40,8 @@ from .teacher_cache import TeacherCache
 
 # oneDNN ISA caps (`ONEDNN_MAX_CPU_ISA`) under which it still has bfloat16 kernels of its own
 _ONEDNN_BF16_ISAS = frozenset(
-    {
-        "ALL",
-        "DEFAULT",
-        "AVX512_CORE_BF16",
-        "AVX512_CORE_FP16",
-        "AVX512_CORE_AMX",
-        "AVX512_CORE_AMX_FP16",
-        "AVX10_1_512",
-        "AVX10_1_512_AMX",
-        "AVX10_1_512_AMX_FP16",
-        "AVX10_2_512",
-        "AVX10_2_512_AMX_2",
-    }
+    "ALL DEFAULT AVX512_CORE_BF16 AVX512_CORE_FP16 AVX512_CORE_AMX AVX512_CORE_AMX_FP16 AVX10_1_512 AVX10_1_512_AMX "
+    "AVX10_1_512_AMX_FP16 AVX10_2_512 AVX10_2_512_AMX_2".split()
 )
 
 
@@ -182,15 +169,6 @@ class Students:
             self._sites[view] = stream_sites(self.pruned, view)
         return self._sites[view]
 
-    @staticmethod
-    def _grab(seen: list, k: int, stop: bool):
-        def hook(module, args, kwargs):
-            seen[k] = args[0] if args else kwargs["hidden_states"]
-            if stop and all(x is not None for x in seen):
-                raise _Enough
-
-        return hook
-
     def _forward(
         self, view: str, batch, skip: int, embeds, taps: list[nn.Module], stop: bool = False
     ) -> tuple[torch.Tensor | None, list]:
@@ -200,7 +178,13 @@ class Students:
         ids, mask = model_inputs(self.pruned.model, batch)
         inputs = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
         seen: list = [None] * len(taps)
-        hooks = [m.register_forward_pre_hook(self._grab(seen, k, stop), with_kwargs=True) for k, m in enumerate(taps)]
+
+        def grab(k: int, module, args, kwargs) -> None:
+            seen[k] = args[0] if args else kwargs["hidden_states"]
+            if stop and all(x is not None for x in seen):
+                raise _Enough
+
+        hooks = [m.register_forward_pre_hook(partial(grab, k), with_kwargs=True) for k, m in enumerate(taps)]
         try:
             with self.pruned.use(view, skip=skip) as m:
                 out = decoder_of(m)(**inputs, attention_mask=mask, use_cache=False)

@@ -108,9 +108,7 @@ class TeacherCache:
             if self.write:
                 stored = index.to(torch.int16 if self.small_ids else torch.int32).cpu()
                 entry = {"logp": logp.half().cpu(), "index": stored, "tail": tail.cpu()}
-                path = self._path(window_digest(i, m))
-                path.parent.mkdir(parents=True, exist_ok=True)
-                atomic_torch_save(entry, path)
+                atomic_torch_save(entry, self._path(window_digest(i, m)))  # its folder made as it is written
             # What later runs read: the 16-bit log-probabilities, so a step's loss is the same cached or not.
             rows.append((logp.half().float(), index, tail))
         return tuple(torch.stack(parts).to(ids.device) for parts in zip(*rows))

@@ -1,8 +1,8 @@
 """Resumable distillation: `<run>/checkpoints/last.ckpt`, written atomically with Lightning's public
 `Trainer.save_checkpoint`, and `--ckpt_path last` resolved to it when it can be resumed from.
 
-The module keeps only trainable tensors and plain data in it (`GhostDistill.on_save_checkpoint`), so it
-loads with `weights_only=True`: resuming from, or exporting, a run folder someone sent you runs none of
+The module keeps only trainable tensors and plain data in it (`GhostDistill.state_dict`, `on_save_checkpoint`),
+so it loads with `weights_only=True`: resuming from, or exporting, a run folder someone sent you runs none of
 their code. The run's `config.yaml` is the other half of that promise: `pipeline.trust`.
 """
 
@@ -26,12 +26,11 @@ class LastCheckpoint(Callback):
     SIGINT stops distillation (one process): the step reached, not the last periodic one. Written beside the
     target and renamed, so an interrupted save leaves the previous file.
 
-    Why a stopped run's step is whole: a signal raises at once (`lit.interrupts`) except between the optimizer
-    update's start (`on_before_optimizer_step`) and the end of that step's bookkeeping (`on_train_batch_end`,
-    where the periodic checkpoints are taken too), where it waits (`hold_signals`). So when the exception
-    arrives, the students, the optimizer and the scheduler are all those of `trainer.global_step`, and the
-    training windows are indexed by that step (`lit.datamodule.StepWindows`): `--ckpt_path last` continues
-    with the batches the stopped run had not finished, as an uninterrupted run takes them."""
+    A stopped run's step is whole: signals wait (`lit.interrupts.hold_signals`) from `on_before_optimizer_step`
+    to `on_train_batch_end` (where the periodic checkpoints are taken too), so the students, optimizer and
+    scheduler are those of `trainer.global_step`, by which the training windows are indexed
+    (`lit.datamodule.StepWindows`): `--ckpt_path last` continues with the batches the stopped run had not
+    finished, as an uninterrupted run takes them."""
 
     def __init__(self, dirpath: Path, every_n_train_steps: int) -> None:
         # `every_n_train_steps` >= 1: `distill.checkpoint_every` (>= 0, `DistillConfig.validate`) or the step count.

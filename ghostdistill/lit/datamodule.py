@@ -126,12 +126,10 @@ class GhostDataModule(LightningDataModule):
 
     def test_dataloader(self) -> list[DataLoader]:
         trainer = self.trainer
-        loaders = []
-        for src in self.data.eval_sources:
-            windows = _Windows(self.data.eval_windows(src))
+
+        def loader(windows: _Windows) -> DataLoader:
             # Lightning keeps a DistributedSampler it is given: ours pads without counting windows twice.
             sampler = EvenShares(windows, trainer.world_size, trainer.global_rank) if trainer.world_size > 1 else None
-            loaders.append(
-                DataLoader(windows, batch_size=self.batch_size, num_workers=self.cfg.num_workers, sampler=sampler)
-            )
-        return loaders
+            return DataLoader(windows, batch_size=self.batch_size, num_workers=self.cfg.num_workers, sampler=sampler)
+
+        return [loader(_Windows(self.data.eval_windows(src))) for src in self.data.eval_sources]

@@ -35,8 +35,7 @@ class Terminated(SystemExit):
 
 
 class _Gate:
-    """Whether signals are held (`hold_signals`), the one that arrived meanwhile, and the SIGINT handler to put
-    back."""
+    """Whether signals are held (`hold_signals`), the one that arrived meanwhile, the SIGINT handler to restore."""
 
     holding = False
     pending: BaseException | None = None

@@ -113,8 +113,7 @@ class GhostDistill(LightningModule):
             rank_zero_info(f"FSDP2: {units} units sharded over {self.trainer.world_size} ranks")
 
     def attach(self, pruned: PrunedModel | None = None) -> None:
-        """Register the run's calibrated views (every method's maps, the students' block copies) as children,
-        so that they move with the module and reach the optimizer and the checkpoints."""
+        """Register the run's calibrated views (every method's maps, the students' copies) as children."""
         pruned = pruned if pruned is not None else self.run.pruned
         self.operators, self.mlp_maps, self.student_blocks = pruned.operators, pruned.mlp_maps, pruned.blocks
         self.student_modules = pruned.modules_own
@@ -217,10 +216,8 @@ class GhostDistill(LightningModule):
         return state
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Only what trains goes into the state dict, never the frozen base; the students by name, the
-        validation history and each student's best step come along (`pipeline.train.checkpoint_extras`)."""
-        trainable = {name for name, p in self.named_parameters() if p.requires_grad}
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        """Beside what trains (`state_dict`), the students by name, the validation history and each student's
+        best step (`pipeline.train.checkpoint_extras`)."""
         checkpoint["ghostdistill"] = checkpoint_extras(self.run.tracker, self.run.students, self.run.last_validated)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
