@@ -105,14 +105,12 @@ def score_hidden(
 ) -> dict[str, TokenScores]:
     """Metrics of every view from its final hidden states, `chunk` tokens at a time.
 
-    `hidden`: view → final hidden states [batch, seq-1, C] at the positions that predict `targets`
-    [batch, seq-1]; only the `valid` positions are scored. `head`: hidden → logits (`core.head.output_head`),
-    or one per view (views with their own head).
-    `reference`: the view (a key of `hidden`) the others are compared with (KL and top-1); its own
-    scores have none. `reference_logp`: the reference's log-probabilities per chunk, kept from
-    `reference_log_probs` (with the same `valid` and `chunk`), so that a reference scored against many
-    views runs its head once. Returns per view 1-D scores over the valid tokens (no gradients:
-    evaluation only).
+    `hidden`: view → final hidden states [batch, seq-1, C] at the positions that predict `targets` [batch, seq-1];
+    only the `valid` positions are scored. `head`: hidden → logits (`core.head.output_head`), or one per view (views
+    with their own head). `reference`: the view (a key of `hidden`) the others are compared with (KL and top-1); its
+    own scores have none. `reference_logp`: the reference's log-probabilities per chunk, kept from
+    `reference_log_probs` (with the same `valid` and `chunk`), so that a reference scored against many views runs
+    its head once. Returns per view 1-D scores over the valid tokens (no gradients: evaluation only).
     """
     if reference_logp is not None and reference is not None and reference not in hidden:
         hidden = {reference: None, **hidden}
@@ -122,7 +120,10 @@ def score_hidden(
     heads = head if isinstance(head, dict) else dict.fromkeys(hidden, head)
     flat = {view: h[valid] for view, h in hidden.items() if h is not None}
     order = [reference, *(v for v in flat if v != reference)] if reference is not None else list(flat)
-    parts: dict[str, dict[str, list[torch.Tensor]]] = {v: {"nll": [], "kl": [], "top1": []} for v in order}
+    # Per view its chunks of NLL and, compared with the reference, of KL and top-1.
+    parts: dict[str, dict[str, list[torch.Tensor]]] = {
+        v: {k: [] for k in ("nll", "kl", "top1") if k == "nll" or reference not in (None, v)} for v in order
+    }
     for k, part in enumerate(token_chunks(y.shape[0], chunk)):
         ref_logp = ref_p = ref_top = None
         for view in order:
@@ -140,15 +141,7 @@ def score_hidden(
                 out["kl"].append(logp.neg_().add_(ref_logp).mul_(ref_p).sum(-1))
             del logp
     empty = y.new_zeros(0, dtype=torch.float32)
-    result = {}
-    for view, out in parts.items():
-        compared = reference is not None and view != reference
-        result[view] = TokenScores(
-            nll=torch.cat(out["nll"]) if out["nll"] else empty,
-            kl=(torch.cat(out["kl"]) if out["kl"] else empty) if compared else None,
-            top1=(torch.cat(out["top1"]) if out["top1"] else empty) if compared else None,
-        )
-    return result
+    return {v: TokenScores(**{k: torch.cat(c) if c else empty for k, c in out.items()}) for v, out in parts.items()}
 
 
 @torch.no_grad()

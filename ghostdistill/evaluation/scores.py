@@ -7,6 +7,7 @@ Unreadable files are scored again. Only the process that writes results (rank 0)
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -33,18 +34,16 @@ class ScoreStore:
         path = self.path(view, task)
         if path is None or not path.is_file():
             return None
-        try:
+        with contextlib.suppress(OSError, ValueError, KeyError, AttributeError, TypeError):
             saved = json.loads(path.read_text())
-            if saved.get("key") == key and all(isinstance(r, dict) and "acc" in r for r in saved["scores"].values()):
+            if saved.get("key") != key:
+                return None
+            if all(isinstance(r, dict) and "acc" in r for r in saved["scores"].values()):
                 return saved
-            if saved.get("key") == key:
-                raise ValueError("malformed rows")
-            return None
-        except (OSError, ValueError, KeyError, AttributeError, TypeError):
-            from lightning.pytorch.utilities import rank_zero_info
+        from lightning.pytorch.utilities import rank_zero_info
 
-            rank_zero_info(f"{path} is not a saved zero-shot score; scoring again")
-            return None
+        rank_zero_info(f"{path} is not a saved zero-shot score; scoring again")
+        return None
 
     def put(self, view: str, task: str, key: str, record: dict[str, Any]) -> None:
         path = self.path(view, task)

@@ -2,12 +2,11 @@
 the dense teacher and the top-1 matches, each summed over tokens in float64; for a chat source also the chat
 score's shared prefixes and the number of answers they were measured on.
 
-Perplexity, KL and top-1 are means over tokens, and a mean over all ranks' tokens is a sum of sums
-divided by a sum of counts. So the states are plain float64 sums with ``dist_reduce_fx="sum"``:
-torchmetrics adds them across processes when `compute` runs under `torch.distributed` (DDP, FSDP2), and
-in one process `compute` reads them as they are. The means are taken only after the sums are complete,
-which makes the result exactly that of one process reading every window once: no mean of means, and no
-loss of precision from float32 sums over a million tokens.
+Perplexity, KL and top-1 are means over tokens, and a mean over all ranks' tokens is a sum of sums divided by a
+sum of counts. So the states are plain float64 sums with ``dist_reduce_fx="sum"``: torchmetrics adds them across
+processes when `compute` runs under `torch.distributed` (DDP, FSDP2), and in one process `compute` reads them as
+they are. The means are taken only after the sums are complete, so the result is exactly that of one process
+reading every window once: no mean of means, and no loss of precision from float32 sums over a million tokens.
 
     tally = ViewTally(views, sources)         states [views, sources], float64, zero
     tally.update(view, source, scores)        one batch's `TokenScores` of one view on one source
@@ -56,9 +55,8 @@ class ViewTally(Metric):
     def compute(self) -> dict[str, dict[str, dict[str, float | int | None]]]:
         """Per view and source: perplexity exp(ΣNLL / n), n, and (views but the reference) mean KL and top-1, and
         on a chat source the mean shared prefix per answer (`prefix`, only there)."""
-        out: dict[str, dict[str, dict[str, float | int | None]]] = {}
+        out: dict[str, dict[str, dict[str, float | int | None]]] = {view: {} for view in self.views}
         for vi, view in enumerate(self.views):
-            out[view] = {}
             for si, source in enumerate(self.sources):
                 nll, tokens, kl, top1, prefix, answers = (float(getattr(self, s)[vi, si]) for s in STATES)
                 n = max(tokens, 1.0)

@@ -11,8 +11,8 @@ Two sources of task data:
   datasets' published files (layout of ``shared/data/README.md``) by the task definitions in
   :mod:`ghostdistill.evaluation.tasks`, which copy lm-eval's prompts and metrics.
 
-lm-eval is an optional dependency (``pip install 'ghostdistill[zeroshot]'``): this module imports it
-only when it scores or builds tasks, and :func:`require_lm_eval` says what to install when it is missing.
+lm-eval is an optional dependency (``pip install 'ghostdistill[zeroshot]'``): this module imports it only when it
+scores or builds tasks, and :func:`require_lm_eval` says what to install when it is missing.
 """
 
 from __future__ import annotations
@@ -79,12 +79,8 @@ _NOISE: tuple[str, ...] = (
 
 
 def require_lm_eval() -> None:
-    """Fail with the install command when lm-evaluation-harness is missing (zero-shot evaluation needs it;
-    nothing else does). Cheap: it finds the package without importing it.
-
-    Raises:
-        ImportError: lm-eval is not installed; the message names the ``zeroshot`` extra.
-    """
+    """Raise ImportError naming the install command (the ``zeroshot`` extra) when lm-evaluation-harness is
+    missing (zero-shot evaluation needs it; nothing else does). Cheap: it finds the package without importing it."""
     found = False
     with contextlib.suppress(ImportError, ValueError):  # a broken or spec-less lm_eval entry in sys.modules
         found = importlib.util.find_spec("lm_eval") is not None
@@ -211,13 +207,10 @@ def evaluate_zeroshot(
     else:
         from lm_eval.tasks import TaskManager
 
-        # Only our folder: the offline run must not fall back on a hub task, and
-        # skipping lm-eval's own index saves its start-up time. Task metadata is
-        # handed to each custom_dataset loader, which is how data_dir reaches it.
+        # Only our folder: the offline run must not fall back on a hub task, and skipping lm-eval's own index saves
+        # its start-up time. Task metadata is handed to each custom_dataset loader: how data_dir reaches it.
         manager = TaskManager(
-            include_path=str(TASKS_DIR),
-            include_defaults=False,
-            metadata={"data_dir": str(Path(data_dir).resolve())},
+            include_path=str(TASKS_DIR), include_defaults=False, metadata={"data_dir": str(Path(data_dir).resolve())}
         )
         lm_eval_names = [offline_task_name(t) for t in names]
 

@@ -79,11 +79,8 @@ def average_scores(per_task: dict[str, dict[str, float]]) -> dict[str, float]:
 
 
 def task_limits(tasks: Sequence[str], limit: int | dict[str, int | None] | None) -> dict[str, int | None]:
-    """Items to score per task: one ``limit`` for all, or a ``{task: limit}`` map (absent tasks: all items).
-
-    Raises:
-        ValueError: a limit that is not a positive integer, or a map naming a task not in ``tasks``.
-    """
+    """Items to score per task: one ``limit`` for all, or a ``{task: limit}`` map (absent tasks: all items). A
+    limit that is not a positive integer, or a map naming a task not in ``tasks``, raises ValueError."""
 
     def check(value: int | None, where: str) -> int | None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

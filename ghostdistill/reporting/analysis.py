@@ -79,7 +79,4 @@ def plot_analysis(report: dict, path: Path) -> None:
         axes[1].set_title("singular values of M (descending)", fontsize=9)
         axes[1].set_xlabel("index")
         axes[1].legend(fontsize=6)
-        fig.suptitle(
-            f"operator analysis, removed layers {report.get('plan', {}).get('removed')}",
-            fontsize=9,
-        )
+        fig.suptitle(f"operator analysis, removed layers {report.get('plan', {}).get('removed')}", fontsize=9)

@@ -74,8 +74,7 @@ def check_plan_values(plan: dict, path: str) -> None:
             ok = isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
             what = "a list of layer indices"
         elif kind is int:
-            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-            what = "an integer >= 0"
+            ok, what = isinstance(value, int) and not isinstance(value, bool) and value >= 0, "an integer >= 0"
         elif kind is bool:
             ok, what = isinstance(value, bool), "true or false"
         else:

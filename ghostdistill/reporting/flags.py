@@ -30,7 +30,7 @@ def view_warnings(report: dict) -> list[str]:
     views = report.get("views") or {}
     if not views:
         return []
-    lines = [line for view in views if view not in ("dense", "pruned") for line in _view_lines(report, view)]
+    lines = [line for view in views for line in _view_lines(report, view)]
     for name, fit in (report.get("recovery") or {}).items():
         lines += _notes(name, fit)
     return lines

@@ -41,13 +41,12 @@ def flat_rows(points: list[dict], students: list[dict] = ()) -> list[dict]:
     rows, dense_seen = [], False
     for point in points:
         for row in point["rows"]:
-            if row["view"] == "dense":
-                if dense_seen:
-                    continue
-                dense_seen = True
+            if row["view"] == "dense" and dense_seen:
+                continue
+            dense_seen |= row["view"] == "dense"
             for source, m in row["metrics"].items():
                 rows.append(
-                    _flat(row, row["n"], row["criterion"], source, m, selection_kl=row["selection_kl"])
+                    _flat(row, row["criterion"], source, m, selection_kl=row["selection_kl"])
                     | {
                         # Points written before the flag existed: from the method, as the run decides it.
                         "stock": row.get("stock", _stock_method(row["method"])),
@@ -61,7 +60,7 @@ def flat_rows(points: list[dict], students: list[dict] = ()) -> list[dict]:
     for student in students:
         for source, m in student["metrics"].items():
             rows.append(
-                _flat(student, student["n"], FINE_TUNED, source, m, selection_kl=None)
+                _flat(student, FINE_TUNED, source, m, selection_kl=None)
                 | {
                     "stock": student["stock"],
                     "fine_tuned": True,
@@ -74,10 +73,10 @@ def flat_rows(points: list[dict], students: list[dict] = ()) -> list[dict]:
     return rows
 
 
-def _flat(row: dict, n: int, criterion: str, source: str, m: dict, **rest) -> dict:
+def _flat(row: dict, criterion: str, source: str, m: dict, **rest) -> dict:
     """A row's (or a student's) columns up to `top1` on one source, then `rest`."""
     return {
-        "blocks_removed": n,
+        "blocks_removed": row["n"],
         "criterion": criterion,
         "view": row["view"],
         "method": row["method"],
@@ -242,17 +241,11 @@ def plot(points: list[dict], path: Path, students: list[dict] = ()) -> None:
             ax.axhline(dense["ppl"], color="black", linewidth=0.8, linestyle=":", label=f"dense ({dense['ppl']:.1f})")
         lines = sorted({(r["view"], r["criterion"]) for r in rows if r["view"] != "dense" and not r["fine_tuned"]})
         for view, criterion in lines:
-            mine = sorted(
-                (r for r in rows if (r["view"], r["criterion"]) == (view, criterion)), key=lambda r: r["blocks_removed"]
+            pts = sorted(
+                (r["blocks_removed"], r["ppl"]) for r in rows if (r["view"], r["criterion"]) == (view, criterion)
             )
-            ax.plot(
-                [r["blocks_removed"] for r in mine],
-                [r["ppl"] for r in mine],
-                marker="o",
-                markersize=3,
-                linestyle={"repair": "-", "greedy": "-."}.get(criterion, "--"),
-                label=f"{view} ({criterion})",
-            )
+            style = {"repair": "-", "greedy": "-."}.get(criterion, "--")
+            ax.plot(*zip(*pts), marker="o", markersize=3, linestyle=style, label=f"{view} ({criterion})")
         envelopes = (
             (False, True, "best stock", "-", "black"),
             (False, False, "best with operators", ":", "black"),

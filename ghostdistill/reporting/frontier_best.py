@@ -38,11 +38,10 @@ def student_starts(point: dict) -> dict[str, dict]:
     )
     dense = next((r["params"] for r in rows if r["view"] == "dense"), inf)
     for row in rows:
-        if row["view"] in ("dense", "pruned") or row.get("selection_kl") is None:
-            continue
-        if row["selection_kl"] >= floor or row["params"] > dense:
+        kl = row.get("selection_kl")
+        if row["view"] in ("dense", "pruned") or kl is None or kl >= floor or row["params"] > dense:
             continue
         kind = "stock" if row["stock"] else "operators"
-        if kind not in starts or row["selection_kl"] < starts[kind]["selection_kl"]:
+        if kind not in starts or kl < starts[kind]["selection_kl"]:
             starts[kind] = row
     return starts

@@ -18,10 +18,7 @@ def plan_section(report: dict) -> str:
     chosen = "-".join(str(i) for i in (plan["removed"][0], plan["removed"][-1]))
     lines = [f"## Plan candidates ({plan.get('chosen_by')})", ""]
     if all("repaired_kl" in row for row in candidates.values()):
-        lines += [
-            "| blocks | streamline cosine | pruned KL | repaired KL | repaired top-1 |",
-            "|---|---|---|---|---|",
-        ]
+        lines += ["| blocks | streamline cosine | pruned KL | repaired KL | repaired top-1 |", "|---|---|---|---|---|"]
         best_cos = max(candidates, key=lambda k: candidates[k]["cosine"])
         for key, row in candidates.items():
             mark = " **(chosen)**" if key == chosen else (" (streamline's)" if key == best_cos else "")

@@ -4,9 +4,8 @@ Each phase owns its section and sets it once: the plan and calibration (`pipelin
 per-method fits, the evaluation of every view (`pipeline.evaluate`), distillation (`pipeline.train`),
 zero-shot scores, the analyses, and the seconds each phase took; `settings` (set by `fit`,
 `pipeline.settings.result_settings`) is every setting that decides the numbers, so `compare` reuses a result
-only when it matches. `to_dict` gives what results.json
-holds; export and `compare` read that JSON, so a run folder written by an earlier process reads the
-same way as an in-memory run.
+only when it matches. `to_dict` gives what results.json holds; export and `compare` read that JSON, so a run
+folder written by an earlier process reads the same way as an in-memory run.
 """
 
 from __future__ import annotations
@@ -44,9 +43,7 @@ class ViewResult:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"params": self.params, "metrics": {s: m.to_dict() for s, m in self.metrics.items()}}
-        if self.zeroshot is not None:
-            out["zeroshot"] = self.zeroshot
-        return out
+        return out if self.zeroshot is None else {**out, "zeroshot": self.zeroshot}
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """results.json (everything), results.md (a table to read), results.png (perplexity per view) and, after
 distillation, training.png (validation KL and perplexity of every fine-tuned view against the step), curve.png
-(the budget curve: perplexity against training tokens) and, for
-a plan chosen by ``repair``, plan.png (pruned and repaired KL of every candidate)."""
+(the budget curve: perplexity against training tokens) and, for a plan chosen by ``repair``, plan.png (pruned and
+repaired KL of every candidate)."""
 
 from __future__ import annotations
 
@@ -57,14 +57,7 @@ def markdown_table(report: dict) -> str:
 def check_scored(report: dict) -> None:
     """A run that scored no token on some evaluation source has no result to show: an error, not a table
     of perplexity 1.00 and KL 0."""
-    empty = sorted(
-        {
-            source
-            for entry in report.get("views", {}).values()
-            for source, m in entry["metrics"].items()
-            if not m["tokens"]
-        }
-    )
+    empty = sorted({s for e in report.get("views", {}).values() for s, m in e["metrics"].items() if not m["tokens"]})
     if not report.get("views") or empty:
         ev = report.get("evaluation") or {}
         raise ValueError(
@@ -123,9 +116,8 @@ def distill_section(report: dict) -> str:
     d = report.get("distill")
     if not d:
         return ""
-    tr = report.get("evaluation", {}).get("train", {})
     budget = f"{d['steps']} steps"
-    if tr:
+    if tr := report.get("evaluation", {}).get("train", {}):
         budget += f" of batches from {tr.get('windows')} training windows of {tr.get('seq_len')} tokens"
     lines = [
         f"Fine-tuned views, each from its method's closed form, distilled against the dense teacher on the same "
@@ -144,15 +136,12 @@ def distill_section(report: dict) -> str:
         count = s.get("trainable_params")
         lines.append(f"| {view} | {s['method']} | {trains} | {text} | {'-' if count is None else f'{count:,}'} |")
     lines.append("")
-    best = d.get("best", {})
-    if best:
+    if best := d.get("best", {}):
         shown = "the best validation step" if d["kept"] == "best" else "the last step"
         lines += [f"Each fine-tuned view shows {shown} ({d['steps']} taken):", ""]
-        for view, b in best.items():
-            lines.append(f"- {view}: best validation KL {b['val_kl']:.4f} at step {b['step']}")
+        lines += [f"- {view}: best validation KL {b['val_kl']:.4f} at step {b['step']}" for view, b in best.items()]
         lines.append("")
-    curve = d.get("curve") or []
-    if curve:
+    if curve := d.get("curve"):
         views = [v for v in curve[0] if isinstance(curve[0][v], dict)]
         lines += [
             f"Budget curve (curve.png): every student as it stood at each budget, on {curve[0]['source']} "
@@ -192,26 +181,20 @@ def render_markdown(report: dict) -> str:
         f"- evaluation: windows of {ev.get('seq_len')} tokens; "
         + ", ".join(_source_text(k, v) for k, v in ev.get("sources", {}).items()),
         "- KL is KL(dense ‖ view) per token in nats; top-1 is agreement with the dense model's argmax.",
-        *(
-            [
-                "- the chat score (prefix: how many answer tokens the view's own greedy answer shares with the dense "
-                "one before they first differ, mean per instruction): KL and top-1 on the dense model's answer tokens."
-            ]
-            if chat_sources(report)
-            else []
-        ),
-        "",
-        markdown_table(report),
-        "",
     ]
+    if chat_sources(report):
+        parts.append(
+            "- the chat score (prefix: how many answer tokens the view's own greedy answer shares with the dense "
+            "one before they first differ, mean per instruction): KL and top-1 on the dense model's answer tokens."
+        )
+    parts += ["", markdown_table(report), ""]
     for warning in (rank_warning(report), *view_warnings(report)):
         if warning:
             parts += [warning, ""]
     for make, after in ((plan_section, []), (distill_section, []), (zeroshot_table, [""]), (analysis_section, [])):
         section = make(report)
         parts += [section, *after] if section else []
-    groups = cal.get("token_groups", {})
-    if groups:
+    if groups := cal.get("token_groups", {}):
         parts += ["First-position tokens given their own map / massive activations seen (per gap):", ""]
         for gap, c in groups.items():
             parts.append(
@@ -219,11 +202,9 @@ def render_markdown(report: dict) -> str:
                 f"after the gap: {c['massive_first']} at the first position, {c['massive_other']} elsewhere"
             )
         parts.append("")
-    timings = report.get("timings", {})
-    if timings:
+    if timings := report.get("timings", {}):
         parts += ["Timings (s): " + ", ".join(f"{k.removesuffix('_s')} {v}" for k, v in timings.items()), ""]
-    phases = report.get("phases", {})
-    if phases:
+    if phases := report.get("phases", {}):
         parts += ["Phases (s, peak memory GiB): " + ", ".join(_phase_cell(k, p) for k, p in phases.items()), ""]
     return "\n".join(parts)
 
@@ -279,12 +260,12 @@ def plot_curve(report: dict, path: Path) -> None:
     """Perplexity of every student against its training tokens (log x): the budget curve."""
     curve = report["distill"]["curve"]
     views = [v for v in curve[0] if isinstance(curve[0][v], dict)]
+    tokens = [p["tokens"] for p in curve]
     with figure(path, figsize=(6, 4)) as (fig, ax):
         for view in views:
-            ax.plot([p["tokens"] for p in curve], [p[view]["ppl"] for p in curve], marker="o", markersize=3, label=view)
+            ax.plot(tokens, [p[view]["ppl"] for p in curve], marker="o", markersize=3, label=view)
         ax.set_xscale("log")
         # Ticks at the budgets themselves (20k, 82k, 307k, 1.0M): log-axis minor labels overlap at these spans.
-        tokens = [p["tokens"] for p in curve]
         ax.set_xticks(tokens, [f"{t / 1e6:.1f}M" if t >= 1e6 else f"{t / 1e3:.0f}k" for t in tokens])
         ax.minorticks_off()
         ax.set_xlabel("training tokens per student (log scale)")

@@ -92,15 +92,7 @@ def _winogrande(paths: list[Path]) -> list[dict[str, Any]]:
         # Some releases keep the answers only in the companion labels file.
         labels = _lines(paths[0].with_name(paths[0].stem + "-labels.lst"))
         rows = [{**r, "answer": lab} for r, lab in zip(rows, labels, strict=True)]
-    return [
-        {
-            "sentence": r["sentence"],
-            "option1": r["option1"],
-            "option2": r["option2"],
-            "answer": str(r["answer"]),
-        }
-        for r in rows
-    ]
+    return [{k: r[k] for k in ("sentence", "option1", "option2")} | {"answer": str(r["answer"])} for r in rows]
 
 
 def _boolq(paths: list[Path]) -> list[dict[str, Any]]:
