@@ -68,12 +68,8 @@ def answer(
 ) -> list[list[int]]:
     """Each prompt's answer (its new tokens up to and including the first stop token), all in one batch."""
     device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p) :] = torch.tensor(p)
-        mask[row, width - len(p) :] = 1
+    ids = pad_sequence([torch.tensor(p) for p in prompts], batch_first=True, padding_value=pad, padding_side="left")
+    mask = pad_sequence([torch.ones(len(p), dtype=torch.long) for p in prompts], batch_first=True, padding_side="left")
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
     out = model.generate(
         ids.to(device),
@@ -82,7 +78,7 @@ def answer(
         eos_token_id=stop,
         pad_token_id=pad,
         **({"do_sample": False} | sampling),
-    )[:, width:].tolist()
+    )[:, ids.shape[1] :].tolist()
     return [row[: next((i + 1 for i, t in enumerate(row) if t in stop), len(row))] for row in out]
 
 
@@ -151,9 +147,8 @@ def generated_chat_windows(
 def score_windows(
     model: nn.Module, tokenizer, src, progress: bool = True, keep: Resumable | None = None
 ) -> ChatWindows:
-    """The chat score's sequences: each held-out instruction and the dense model's greedy answer (module
-    docstring), right-padded, with the answer tokens marked. `keep`: each batch's answers kept as they come,
-    so that a pass cut short answers from the next batch on."""
+    """The chat score's sequences (module docstring). `keep`: each batch's answers kept as they come, so that a
+    pass cut short answers from the next batch on."""
     from tqdm.auto import tqdm
 
     check_chat_template(tokenizer, src.label)

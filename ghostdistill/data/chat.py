@@ -158,13 +158,11 @@ def encode(tokenizer, messages: Messages) -> tuple[list[int], list[int] | None]:
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     if not ok:
         return enc.input_ids, None
-    answers = [int(any(a <= start < b for a, b in spans)) for start, _ in enc.offset_mapping]
-    return enc.input_ids, answers
+    return enc.input_ids, [int(any(a <= start < b for a, b in spans)) for start, _ in enc.offset_mapping]
 
 
 def pack(items: Iterable[tuple[list[int], list[int]]], seq_len: int, num_samples: int, label: str, more: str = ""):
-    """Windows [num_samples, seq_len] of ids and of their mask, filled from `items` (ids, mask) in order: every
-    window starts where a conversation starts; the one that does not fit is cut at the window's end."""
+    """Windows [num_samples, seq_len] of ids and of their mask, from `items` (ids, mask) in order (see Packing)."""
     ids, mask, window, window_mask = [], [], [], []
     for conv_ids, conv_mask in items:
         take = seq_len - len(window)
@@ -203,10 +201,3 @@ def given_windows(
             yield ids, answers if answers is not None else [0] * len(ids)
 
     return pack(items(), seq_len, num_samples, src.label)
-
-
-def statistics_mask(answers: torch.Tensor) -> torch.Tensor:
-    """`chat.tokens: answers`: the tokens the statistics count, the assistant's and each window's first position."""
-    out = answers.clone()
-    out[:, 0] = 1
-    return out

@@ -33,8 +33,6 @@ class RunData:
     """Token windows of one run, each computed on first use and kept.
 
     Args:
-        cfg: the data settings.
-        tokenizer: the model's tokenizer.
         run_dir: where self-generated calibration text is cached (None: not cached).
         dense: a context that gives the dense model, for self-generated text (entered only then; bar: `progress`).
         model_key: what identifies the model that generates (its token ids mean nothing to another one).
@@ -59,7 +57,6 @@ class RunData:
         self._eval: dict[str, torch.Tensor] = {}
         self._train: torch.Tensor | None = None
         self._val: torch.Tensor | None = None
-        self._val_read = False
         self._selection: torch.Tensor | None = None
 
     @property
@@ -93,8 +90,7 @@ class RunData:
     def _generated(
         self, cache: Path | None, seq_len: int, n: int, seed: int, batch_size: int | None = None, what="calibration"
     ) -> torch.Tensor:
-        """Self-generated windows, read from `cache` when it is there, else made batch by batch (an interrupted
-        run resumes) and kept there; seeded: every rank samples the same text, rank 0 keeps it."""
+        """Self-generated windows (`made_by_dense`); seeded: every rank samples the same text, rank 0 keeps it."""
         size = batch_size or self.batch_size
         return self.made_by_dense(
             cache,
@@ -181,13 +177,9 @@ class RunData:
             for src in [tr.source or self.cfg.calibration.source, *(tr.more_sources or [])]:
                 self._check_disjoint("training", src, ids)
             if tr.generated:
+                cache = self.generated_cache("train", "more")
                 more = self._generated(
-                    self.generated_cache("train", "more"),
-                    ids.shape[1],
-                    tr.generated,
-                    30000 + tr.seed,
-                    batch_size=tr.generate_batch,
-                    what="training",
+                    cache, ids.shape[1], tr.generated, 30000 + tr.seed, tr.generate_batch, "training"
                 )
                 ids = torch.cat([ids, more])
             self._train = ids
@@ -195,11 +187,10 @@ class RunData:
 
     def val_ids(self) -> torch.Tensor | None:
         va = self.cfg.validation
-        if not self._val_read and va.source is not None:
+        if self._val is None and va.source is not None:
             ids = evaluation_windows(self.tokenizer, va.source, va.seq_len, va.num_windows)
             self._check_disjoint("validation", va.source, ids)
             self._val = ids
-        self._val_read = True
         return self._val
 
     def selection_ids(self) -> torch.Tensor:
@@ -261,8 +252,7 @@ class RunData:
         if what == "selection":
             against["the calibration windows"] = (self.cfg.calibration.source, self.calibration_ids)
         for whose, (other, windows) in against.items():
-            hits = shared_ngrams(ids, windows()) if _same_text(src, other) else []
-            if hits:
+            if _same_text(src, other) and (hits := shared_ngrams(ids, windows())):
                 raise ValueError(
                     f"{len(hits)} {what} windows of {src.source!r} overlap {whose} (the same text): take them from "
                     "other documents (first_document / max_documents) or another source"

@@ -1,14 +1,5 @@
-"""Chat sources in a run (`data.chat`, `data.answers`): their windows, and the chat score's source.
-
-    chat_windows(data, src, seq_len, n, seed, cache)   calibration or training windows of a chat source, and
-                                                       their answer mask (the dense model's answers cached)
-    score_source(data, src, cache)                     the chat score's sequences (`data.answers.score_windows`),
-                                                       the dense model's answers cached
-    evaluation_sources(sources, chat, tokenizer)       the evaluation sources, with the chat score's when on
-    statistics_masks(src, answers)                     what each calibration window counts (`chat.tokens`)
-    check_chat_sources(data, distilling)               a chat template, and readable records, before any work
-
-`data` is the run's `data.run.RunData`.
+"""Chat sources in a run (`data.chat`, `data.answers`): their windows, and the chat score's source; `data` is
+the run's `data.run.RunData`.
 
 The chat score. For held-out instructions (`data/README.md`: written for this project, none of them a
 calibration instruction) the dense model writes its greedy answer, up to N tokens (`chat.max_new_tokens`,
@@ -34,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .answers import ChatWindows, generated_chat_windows, score_windows
-from .chat import check_chat_template, conversations, given_windows, statistics_mask
+from .chat import check_chat_template, conversations, given_windows
 from .sources import GENERATE, ChatSettings, TextSource
 
 CHAT_SCORE = "chat"
@@ -70,9 +61,8 @@ def score_source(data, src: TextSource, cache: Path | None = None) -> ChatWindow
 def check_chat_sources(data, distilling: bool) -> None:
     """Every chat source of the run (calibration, training when distilling, evaluation) has the tokenizer's
     chat template, and its records read (a malformed line is named by file and line), before any work."""
-    cfg = data.cfg
     evaluation = data.eval_sources
-    for src in (cfg.calibration.source, cfg.train.source if distilling else None, *evaluation):
+    for src in (data.cfg.calibration.source, data.cfg.train.source if distilling else None, *evaluation):
         if src is not None and src.chat is not None:
             check_chat_template(data.tokenizer, src.label)
             conversations(src, for_eval=any(src is e for e in evaluation))
@@ -80,10 +70,13 @@ def check_chat_sources(data, distilling: bool) -> None:
 
 def statistics_masks(src: TextSource, answers: torch.Tensor | None) -> torch.Tensor | None:
     """The calibration windows' statistics mask (`calibration.stream`): None (every real token) unless the
-    source is a chat source with ``chat.tokens: answers``."""
+    source is a chat source with ``chat.tokens: answers``: then the assistant's tokens and each window's first
+    position."""
     if src.chat is None or src.chat.tokens != "answers":
         return None
-    return statistics_mask(answers)
+    out = answers.clone()
+    out[:, 0] = 1
+    return out
 
 
 def evaluation_sources(sources: list[TextSource], chat: bool | None, tokenizer) -> list[TextSource]:

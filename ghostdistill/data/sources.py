@@ -217,8 +217,7 @@ def json_records(path: Path, what: str) -> list[tuple[str, object]]:
 
 def _file_documents(src: TextSource) -> list[str]:
     path = Path(src.source).expanduser()
-    suffixes = path.suffixes
-    if ".parquet" in suffixes:
+    if ".parquet" in path.suffixes:
         import pyarrow.parquet as pq
 
         try:
@@ -226,7 +225,7 @@ def _file_documents(src: TextSource) -> list[str]:
         except Exception as err:  # noqa: BLE001 - pyarrow's errors (ArrowInvalid, OSError, KeyError) read alike
             raise ValueError(f"text source file {path} cannot be read as parquet ({err})") from None
         return [t for t in table.column(src.text_field).to_pylist() if t]
-    if ".jsonl" in suffixes or ".json" in suffixes:
+    if ".jsonl" in path.suffixes or ".json" in path.suffixes:
         records = [r for _, r in json_records(path, "JSON records")]
         if not any(isinstance(r, dict) and src.text_field in r for r in records):
             keys = sorted(records[0]) if isinstance(records[0], dict) else type(records[0]).__name__

@@ -112,7 +112,6 @@ __all__ = [
     "check_plan_depth",
     "check_selection",
     "choose",
-    "choose_plan",
     "criteria",
     "greedy_steps",
     "no_progress",
@@ -134,13 +133,10 @@ def check_plan(cfg: PlanConfig, num_layers: int) -> PruningPlan | None:
     cfg.validate()
     if cfg.layers is not None:
         return PruningPlan.from_layers(cfg.layers, num_layers, allow_edges=cfg.allow_edges)
-    criterion = get_criterion(cfg.criterion)
+    candidates = candidate_starts if get_criterion(cfg.criterion).contiguous else candidate_blocks
     keep_first, keep_last = protected_edges(cfg)
     try:
-        if criterion.contiguous:
-            candidate_starts(num_layers, cfg.num_layers, keep_first=keep_first, keep_last=keep_last)
-        else:
-            candidate_blocks(num_layers, cfg.num_layers, keep_first, keep_last)
+        candidates(num_layers, cfg.num_layers, keep_first=keep_first, keep_last=keep_last)
     except ValueError as err:
         raise ValueError(f"plan.num_layers {cfg.num_layers} with plan.criterion {cfg.criterion!r}: {err}") from None
     return None
@@ -165,14 +161,6 @@ def check_selection(data, who: str) -> None:
         )
 
 
-def choose_plan(cfg: PlanConfig, inputs: PlanInputs) -> PruningPlan:
-    """The criterion's plan (`cfg.criterion`, `cfg.num_layers` blocks); `PruningPlan.scores` holds its
-    scores, keyed "i-j" for runs and "i" for single blocks."""
-    if cfg.num_layers is None:
-        raise ValueError(f"plan.criterion={cfg.criterion!r} needs plan.num_layers (how many layers to remove)")
-    return get_criterion(cfg.criterion).choose(cfg, inputs)
-
-
 def choose(
     cfg: PlanConfig,
     model: nn.Module,
@@ -185,10 +173,11 @@ def choose(
 ) -> PruningPlan:
     """The layers to remove: the explicit list, or the criterion's choice on the calibration batches (the
     repair-aware criteria also fit `recovery`'s repair method per candidate and score it on `selection`;
-    `taken`: ``repair_greedy``'s steps from `plan.greedy_from`, `greedy_steps`)."""
+    `taken`: ``repair_greedy``'s steps from `plan.greedy_from`, `greedy_steps`). A criterion's plan holds its
+    scores (`PruningPlan.scores`), keyed "i-j" for runs and "i" for single blocks."""
     stack = decoder_stack(model)
     explicit = check_plan(cfg, len(stack.layers))
     if explicit is not None:
         return explicit
     inputs = PlanInputs(model, stack, batches, progress, recovery or (), selection, taken or ())
-    return choose_plan(cfg, inputs)
+    return get_criterion(cfg.criterion).choose(cfg, inputs)

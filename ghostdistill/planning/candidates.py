@@ -57,9 +57,8 @@ def candidate_blocks(num_layers: int, n: int, keep_first: int, keep_last: int) -
 
 
 def first_windows(batches: Iterable[Batch], limit: int | None) -> Iterator[Batch]:
-    """The batches cut down to the first `limit` windows (rows) in all; every batch when None.
-
-    Stops iterating as soon as the limit is reached, so an expensive loader is not drained."""
+    """The batches cut down to the first `limit` windows (rows) in all (every batch when None), stopping as soon
+    as the limit is reached so that an expensive loader is not drained."""
     if limit is None:
         yield from batches
         return
@@ -80,8 +79,7 @@ def first_windows(batches: Iterable[Batch], limit: int | None) -> Iterator[Batch
 @dataclass(frozen=True)
 class PerBlock(Criterion):
     """A criterion that scores every removable block on its own (`score(model, stack, batches, blocks)`:
-    {block: score}, lower is less important) and removes the `num_layers` lowest, wherever they are.
-    `costly`: `plan.criterion_samples` caps the windows it reads."""
+    {block: score}, lower is less important) and removes the `num_layers` lowest, wherever they are."""
 
     name: str
     score: Callable[[nn.Module, DecoderStack, Iterable[Batch], list[int]], dict[int, float]]

@@ -51,8 +51,7 @@ def repair_greedy_plan(plan_cfg: PlanConfig, cfg: RecoveryConfig, inputs: PlanIn
     removed = [int(step["kept"]) for step in taken[:n]]
     steps = {f"step {t + 1}": {**step, "reused": True} for t, step in enumerate(taken[:n])}
     start_blocks = list(plan_cfg.greedy_start or ())
-    outside = sorted(set(start_blocks) - set(blocks))
-    if outside:
+    if outside := sorted(set(start_blocks) - set(blocks)):
         raise ValueError(
             f"plan.greedy_start {start_blocks}: blocks {outside} are not removable here (the model has "
             f"{num_layers} blocks; keep_first {keep_first} and keep_last {keep_last} protect the edges); "

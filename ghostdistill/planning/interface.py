@@ -131,11 +131,9 @@ class PlanConfig:
         if self.layers is not None:
             if not self.layers:
                 raise ValueError("plan.layers is empty: name at least one layer to remove (0-based block indices)")
-            negative = [i for i in self.layers if i < 0]
-            if negative:
+            if negative := [i for i in self.layers if i < 0]:
                 raise ValueError(f"plan.layers {negative} out of range: layers are 0-based indices, 0..num_layers-1")
-            twice = sorted({i for i in self.layers if self.layers.count(i) > 1})
-            if twice:
+            if twice := sorted({i for i in self.layers if self.layers.count(i) > 1}):
                 raise ValueError(f"plan.layers {self.layers} lists layer(s) {twice} twice; each layer can go once")
         counts = {
             "num_layers": "how many layers the criterion removes",

@@ -20,9 +20,8 @@ from .interface import Batch, register
 def removal_perplexity(
     model: nn.Module, stack: DecoderStack, batches: Iterable[Batch], blocks: list[int]
 ) -> dict[int, float]:
-    """Shortened LLaMA's PPL criterion (Kim et al. 2024): for each block, the perplexity on the batches of
-    the model with only that block removed. One forward pass per block per batch; the model's layers,
-    config and `layer_idx` are restored afterwards, even on error."""
+    """For each block, the perplexity on the batches of the model with only that block removed. One forward
+    pass per block per batch; the model's layers, config and `layer_idx` are restored afterwards, even on error."""
     num_layers = len(stack.layers)
     views: dict[int, PrunedModel] = {}
     nll = {i: 0.0 for i in blocks}

@@ -27,8 +27,7 @@ from ..core.model import decoder_stack, model_inputs
 from ..core.offload import onloaded
 from ..core.views import DENSE, PrunedModel
 from ..evaluation.metrics import next_token_targets, reference_log_probs, score_hidden
-
-Batch = dict[str, torch.Tensor]
+from .interface import Batch
 
 # The dense log-probabilities over the selection tokens are kept (its head then runs once, not once per
 # candidate) when they take at most this many bytes: 8 × 511 tokens at a 49k vocabulary are 0.75 GiB.

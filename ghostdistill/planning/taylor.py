@@ -16,9 +16,8 @@ from .interface import Batch, register
 def taylor_importance(
     model: nn.Module, stack: DecoderStack, batches: Iterable[Batch], blocks: list[int]
 ) -> dict[int, float]:
-    """Shortened LLaMA's Taylor criterion (Kim et al. 2024): importance of block i = sum over its
-    parameters of |W * dL/dW|, with L the mean next-token cross-entropy over every non-padding token of
-    the batches (gradients accumulated over batches before taking the absolute value).
+    """Importance of block i = sum over its parameters of |W * dL/dW|, L the mean next-token cross-entropy over
+    every non-padding token of the batches (gradients accumulated over batches before the absolute value).
 
     Only the candidate blocks' parameters get gradients; every parameter's `requires_grad` and `.grad`
     and every module's training flag are put back afterwards, even on error."""
@@ -32,12 +31,10 @@ def taylor_importance(
     block_params = {i: list(stack.layers[i].parameters()) for i in blocks}
     tokens = 0
     try:
-        for p in params:
-            p.requires_grad_(False)
-            p.grad = None
-        for ps in block_params.values():
-            for p in ps:
-                p.requires_grad_(True)
+        model.requires_grad_(False)
+        model.zero_grad(set_to_none=True)
+        for i in blocks:
+            stack.layers[i].requires_grad_(True)
         # Dropout would make the gradient noisy; the importance is of the inference-time model.
         model.eval()
         with torch.enable_grad():

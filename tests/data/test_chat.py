@@ -22,10 +22,9 @@ from ghostdistill.data.chat import (
     given_windows,
     pack,
     parse_messages,
-    statistics_mask,
 )
 from ghostdistill.data.config import CalibrationData, section_settings
-from ghostdistill.data.run_chat import evaluation_sources
+from ghostdistill.data.run_chat import evaluation_sources, statistics_masks
 
 # A ChatML-like template in the tiny tokenizer's own special tokens.
 TEMPLATE = (
@@ -131,7 +130,7 @@ def test_packing_starts_every_window_at_a_conversation_and_cuts_the_last():
     assert mask.tolist() == [[0, 1, 1, 0, 0], [0, 1, 0, 0, 1]]
     with pytest.raises(ValueError, match="fill only 2 windows of 5 tokens, 3 requested"):
         pack(iter(items), seq_len=5, num_samples=3, label="toy")
-    counted = statistics_mask(mask)
+    counted = statistics_masks(TextSource("generate", chat=ChatSettings(tokens="answers")), mask)
     assert counted.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 1]]  # answers, and each window's first position
 
 

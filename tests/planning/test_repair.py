@@ -22,7 +22,7 @@ from ghostdistill.planning import (
     SelectionScorer,
     check_plan,
     choose,
-    choose_plan,
+    get_criterion,
     repair_config,
     repair_greedy_plan,
     repair_plan,
@@ -249,7 +249,9 @@ def test_plan_checks_and_bad_settings():
     lp = repair_config(PlanConfig(criterion="repair", num_layers=2, repair_method="linearpatch"), [PLAIN])
     assert lp.method == "linearpatch" and lp.variant == "rotate"
     with pytest.raises(ValueError, match="data.selection"):
-        choose_plan(PlanConfig(criterion="repair", num_layers=1), PlanInputs(None, None, [], recovery=[PLAIN]))
+        get_criterion("repair").choose(
+            PlanConfig(criterion="repair", num_layers=1), PlanInputs(None, None, [], recovery=[PLAIN])
+        )
 
 
 def test_chunked_candidates_choose_the_same_plan():
