@@ -113,7 +113,8 @@ class GhostDistill(LightningModule):
             rank_zero_info(f"FSDP2: {units} units sharded over {self.trainer.world_size} ranks")
 
     def attach(self, pruned: PrunedModel | None = None) -> None:
-        """Register the run's calibrated views (every method's maps, the students' copies) as children."""
+        """Register the run's calibrated views (every method's maps, the students' block copies) as children,
+        so that they move with the module and reach the optimizer and the checkpoints."""
         pruned = pruned if pruned is not None else self.run.pruned
         self.operators, self.mlp_maps, self.student_blocks = pruned.operators, pruned.mlp_maps, pruned.blocks
         self.student_modules = pruned.modules_own
