@@ -45,5 +45,6 @@ def view_model(pruned: PrunedModel, view: str, *, method: str | None, info: dict
     if generation is not None:
         out.generation_config = generation
     if kind == "operators":
+        # Registered as remote-code classes are, so that save_pretrained writes the modelling file, as export does.
         GhostPrunedForCausalLM.register_for_auto_class("AutoModelForCausalLM")
     return out.eval()

@@ -139,7 +139,8 @@ def write_folder(view: ViewExport, folder: str | os.PathLike, *, overwrite: bool
         disk_space(f"export folder {target}", target.parent) as needed,
     ):
         if view.streamed:
-            # Off the device or sharded (FSDP2): one shard per piece (`save_pieces`); a tied head is left to the loader.
+            # Off the device or sharded (FSDP2): one shard per piece, written as it is made (`save_pieces`), so no
+            # process holds the whole view; a head tied to the embedding is left out (the loader ties it again).
             needed["bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
             tied = getattr(view.config, "tie_word_embeddings", False) and getattr(model, "all_tied_weights_keys", None)
             prefix = "pruned." if view.kind == "operators" else ""
