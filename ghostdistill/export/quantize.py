@@ -46,7 +46,7 @@ from .gguf_vocab import adds
 
 QUANTIZE_TYPES = tuple("Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q2_K_S Q3_K_S Q3_K_M Q3_K_L Q4_K_S Q4_K_M Q5_K_S Q5_K_M Q6_K".split())
 NEEDS_IMATRIX = ("Q2_K_S",)
-TOOLS = ("llama-quantize", "llama-imatrix", "llama-tokenize")  # the first alone without the importance matrix
+TOOLS = ("llama-quantize", "llama-imatrix", "llama-tokenize")
 ENV = "GHOSTDISTILL_LLAMA_CPP"
 BUILD = "bash scripts/serving/llama_cpp.sh"
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -78,6 +78,12 @@ def find_tools(
     return found
 
 
+def needed_tools(imatrix: bool = True) -> tuple[str, ...]:
+    """What writing k-quants runs (module docstring, "Where the tools are"): llama-quantize alone without the
+    importance matrix."""
+    return TOOLS if imatrix else TOOLS[:1]
+
+
 def check_quantize(types: Iterable[str], imatrix: bool = True) -> None:
     """Before any work: the tools are built where a k-quant is asked for, and no type needs a matrix it won't get."""
     asked = quantized(types)
@@ -88,7 +94,7 @@ def check_quantize(types: Iterable[str], imatrix: bool = True) -> None:
             "--no-imatrix / export.imatrix: false, or choose another type"
         )
     if asked:
-        find_tools(tools=TOOLS if imatrix else TOOLS[:1])
+        find_tools(tools=needed_tools(imatrix))
 
 
 def _round_trips(tokenizer, text: str, ids: list[int]) -> bool:
@@ -185,7 +191,7 @@ def quantize_view(
     """Write each of `targets` (type -> path) from the view's F32 file with llama-quantize (`llama-quantize
     [--imatrix M] source target TYPE`, written beside the target and renamed into place); with `imatrix`, one
     importance matrix over `calibration()` (the run's windows) serves every type."""
-    tools = find_tools(tools=TOOLS if imatrix else TOOLS[:1])
+    tools = find_tools(tools=needed_tools(imatrix))
     with tempfile.TemporaryDirectory(dir=f32.parent, prefix=".imatrix-") as tmp:
         matrix = Path(tmp) / "imatrix.gguf" if imatrix else None
         if imatrix:
